@@ -1,0 +1,52 @@
+"""Shinken: sync-first sandbox SDK (shinken_sync + shinkend) and the session server (webapp).
+
+Each runtime dependency is chosen for a stated reason; see docs/dependencies.md.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="shinken",
+    version="0.1.0",
+    description="Rollout infrastructure for computer-use agents: a sync-first sandbox SDK "
+    "and a token-exact session server.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
+    package_data={"webapp": ["gunicorn.conf.py"]},
+    install_requires=[
+        "websockets>=14,<18",
+        "gevent>=24.2",
+        "flask>=3.0,<4",
+        "gunicorn>=23,<28",
+        "requests>=2.31,<3",
+        "Pillow>=10.0",
+        "setproctitle>=1.3,<2",
+    ],
+    extras_require={
+        "xvfb": ["mss>=9,<11"],
+        "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "websocket-client>=1.7,<2",
+            "openai>=1.30",
+            "mss>=9,<11",
+            "tokenizers>=0.15",
+            "Jinja2>=3.1",
+        ],
+        "lint": ["ruff>=0.5"],
+    },
+    entry_points={
+        "console_scripts": [
+            "shinken=shinken_sync.cli:main",
+            "shinkend=shinken_sync.daemon.server:main",
+            "shinken-session-server=webapp.serve:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
