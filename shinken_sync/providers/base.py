@@ -1,0 +1,59 @@
+"""The provider interface: how sandboxes are created, reached, probed and destroyed.
+
+A provider owns the substrate lifecycle; the SDK core only talks the ACI
+protocol to an endpoint. On the failure path the core asks the provider
+(``check_alive``) whether a lost connection means the sandbox itself died,
+and with what exit code or signal.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+Handle = TypeVar("Handle")
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What a provider knows about one sandbox right now.
+
+    ``exit_code`` is set when the sandbox exited on its own, ``signal`` when it
+    was killed by one (``oom`` when the kernel's OOM killer did it and the
+    provider can tell). Providers that cannot introspect report
+    ``alive=True`` with ``detail="unknown"``.
+    """
+
+    alive: bool
+    exit_code: int | None = None
+    signal: int | None = None
+    oom: bool = False
+    detail: str = ""
+
+
+class Provider(abc.ABC, Generic[Handle]):
+    @abc.abstractmethod
+    def create(self, **options: Any) -> Handle:
+        """Start one sandbox and return its handle once it accepts connections."""
+
+    @abc.abstractmethod
+    def endpoint(self, handle: Handle) -> tuple[str, str]:
+        """The ``(url, token)`` to dial this sandbox with."""
+
+    @abc.abstractmethod
+    def check_alive(self, handle: Handle) -> Liveness:
+        """Probe one sandbox. Cheap; call it on the failure path, not in a hot loop."""
+
+    @abc.abstractmethod
+    def destroy(self, handle: Handle) -> None:
+        """Stop one sandbox and release what it holds. Idempotent."""
+
+    def close(self) -> None:
+        """Destroy every sandbox this provider created. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
