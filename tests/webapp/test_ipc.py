@@ -1,0 +1,266 @@
+"""The IPC codec (sans-I/O) and the gevent channel over a real socketpair, in one process."""
+
+from __future__ import annotations
+
+import mmap
+import socket
+
+import gevent
+import pytest
+
+from webapp import ipc
+from webapp.ipc import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    FrameDecoder,
+    FrameTooLarge,
+    FrameType,
+    IpcChannelClosed,
+    IpcProtocolError,
+    IpcRemoteError,
+    IpcTimeout,
+    decode_envelope,
+    encode_envelope_frame,
+    iter_frames,
+)
+from webapp.ipc_channel import IpcClient, IpcServer, open_socket
+
+GiB = 1024**3
+
+
+def _wire(buffers) -> bytes:
+    return b"".join(bytes(b) for b in buffers)
+
+
+def _roundtrip(data: bytes, piece: int) -> list[ipc.Frame]:
+    blocks = [data[i : i + piece] for i in range(0, len(data), piece)]
+    return list(iter_frames(FrameDecoder(), blocks))
+
+
+BINARY = bytes(range(256)) * 3
+
+
+@pytest.mark.parametrize("body", [b"", BINARY, b"x" * (300 * 1024 + 5)], ids=["empty", "binary", "large"])
+@pytest.mark.parametrize("piece", [1, 7, 65536, 10**9])
+def test_envelope_roundtrip(body: bytes, piece: int) -> None:
+    if piece == 1 and len(body) > 1000:
+        pytest.skip("byte-at-a-time over 300 KiB is slow and adds nothing over 7")
+    meta = {"op": "chat", "session_id": "ab" * 16, "ünï": [1, None]}
+    data = _wire(encode_envelope_frame(42, FrameType.REQUEST, meta, body))
+    assert len(data) == FRAME_HEADER.unpack_from(data)[0]
+    data += _wire(encode_envelope_frame(43, FrameType.REPLY, {"status": 204}, [body, b"", b"tail"]))
+    first, second = _roundtrip(data, piece)
+    assert (first.request_id, first.type) == (42, FrameType.REQUEST)
+    got_meta, got_body = decode_envelope(first.payload)
+    assert got_meta == meta and bytes(got_body) == body
+    assert (second.request_id, second.type) == (43, FrameType.REPLY)
+    assert bytes(decode_envelope(second.payload)[1]) == body + b"tail"
+
+
+def test_many_small_frames_in_one_read() -> None:
+    data = b"".join(_wire(ipc.encode_frame(i, FrameType.CANCEL)) for i in range(1, 5001))
+    frames = _roundtrip(data, len(data))
+    assert [f.request_id for f in frames] == list(range(1, 5001))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        FRAME_HEADER.pack(3, 1, FrameType.REQUEST),  # shorter than its own header
+        FRAME_HEADER.pack(MAX_FRAME_BYTES + 1, 1, FrameType.REQUEST),  # over the cap
+        FRAME_HEADER.pack(FRAME_HEADER.size + ipc.MAX_BODY_CHUNK + 1, 1, FrameType.BODY),
+        FRAME_HEADER.pack(FRAME_HEADER.size, 1, 99),  # unknown type
+    ],
+    ids=["short", "over-cap", "body-chunk-too-big", "unknown-type"],
+)
+def test_corrupt_header_is_rejected_before_allocating(header: bytes) -> None:
+    allocations = []
+    decoder = FrameDecoder(allocate=lambda n: allocations.append(n) or bytearray(n))
+    with pytest.raises(IpcProtocolError):
+        list(iter_frames(decoder, [header]))
+    assert allocations == []
+
+
+def test_u64_length_above_4gib_without_allocating_it() -> None:
+    size = 4 * GiB + 123
+    # encoder: a lazily-mapped body never touched, so no memory is committed
+    body = mmap.mmap(-1, size)
+    header = ipc.encode_frame(7, FrameType.REQUEST, [body])[0]
+    total, rid, ftype = FRAME_HEADER.unpack(header)
+    assert (total, rid, ftype) == (size + FRAME_HEADER.size, 7, FrameType.REQUEST)
+    assert total > 2**32  # would have wrapped in a u32
+    # decoder: accepts the length and asks for a buffer of exactly that size
+    requested = []
+
+    def allocate(n: int) -> mmap.mmap:
+        requested.append(n)
+        return body
+
+    decoder = FrameDecoder(allocate=allocate)
+    assert list(iter_frames(decoder, [header + b"abc"])) == []
+    assert requested == [size]
+    assert len(decoder.buffer()) == size - 3
+    body.close()
+
+
+def test_encode_over_cap_raises_frame_too_large() -> None:
+    one_gib = mmap.mmap(-1, GiB)  # the same untouched mapping 65 times: 65 GiB, nothing committed
+    with pytest.raises(FrameTooLarge) as info:
+        encode_envelope_frame(1, FrameType.REPLY, {}, [one_gib] * 65)
+    assert info.value.size > MAX_FRAME_BYTES
+    one_gib.close()
+
+
+def test_envelope_errors_are_typed() -> None:
+    with pytest.raises(IpcProtocolError):
+        decode_envelope(b"\x00" * 3)
+    with pytest.raises(IpcProtocolError):
+        decode_envelope(ipc._U64.pack(100) + b"{}")
+    with pytest.raises(IpcProtocolError):
+        decode_envelope(ipc._U64.pack(2) + b"[]")
+    err = ipc.decode_error(IpcRemoteError("KeyError", "boom").to_payload())
+    assert (err.remote_type, err.message) == ("KeyError", "boom")
+
+
+# -- the channel ------------------------------------------------------------------------
+
+
+class Reply:
+    def __init__(self, body, status: int = 200, content_type: str = "application/octet-stream") -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = (("X-Op", "toy"),)
+
+
+def toy_handler(meta, body):
+    gevent.sleep(meta.get("delay", 0))
+    op = meta["op"]
+    if op == "echo":
+        return Reply(bytes(body))
+    if op == "fail":
+        raise KeyError("no such thing")
+    if op == "big":
+        chunk = bytes(range(256)) * 4096  # 1 MiB
+        return Reply([chunk] * meta["n"] + [b"end"])
+    if op == "huge":
+        one_gib = mmap.mmap(-1, GiB)
+        return Reply([one_gib] * 65)
+    raise ValueError(op)
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    server = IpcServer(open_socket(b.detach()), toy_handler, name="toy-server")
+    client = IpcClient(open_socket(a.detach()), name="toy-client")
+    yield client, server
+    client.close()
+    server.close()
+
+
+def test_out_of_order_replies_from_many_greenlets(pair) -> None:
+    client, _ = pair
+    delays = [0.05 * ((7 * i) % 5) for i in range(40)]
+
+    def call(i: int):
+        reply = client.request({"op": "echo", "delay": delays[i]}, f"req-{i}".encode(), timeout=10)
+        return reply.body
+
+    jobs = [gevent.spawn(call, i) for i in range(40)]
+    gevent.joinall(jobs, timeout=10, raise_error=True)
+    assert [j.value for j in jobs] == [f"req-{i}".encode() for i in range(40)]
+
+
+def test_reply_fields_and_empty_and_binary_bodies(pair) -> None:
+    client, _ = pair
+    for body in (b"", BINARY):
+        reply = client.request({"op": "echo"}, body, timeout=5)
+        assert (reply.status, reply.content_type, reply.headers) == (
+            200, "application/octet-stream", [("X-Op", "toy")])
+        assert reply.body == body and reply.length == len(body) and reply.stream is None
+
+
+def test_handler_error_becomes_remote_error_and_channel_keeps_working(pair) -> None:
+    client, _ = pair
+    with pytest.raises(IpcRemoteError) as info:
+        client.request({"op": "fail"}, timeout=5)
+    assert info.value.remote_type == "KeyError"
+    assert client.request({"op": "echo"}, b"still here", timeout=5).body == b"still here"
+
+
+def test_eof_fails_pending_requests_and_later_ones_fast(pair) -> None:
+    client, server = pair
+    jobs = [gevent.spawn(client.request, {"op": "echo", "delay": 5}, b"x", timeout=30) for _ in range(5)]
+    gevent.sleep(0.1)
+    server.close()
+    gevent.joinall(jobs, timeout=5)
+    assert all(isinstance(j.exception, IpcChannelClosed) for j in jobs)
+    assert "EOF" in client.closed.reason
+    with gevent.Timeout(1), pytest.raises(IpcChannelClosed):
+        client.request({"op": "echo"}, b"x", timeout=30)
+
+
+def test_timeout_then_late_reply_is_dropped(pair) -> None:
+    client, _ = pair
+    with pytest.raises(IpcTimeout):
+        client.request({"op": "echo", "delay": 0.3}, b"late", timeout=0.05)
+    killed = gevent.spawn(client.request, {"op": "echo", "delay": 0.3}, b"killed", timeout=5)
+    gevent.sleep(0.05)
+    killed.kill()
+    # The late replies arrive while these are pending; each caller still gets its own.
+    results = [gevent.spawn(client.request, {"op": "echo", "delay": 0.1 * i}, f"mine-{i}".encode(), timeout=5)
+               for i in range(6)]
+    gevent.joinall(results, timeout=5, raise_error=True)
+    assert [r.value.body for r in results] == [f"mine-{i}".encode() for i in range(6)]
+    assert client._pending == {} and client.closed is None
+
+
+def test_oversized_frames_fail_only_their_request(pair) -> None:
+    client, _ = pair
+    one_gib = mmap.mmap(-1, GiB)
+    with pytest.raises(FrameTooLarge):
+        client.request({"op": "echo"}, [one_gib] * 65, timeout=5)
+    one_gib.close()
+    with pytest.raises(IpcRemoteError) as info:  # the worker's reply is over the cap
+        client.request({"op": "huge"}, timeout=5)
+    assert info.value.remote_type == "FrameTooLarge"
+    assert client.request({"op": "echo"}, b"ok", timeout=5).body == b"ok"
+
+
+def test_streamed_body_arrives_whole_and_small_requests_overtake_it(pair) -> None:
+    client, _ = pair
+    n = 40  # 40 MiB, five times the stream window: it must wait for credit
+    reply = client.request({"op": "big", "n": n}, timeout=5)
+    assert reply.stream is not None and reply.length == n * 1024 * 1024 + 3
+    # nothing consumed yet, the stream is stalled on credit: a small request still answers
+    assert client.request({"op": "echo"}, b"overtakes", timeout=5).body == b"overtakes"
+    received = bytearray()
+    for chunk in reply.stream:
+        assert isinstance(chunk, bytes) and len(chunk) <= ipc.MAX_BODY_CHUNK
+        received += chunk
+    assert len(received) == reply.length and received.endswith(b"end")
+    assert received[: 1024 * 1024] == bytes(range(256)) * 4096
+
+
+def test_abandoned_stream_is_cancelled(pair) -> None:
+    client, server = pair
+    reply = client.request({"op": "big", "n": 40}, timeout=5)
+    it = iter(reply.stream)
+    next(it)
+    it.close()
+    gevent.sleep(0.1)
+    assert server._inflight == {}  # the worker stopped streaming
+    assert client.request({"op": "echo"}, b"next", timeout=5).body == b"next"
+
+
+def test_corrupt_frame_tears_the_channel_down() -> None:
+    a, b = socket.socketpair()
+    client = IpcClient(open_socket(a.detach()), name="victim")
+    pending = gevent.spawn(client.request, {"op": "echo"}, b"x", timeout=10)
+    gevent.sleep(0.05)
+    b.sendall(FRAME_HEADER.pack(5, 1, FrameType.REPLY))
+    pending.join(timeout=5)
+    assert isinstance(pending.exception, IpcChannelClosed)
+    assert isinstance(client.closed.__cause__, IpcProtocolError)
+    b.close()

@@ -1,0 +1,344 @@
+"""Sans-I/O codec for the router <-> worker IPC: frames, envelopes, errors.
+
+Nothing here touches a socket; :mod:`webapp.ipc_channel` drives it over a socketpair with
+gevent. ``docs/ipc.md`` is the normative description of the wire format.
+
+Frame (one per message)::
+
+    u64 BE total_length | u64 BE request_id | u8 type | payload
+
+``total_length`` counts the whole frame, header included (so it is always >= 17).
+
+Envelope (payload of REQUEST and REPLY)::
+
+    u64 BE meta_len | compact JSON meta (meta_len bytes) | raw body
+
+A reply body larger than :data:`INLINE_BODY_MAX` does not travel in its REPLY frame: the
+REPLY carries ``"streamed": true`` and ``"length"``, and the body follows as BODY frames of
+at most :data:`MAX_BODY_CHUNK` bytes, paced by the receiver's CREDIT frames. That keeps a
+multi-GiB records reply from holding the channel: small frames interleave between chunks.
+
+Exception tree::
+
+    IpcError                    base of everything raised by the IPC layer
+    ├── IpcChannelClosed        the channel is down (EOF, I/O error, corrupt frame, closed
+    │                           locally); every pending and every later request fails with it
+    ├── IpcProtocolError        the peer sent a malformed frame or envelope (tears the channel
+    │                           down; wrapped as the ``__cause__`` of IpcChannelClosed)
+    ├── FrameTooLarge           a message over MAX_FRAME_BYTES, refused at send time: fails that
+    │                           request only, the channel stays up
+    ├── IpcTimeout              a deadline passed (also a TimeoutError); the channel stays up
+    └── IpcRemoteError          the peer answered with an ERROR frame (its handler failed);
+                                ``remote_type`` names the peer's exception class
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CREDIT",
+    "FRAME_HEADER",
+    "INLINE_BODY_MAX",
+    "MAX_BODY_CHUNK",
+    "MAX_FRAME_BYTES",
+    "Buffer",
+    "Frame",
+    "FrameDecoder",
+    "FrameTooLarge",
+    "FrameType",
+    "IpcChannelClosed",
+    "IpcError",
+    "IpcProtocolError",
+    "IpcRemoteError",
+    "IpcTimeout",
+    "body_length",
+    "decode_credit",
+    "decode_envelope",
+    "decode_error",
+    "encode_credit",
+    "encode_envelope_frame",
+    "encode_error_frame",
+    "encode_frame",
+    "iter_frames",
+    "split_body",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+FRAME_HEADER = struct.Struct(">QQB")
+_U64 = struct.Struct(">Q")
+CREDIT = _U64
+
+# A sanity cap, not a tuning knob: one session's records reply was measured at ~3.15 GiB
+# upstream, so a u32 length is too small; anything near 64 GiB is a bug or a corrupt length.
+MAX_FRAME_BYTES = 64 * 1024**3
+# Streamed reply bodies are cut into chunks this big. Small enough that a chat reply waits for
+# at most one chunk on the wire (~0.5 ms at 2 GiB/s), big enough that per-frame overhead is noise.
+MAX_BODY_CHUNK = 1024 * 1024
+# Reply bodies up to this size travel inside their REPLY frame.
+INLINE_BODY_MAX = MAX_BODY_CHUNK
+# Frames the receiver buffers through its staging area (headers and small payloads). Larger
+# payloads are received straight into a buffer of exactly their size.
+_STAGE_BYTES = 256 * 1024
+
+
+class FrameType(enum.IntEnum):
+    REQUEST = 1  # router -> worker: envelope(meta with "op", body)
+    REPLY = 2  # worker -> router: envelope(meta with status/content_type/headers/length, body)
+    ERROR = 3  # worker -> router: JSON {"type", "message"}; the request failed in the worker
+    BODY = 4  # worker -> router: one chunk of a streamed reply body
+    CREDIT = 5  # router -> worker: u64 bytes of a streamed body consumed (flow control)
+    CANCEL = 6  # router -> worker: the caller gave up; stop streaming, drop the reply
+
+
+# The largest payload each frame type may announce; checked before allocating.
+_MAX_PAYLOAD = {
+    FrameType.REQUEST: MAX_FRAME_BYTES - FRAME_HEADER.size,
+    FrameType.REPLY: MAX_FRAME_BYTES - FRAME_HEADER.size,
+    FrameType.ERROR: 1024 * 1024,
+    FrameType.BODY: MAX_BODY_CHUNK,
+    FrameType.CREDIT: CREDIT.size,
+    FrameType.CANCEL: 0,
+}
+
+
+class IpcError(Exception):
+    """Base class of IPC errors."""
+
+
+class IpcChannelClosed(IpcError):
+    """The channel is down; ``reason`` says why (the original error is ``__cause__``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class IpcProtocolError(IpcError):
+    """The peer broke the framing rules (corrupt length, unknown type, bad envelope)."""
+
+
+class FrameTooLarge(IpcError):
+    """A message of ``size`` bytes exceeds ``limit``; refused before anything was sent."""
+
+    def __init__(self, size: int, limit: int = MAX_FRAME_BYTES) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the {limit}-byte limit")
+        self.size = size
+        self.limit = limit
+
+
+class IpcTimeout(IpcError, TimeoutError):
+    """A request or body chunk did not arrive before its deadline."""
+
+
+class IpcRemoteError(IpcError):
+    """The peer failed the request; ``remote_type`` is the class name it reported."""
+
+    def __init__(self, remote_type: str, message: str) -> None:
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type = remote_type
+        self.message = message
+
+    def to_payload(self) -> bytes:
+        return json.dumps({"type": self.remote_type, "message": self.message}).encode()
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> IpcRemoteError:
+        return cls(type(exc).__name__, str(exc))
+
+
+@dataclass(frozen=True)
+class Frame:
+    request_id: int
+    type: FrameType
+    payload: Buffer
+
+
+def body_length(body: Buffer | Sequence[Buffer]) -> int:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return memoryview(body).nbytes
+    return sum(memoryview(chunk).nbytes for chunk in body)
+
+
+def _as_chunks(body: Buffer | Sequence[Buffer]) -> list[Buffer]:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return [body] if len(body) else []
+    return [chunk for chunk in body if len(chunk)]
+
+
+def encode_frame(request_id: int, ftype: FrameType, payload: Sequence[Buffer] = ()) -> list[Buffer]:
+    """The buffers of one frame, ready for a scatter send (the payload is not copied).
+
+    Raises:
+        FrameTooLarge: the frame would exceed MAX_FRAME_BYTES.
+    """
+    total = FRAME_HEADER.size + body_length(payload)
+    if total > MAX_FRAME_BYTES:
+        raise FrameTooLarge(total)
+    return [FRAME_HEADER.pack(total, request_id, ftype), *payload]
+
+
+def encode_envelope_frame(
+    request_id: int, ftype: FrameType, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b""
+) -> list[Buffer]:
+    """A REQUEST or REPLY frame: ``u64 meta_len | compact JSON meta | body``."""
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    return encode_frame(request_id, ftype, [_U64.pack(len(meta_bytes)) + meta_bytes, *_as_chunks(body)])
+
+
+def decode_envelope(payload: Buffer) -> tuple[dict[str, Any], memoryview]:
+    """Split an envelope into its meta dict and a zero-copy view of its body.
+
+    Raises:
+        IpcProtocolError: the envelope is truncated or its meta is not a JSON object.
+    """
+    view = memoryview(payload)
+    if len(view) < _U64.size:
+        raise IpcProtocolError(f"envelope of {len(view)} bytes is shorter than its meta length")
+    (meta_len,) = _U64.unpack_from(view)
+    end = _U64.size + meta_len
+    if end > len(view):
+        raise IpcProtocolError(f"meta length {meta_len} overruns the {len(view)}-byte envelope")
+    try:
+        meta = json.loads(bytes(view[_U64.size : end]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise IpcProtocolError(f"envelope meta is not JSON: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise IpcProtocolError("envelope meta is not a JSON object")
+    return meta, view[end:]
+
+
+def encode_error_frame(request_id: int, error: IpcRemoteError) -> list[Buffer]:
+    return encode_frame(request_id, FrameType.ERROR, [error.to_payload()])
+
+
+def decode_error(payload: Buffer) -> IpcRemoteError:
+    try:
+        data = json.loads(bytes(payload))
+        return IpcRemoteError(str(data["type"]), str(data["message"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IpcProtocolError(f"malformed ERROR payload: {exc}") from exc
+
+
+def encode_credit(request_id: int, nbytes: int) -> list[Buffer]:
+    return encode_frame(request_id, FrameType.CREDIT, [CREDIT.pack(nbytes)])
+
+
+def decode_credit(payload: Buffer) -> int:
+    return CREDIT.unpack(bytes(payload))[0]
+
+
+def split_body(body: Buffer | Sequence[Buffer], max_chunk: int = MAX_BODY_CHUNK) -> Iterator[memoryview]:
+    """Views of at most ``max_chunk`` bytes over ``body``, in order, without copying."""
+    for chunk in _as_chunks(body):
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), max_chunk):
+            yield view[start : start + max_chunk]
+
+
+class FrameDecoder:
+    """Incremental frame decoder shaped for ``recv_into``.
+
+    Call :meth:`buffer` for the region to receive into, then :meth:`advance` with the
+    number of bytes received; it returns the frames completed so far. Headers and small
+    frames go through one staging buffer (many per ``recv_into``); a large payload is
+    received straight into a buffer of exactly its size, allocated only after its length
+    passed the per-type limit.
+
+    Raises:
+        IpcProtocolError: from :meth:`advance`, on a corrupt length or an unknown type. The
+            decoder is unusable afterwards; the channel must be torn down.
+    """
+
+    def __init__(self, stage_bytes: int = _STAGE_BYTES, allocate: Callable[[int], Any] = bytearray) -> None:
+        self._allocate = allocate  # tests pass a lazily-mapped buffer to walk the > 4 GiB path
+        self._stage = bytearray(stage_bytes)
+        self._stage_view = memoryview(self._stage)
+        self._start = 0  # unconsumed staged bytes are _stage[_start:_end]
+        self._end = 0
+        self._pending: tuple[int, FrameType] | None = None  # header of the large payload in flight
+        self._payload: Any = None  # bytearray (or what `allocate` returned)
+        self._filled = 0
+
+    def buffer(self) -> memoryview:
+        if self._payload is not None:
+            return memoryview(self._payload)[self._filled :]
+        if self._end == len(self._stage):
+            self._compact()
+        return self._stage_view[self._end :]
+
+    def advance(self, nbytes: int) -> list[Frame]:
+        if self._payload is not None:
+            self._filled += nbytes
+            if self._filled < len(self._payload):
+                return []
+            assert self._pending is not None
+            frame = Frame(self._pending[0], self._pending[1], self._payload)
+            self._payload = self._pending = None
+            return [frame]
+        self._end += nbytes
+        return self._parse_staged()
+
+    def _compact(self) -> None:
+        live = self._end - self._start
+        self._stage[:live] = self._stage[self._start : self._end]
+        self._start, self._end = 0, live
+
+    def _parse_staged(self) -> list[Frame]:
+        frames = []
+        while self._end - self._start >= FRAME_HEADER.size:
+            total, request_id, raw_type = FRAME_HEADER.unpack_from(self._stage, self._start)
+            ftype = _check_header(total, raw_type)
+            payload_len = total - FRAME_HEADER.size
+            body_start = self._start + FRAME_HEADER.size
+            available = self._end - body_start
+            if available >= payload_len:
+                payload = bytes(self._stage_view[body_start : body_start + payload_len])
+                frames.append(Frame(request_id, ftype, payload))
+                self._start = body_start + payload_len
+            elif total <= len(self._stage):
+                break  # fits the stage: wait for the rest
+            else:
+                self._payload = self._allocate(payload_len)
+                self._payload[:available] = self._stage_view[body_start : self._end]
+                self._filled = available
+                self._pending = (request_id, ftype)
+                self._start = self._end = 0
+                return frames
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start and self._end - self._start < FRAME_HEADER.size:
+            self._compact()
+        return frames
+
+
+def _check_header(total: int, raw_type: int) -> FrameType:
+    try:
+        ftype = FrameType(raw_type)
+    except ValueError:
+        raise IpcProtocolError(f"unknown frame type {raw_type}") from None
+    if total < FRAME_HEADER.size:
+        raise IpcProtocolError(f"corrupt frame length {total} (below the {FRAME_HEADER.size}-byte header)")
+    if total - FRAME_HEADER.size > _MAX_PAYLOAD[ftype]:
+        raise IpcProtocolError(
+            f"corrupt frame length {total} for {ftype.name} (limit {_MAX_PAYLOAD[ftype] + FRAME_HEADER.size})"
+        )
+    return ftype
+
+
+def iter_frames(decoder: FrameDecoder, data: Iterable[bytes]) -> Iterator[Frame]:
+    """Feed byte strings through ``decoder`` (tests and tools; the channel uses recv_into)."""
+    for block in data:
+        view = memoryview(block)
+        while view:
+            target = decoder.buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            view = view[n:]
+            yield from decoder.advance(n)

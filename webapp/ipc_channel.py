@@ -1,0 +1,535 @@
+"""The IPC channel over one socketpair end, cooperative with gevent.
+
+One :class:`FrameTransport` per socket end: a reader greenlet that ``recv_into``\\ s the
+:class:`~webapp.ipc.FrameDecoder`'s buffers and a writer greenlet that writes whole frames
+from two queues (control frames first, then streamed-body chunks), so a frame is never
+interleaved with another even though a write may yield half-way. The socket is a plain
+``_socket.socket`` in non-blocking mode waited on with ``wait_read``/``wait_write``, so it
+never blocks the hub whether or not the process is monkey-patched.
+
+:class:`IpcClient` (router side) multiplexes requests by id; :class:`IpcServer` (worker
+side) runs each request in its own greenlet. See ``docs/ipc.md``.
+"""
+
+from __future__ import annotations
+
+import _socket
+import itertools
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import gevent
+import gevent.event
+import gevent.queue
+from gevent.socket import wait_read, wait_write
+
+from webapp.ipc import (
+    INLINE_BODY_MAX,
+    MAX_BODY_CHUNK,
+    MAX_FRAME_BYTES,
+    Buffer,
+    Frame,
+    FrameDecoder,
+    FrameTooLarge,
+    FrameType,
+    IpcChannelClosed,
+    IpcError,
+    IpcProtocolError,
+    IpcRemoteError,
+    IpcTimeout,
+    body_length,
+    decode_credit,
+    decode_envelope,
+    decode_error,
+    encode_credit,
+    encode_envelope_frame,
+    encode_error_frame,
+    encode_frame,
+    split_body,
+)
+
+__all__ = ["BodyStream", "FrameTransport", "IpcClient", "IpcReply", "IpcServer", "ReplyLike", "open_socket"]
+
+log = logging.getLogger(__name__)
+
+# Unconsumed bytes of one streamed body the worker may have in flight; bounds the router's
+# memory per records GET to this, whatever the HTTP client's speed.
+STREAM_WINDOW = 8 * MAX_BODY_CHUNK
+# A peer that accepts no bytes for this long is considered gone.
+WRITE_STALL_TIMEOUT = 120.0
+# A worker stream whose consumer grants no credit for this long gives up.
+STREAM_CREDIT_TIMEOUT = 120.0
+# Requests a worker runs at once; beyond this it answers ERROR WorkerBusy at once.
+MAX_INFLIGHT_REQUESTS = 4096
+# The reader yields to other greenlets after this many bytes without an EAGAIN.
+_READ_YIELD_BYTES = 4 * MAX_BODY_CHUNK
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def open_socket(fd: int) -> _socket.socket:
+    """Take ownership of a socketpair end ``fd`` as a non-blocking plain socket."""
+    sock = _socket.socket(fileno=fd)
+    sock.setblocking(False)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+        except OSError:  # capped by the kernel: the default still works, only slower
+            pass
+    return sock
+
+
+class FrameTransport:
+    """Reader and writer greenlets over one socket end.
+
+    ``on_frame`` runs in the reader greenlet for every decoded frame and must not block.
+    ``on_close`` runs once, with the :class:`IpcChannelClosed` that ended the channel.
+    """
+
+    def __init__(
+        self,
+        sock: _socket.socket,
+        on_frame: Callable[[Frame], None],
+        on_close: Callable[[IpcChannelClosed], None],
+        name: str = "ipc",
+    ) -> None:
+        self.name = name
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._control: deque[list[Buffer]] = deque()
+        self._bulk: deque[list[Buffer]] = deque()
+        self._wake = gevent.event.Event()
+        self.closed: IpcChannelClosed | None = None
+        self._reader = gevent.spawn(self._read_loop)
+        self._writer = gevent.spawn(self._write_loop)
+
+    def send(self, frame: list[Buffer], *, bulk: bool = False) -> None:
+        """Queue one whole frame; control frames overtake queued bulk frames."""
+        if self.closed is not None:
+            raise IpcChannelClosed(self.closed.reason) from self.closed
+        (self._bulk if bulk else self._control).append(frame)
+        self._wake.set()
+
+    def bulk_backlog(self) -> int:
+        return len(self._bulk)
+
+    def close(self, reason: str = "closed locally", cause: BaseException | None = None) -> None:
+        if self.closed is not None:
+            return
+        exc = IpcChannelClosed(f"{self.name}: {reason}")
+        exc.__cause__ = cause
+        self.closed = exc
+        current = gevent.getcurrent()
+        for glet in (self._reader, self._writer):
+            if glet is not current:
+                glet.kill(block=False)
+        self._control.clear()
+        self._bulk.clear()
+        try:
+            self._sock.close()
+        finally:
+            self._on_close(exc)
+
+    def _read_loop(self) -> None:
+        decoder = FrameDecoder()
+        sock, fd = self._sock, self._fd
+        since_yield = 0
+        try:
+            while True:
+                try:
+                    n = sock.recv_into(decoder.buffer())
+                except BlockingIOError:
+                    since_yield = 0
+                    wait_read(fd)
+                    continue
+                if n == 0:
+                    self.close("peer closed the channel (EOF)")
+                    return
+                for frame in decoder.advance(n):
+                    self._on_frame(frame)
+                since_yield += n
+                if since_yield >= _READ_YIELD_BYTES:
+                    since_yield = 0
+                    gevent.sleep(0)
+        except IpcProtocolError as exc:
+            self.close(f"protocol error: {exc}", exc)
+        except OSError as exc:
+            self.close(f"read failed: {exc!r}", exc)
+        except gevent.GreenletExit:
+            raise
+        except BaseException as exc:  # a crash must still fail every pending request
+            self.close(f"reader crashed: {exc!r}", exc)
+            raise
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                if self._control:
+                    frame = self._control.popleft()
+                elif self._bulk:
+                    frame = self._bulk.popleft()
+                else:
+                    self._wake.clear()
+                    self._wake.wait()
+                    continue
+                self._write_frame(frame)
+        except OSError as exc:
+            self.close(f"write failed: {exc!r}", exc)
+        except gevent.GreenletExit:
+            raise
+        except BaseException as exc:
+            self.close(f"writer crashed: {exc!r}", exc)
+            raise
+
+    def _write_frame(self, buffers: list[Buffer]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        first = 0
+        while first < len(views):
+            try:
+                sent = self._sock.sendmsg(views[first : first + _IOV_MAX])
+            except BlockingIOError:
+                # socket.timeout is an OSError: a peer that stopped reading closes the channel
+                wait_write(self._fd, timeout=WRITE_STALL_TIMEOUT)
+                continue
+            while sent:
+                size = len(views[first])
+                if sent >= size:
+                    sent -= size
+                    first += 1
+                else:
+                    views[first] = views[first][sent:]
+                    sent = 0
+
+
+@dataclass
+class IpcReply:
+    """A worker's reply as the router sees it: opaque body, or a stream of chunks."""
+
+    status: int
+    content_type: str
+    headers: list[tuple[str, str]]
+    length: int
+    body: bytes = b""
+    stream: BodyStream | None = None
+
+
+class BodyStream:
+    """The chunks of one streamed reply body, in order; iterate once, then close."""
+
+    def __init__(self, client: IpcClient, request_id: int, length: int, chunk_timeout: float) -> None:
+        self._client = client
+        self.request_id = request_id
+        self.length = length
+        self.chunk_timeout = chunk_timeout
+        self.received = 0
+        self.consumed = 0
+        self._queue: gevent.queue.Queue = gevent.queue.Queue()
+        self._done = False
+
+    def _feed(self, chunk: Buffer) -> bool:
+        """Called by the reader; returns True once the whole body arrived."""
+        self.received += len(chunk)
+        self._queue.put(chunk)
+        return self.received >= self.length
+
+    def _fail(self, exc: IpcError) -> None:
+        self._queue.put(exc)
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            while self.consumed < self.length:
+                try:
+                    item = self._queue.get(timeout=self.chunk_timeout)
+                except gevent.queue.Empty:
+                    raise IpcTimeout(
+                        f"no body chunk of request {self.request_id} within {self.chunk_timeout} s"
+                    ) from None
+                if isinstance(item, IpcError):
+                    raise item
+                # gunicorn writes only bytes; one chunk-sized copy, cache-hot.
+                yield item if isinstance(item, bytes) else bytes(item)
+                self.consumed += len(item)
+                if self.consumed < self.length:
+                    self._client._grant(self.request_id, len(item))
+            self._done = True
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._abandon_stream(self.request_id)
+
+
+@dataclass
+class _Pending:
+    result: gevent.event.AsyncResult = field(default_factory=gevent.event.AsyncResult)
+    chunk_timeout: float = 60.0
+
+
+class IpcClient:
+    """Router side of a channel: many concurrent :meth:`request` calls from many greenlets.
+
+    Request ids are never reused, and a request forgets its id when it ends (reply, error,
+    timeout or greenlet kill), so a late reply finds nobody and is dropped.
+    """
+
+    def __init__(
+        self,
+        sock: _socket.socket,
+        name: str = "ipc-client",
+        on_close: Callable[[IpcChannelClosed], None] | None = None,
+    ) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._streams: dict[int, BodyStream] = {}
+        self._user_on_close = on_close
+        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name)
+
+    @property
+    def closed(self) -> IpcChannelClosed | None:
+        return self._transport.closed
+
+    def close(self, reason: str = "closed locally") -> None:
+        self._transport.close(reason)
+
+    def request(
+        self,
+        meta: dict[str, Any],
+        body: Buffer | Sequence[Buffer] = b"",
+        *,
+        timeout: float,
+        chunk_timeout: float = 60.0,
+    ) -> IpcReply:
+        """Send one REQUEST and wait up to ``timeout`` s for its REPLY (head).
+
+        A streamed reply's :attr:`IpcReply.stream` must be iterated or closed by the caller.
+
+        Raises:
+            FrameTooLarge: the request is over the frame cap (nothing was sent).
+            IpcTimeout: no reply within ``timeout``; the request is cancelled.
+            IpcChannelClosed: the channel is or went down.
+            IpcRemoteError: the worker answered with an ERROR frame.
+        """
+        request_id = next(self._ids)
+        frame = encode_envelope_frame(request_id, FrameType.REQUEST, meta, body)
+        pending = _Pending(chunk_timeout=chunk_timeout)
+        self._pending[request_id] = pending
+        answered = False
+        try:
+            self._transport.send(frame)
+            try:
+                reply = pending.result.get(timeout=timeout)
+            except gevent.Timeout:
+                raise IpcTimeout(f"no reply to {meta.get('op')!r} within {timeout} s") from None
+            answered = True
+            return reply
+        finally:
+            self._pending.pop(request_id, None)
+            if not answered:
+                self._cancel(request_id, pending)
+
+    def _cancel(self, request_id: int, pending: _Pending) -> None:
+        if pending.result.ready() and pending.result.successful():
+            stream = pending.result.value.stream
+            if stream is not None:  # the head arrived just as we gave up
+                stream.close()
+                return
+        self._send_quietly(encode_frame(request_id, FrameType.CANCEL))
+
+    def _grant(self, request_id: int, nbytes: int) -> None:
+        self._send_quietly(encode_credit(request_id, nbytes))
+
+    def _abandon_stream(self, request_id: int) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._send_quietly(encode_frame(request_id, FrameType.CANCEL))
+
+    def _send_quietly(self, frame: list[Buffer]) -> None:
+        if self.closed is None:
+            self._transport.send(frame)
+
+    def _on_frame(self, frame: Frame) -> None:
+        rid = frame.request_id
+        if frame.type is FrameType.BODY:
+            stream = self._streams.get(rid)
+            if stream is not None and stream._feed(frame.payload):
+                del self._streams[rid]
+            return
+        if frame.type is FrameType.REPLY:
+            meta, body = decode_envelope(frame.payload)
+            pending = self._pending.pop(rid, None)
+            if pending is None:
+                if meta.get("streamed"):  # nobody waits: stop the worker's stream
+                    self._send_quietly(encode_frame(rid, FrameType.CANCEL))
+                return
+            pending.result.set(self._reply_from(rid, meta, body, pending.chunk_timeout))
+            return
+        if frame.type is FrameType.ERROR:
+            error = decode_error(frame.payload)
+            pending = self._pending.pop(rid, None)
+            if pending is not None:
+                pending.result.set_exception(error)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._fail(error)
+            return
+        raise IpcProtocolError(f"unexpected {frame.type.name} frame from the worker")
+
+    def _reply_from(self, rid: int, meta: dict[str, Any], body: memoryview, chunk_timeout: float) -> IpcReply:
+        try:
+            reply = IpcReply(
+                status=int(meta["status"]),
+                content_type=str(meta.get("content_type", "application/json")),
+                headers=[(str(k), str(v)) for k, v in meta.get("headers", ())],
+                length=int(meta.get("length", len(body))),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IpcProtocolError(f"malformed reply meta {meta!r}") from exc
+        if meta.get("streamed"):
+            reply.stream = BodyStream(self, rid, reply.length, chunk_timeout)
+            if reply.length:
+                self._streams[rid] = reply.stream
+        else:
+            reply.body = bytes(body)
+        return reply
+
+    def _on_close(self, exc: IpcChannelClosed) -> None:
+        pending, self._pending = self._pending, {}
+        streams, self._streams = self._streams, {}
+        for item in pending.values():
+            item.result.set_exception(exc)
+        for stream in streams.values():
+            stream._fail(exc)
+        if self._user_on_close is not None:
+            self._user_on_close(exc)
+
+
+class ReplyLike(Protocol):
+    """What a server handler returns (``webapp.core.Reply`` fits)."""
+
+    status: int
+    body: bytes | list[bytes]
+    content_type: str
+    headers: tuple[tuple[str, str], ...]
+
+
+class _OutStream:
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.cancelled = False
+        self.changed = gevent.event.Event()
+
+
+class IpcServer:
+    """Worker side of a channel: runs ``handler(meta, body)`` in a greenlet per request.
+
+    A handler exception becomes an ERROR frame for that request only. A CANCEL stops a
+    streamed body and drops a reply not yet sent; the handler itself runs to completion so
+    the session state it touches stays consistent.
+    """
+
+    def __init__(
+        self, sock: _socket.socket, handler: Callable[[dict[str, Any], memoryview], ReplyLike], name: str = "ipc"
+    ) -> None:
+        self._handler = handler
+        self._inflight: dict[int, _OutStream] = {}
+        self._stopped = gevent.event.Event()
+        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name)
+
+    @property
+    def closed(self) -> IpcChannelClosed | None:
+        return self._transport.closed
+
+    def wait_closed(self, timeout: float | None = None) -> IpcChannelClosed | None:
+        self._stopped.wait(timeout)
+        return self.closed
+
+    def close(self, reason: str = "closed locally") -> None:
+        self._transport.close(reason)
+
+    def _on_frame(self, frame: Frame) -> None:
+        rid = frame.request_id
+        if frame.type is FrameType.REQUEST:
+            if len(self._inflight) >= MAX_INFLIGHT_REQUESTS:
+                self._transport.send(
+                    encode_error_frame(rid, IpcRemoteError("WorkerBusy", f"{len(self._inflight)} requests running"))
+                )
+                return
+            meta, body = decode_envelope(frame.payload)
+            self._inflight[rid] = _OutStream()
+            gevent.spawn(self._serve, rid, meta, body)
+        elif frame.type is FrameType.CREDIT:
+            out = self._inflight.get(rid)
+            if out is not None:
+                out.inflight -= decode_credit(frame.payload)
+                out.changed.set()
+        elif frame.type is FrameType.CANCEL:
+            out = self._inflight.get(rid)
+            if out is not None:
+                out.cancelled = True
+                out.changed.set()
+        else:
+            raise IpcProtocolError(f"unexpected {frame.type.name} frame from the router")
+
+    def _serve(self, rid: int, meta: dict[str, Any], body: memoryview) -> None:
+        out = self._inflight[rid]
+        try:
+            try:
+                reply = self._handler(meta, body)
+            except Exception as exc:
+                log.exception("%s: handler failed for op %r", self._transport.name, meta.get("op"))
+                self._transport.send(encode_error_frame(rid, IpcRemoteError.from_exception(exc)))
+                return
+            if not out.cancelled:
+                self._send_reply(rid, reply, out)
+        except IpcChannelClosed:
+            pass
+        finally:
+            self._inflight.pop(rid, None)
+
+    def _send_reply(self, rid: int, reply: ReplyLike, out: _OutStream) -> None:
+        length = body_length(reply.body)
+        meta = {
+            "status": reply.status,
+            "content_type": reply.content_type,
+            "headers": [list(h) for h in reply.headers],
+            "length": length,
+        }
+        if length <= INLINE_BODY_MAX:
+            try:
+                frame = encode_envelope_frame(rid, FrameType.REPLY, meta, reply.body)
+            except FrameTooLarge as exc:
+                self._transport.send(encode_error_frame(rid, IpcRemoteError.from_exception(exc)))
+                return
+            self._transport.send(frame)
+            return
+        if length > MAX_FRAME_BYTES:
+            self._transport.send(encode_error_frame(rid, IpcRemoteError.from_exception(FrameTooLarge(length))))
+            return
+        self._transport.send(encode_envelope_frame(rid, FrameType.REPLY, {**meta, "streamed": True}))
+        for chunk in split_body(reply.body):
+            while out.inflight >= STREAM_WINDOW and not out.cancelled:
+                out.changed.clear()
+                if not out.changed.wait(STREAM_CREDIT_TIMEOUT):
+                    log.warning("%s: stream %d got no credit for %s s", self._transport.name, rid,
+                                STREAM_CREDIT_TIMEOUT)
+                    self._transport.send(encode_error_frame(
+                        rid, IpcRemoteError("StreamStalled", f"no credit for {STREAM_CREDIT_TIMEOUT} s")))
+                    return
+            if out.cancelled:
+                return
+            out.inflight += len(chunk)
+            self._transport.send(encode_frame(rid, FrameType.BODY, [chunk]), bulk=True)
+
+    def _on_close(self, exc: IpcChannelClosed) -> None:
+        for out in self._inflight.values():
+            out.cancelled = True
+            out.changed.set()
+        self._stopped.set()
