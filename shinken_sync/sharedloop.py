@@ -1,0 +1,588 @@
+"""SharedLoop: one native OS thread hosting one asyncio loop, for blocking callers.
+
+Every blocking :class:`~shinken_sync.sync.Sandbox` of a process submits its
+work to one background loop; the caller's threads or gevent greenlets only
+wait. One loop multiplexes every connection (and holds the per-loop frame
+budget), instead of the ~7 MB and 2 threads per sandbox a thread-per-connection
+facade costs.
+
+How the pieces fit, and why (measured facts in ``docs/sync.md``):
+
+- The loop thread is a *native* thread even when gevent has patched
+  ``threading`` (a patched ``Thread`` is a greenlet of the caller's thread), and
+  the loop is created inside it: under patching ``asyncio.new_event_loop()``
+  then binds gevent's selector to that thread's own hub, which DNS and
+  ``run_in_executor`` need.
+- A waiter is woken through a mechanism that matches *its* context: a greenlet
+  waits on a ``gevent.event.AsyncResult`` that the loop thread sets through the
+  waiter hub's ``run_callback_threadsafe`` (the supported cross-thread entry;
+  only the hub's own thread touches the gevent object), so the hub keeps
+  running other greenlets; a plain thread waits on a native lock. Either way
+  the wait is sliced, so a dead loop thread or a fork is noticed within
+  :data:`LIVENESS_POLL` seconds even if nobody told the waiter.
+- The loop thread fails every waiter at once when it dies; after ``fork()`` the
+  child starts a fresh loop on first use; at interpreter exit the loop closes
+  its tracked resources, cancels its tasks and stops *before* ``threading``
+  joins the program's threads (so a thread blocked on a sandbox call is
+  released instead of hanging the exit).
+
+Errors raised here (all under :class:`shinken_sync.errors.ShinkenError`)::
+
+    ShinkenError
+    ├── LoopThreadDied             the loop thread died, or was inherited across fork();
+    │                              every pending and later call on that loop fails with it
+    ├── LoopClosed (RuntimeError)  misuse: the SharedLoop was closed (or closed mid-call)
+    └── LoopTimeout (TimeoutError) run()/result() waited ``timeout`` seconds; the coroutine
+                                   was cancelled on the loop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import concurrent.futures.thread  # see _register_exit_hook
+import encodings.idna  # noqa: F401  -- see _prepare_caller
+import importlib
+import os
+import ssl  # noqa: F401  -- see _prepare_caller
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from .errors import ShinkenError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+T = TypeVar("T")
+
+START_TIMEOUT = 10.0
+"""Seconds the loop thread may take to come up before the caller gives up."""
+
+CLOSE_TIMEOUT = 10.0
+"""Seconds ``close()`` (and interpreter exit) waits for a graceful shutdown."""
+
+LIVENESS_POLL = 1.0
+"""A waiter re-checks that its loop is alive (thread running, same pid) this often."""
+
+
+class LoopThreadDied(ShinkenError):
+    """The SharedLoop's thread is gone (it died, or this process is a fork child
+    holding a call or a sandbox from the parent's loop). Nothing running on that
+    loop will complete; sandboxes bound to it must be reconnected."""
+
+
+class LoopClosed(ShinkenError, RuntimeError):
+    """The SharedLoop was closed before or while this call ran."""
+
+
+class LoopTimeout(ShinkenError, TimeoutError):
+    """A blocking wait on the loop ran out of time; the coroutine was cancelled."""
+
+    def __init__(self, message: str, *, timeout: float):
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class AsyncClosable(Protocol):
+    async def close(self) -> Any: ...
+
+
+def _native(module: str, name: str) -> Any:
+    """``module.name`` as it was before any gevent monkey-patching."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None:
+        return monkey.get_original(module, name)
+    return getattr(importlib.import_module(module), name)
+
+
+_native_allocate_lock = _native("_thread", "allocate_lock")
+_native_get_ident = _native("_thread", "get_ident")
+
+
+def _gevent_hub() -> Any:
+    """The current thread's gevent hub when a wait here must be cooperative.
+
+    That is: the process is monkey-patched, or this thread already runs a hub
+    (greenlets spawned without patching). Otherwise None: block the thread.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None:
+        return None
+    import gevent
+    from gevent.hub import _get_hub  # returns the thread's hub, or None without creating one
+
+    if monkey.is_module_patched("threading"):
+        return gevent.get_hub()
+    return _get_hub()
+
+
+# -- waking a waiter from the loop thread ------------------------------------
+
+
+class _LockWaiter:
+    """A plain thread waits on a native lock the loop thread releases."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _native_allocate_lock()
+        self._lock.acquire()
+
+    def wake(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # woken twice (a completion racing a death notice)
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(True, timeout)
+
+
+class _GreenletWaiter:
+    """A greenlet waits on an AsyncResult; other threads reach it only via the hub."""
+
+    __slots__ = ("_result", "_wake_threadsafe")
+
+    def __init__(self, hub: Any) -> None:
+        from gevent.event import AsyncResult
+
+        self._result = AsyncResult()
+        run_callback_threadsafe = hub.loop.run_callback_threadsafe
+        set_result = self._result.set
+        self._wake_threadsafe = lambda: run_callback_threadsafe(set_result)
+
+    def wake(self) -> None:
+        self._wake_threadsafe()
+
+    def wait(self, timeout: float) -> bool:
+        self._result.wait(timeout)
+        return self._result.ready()
+
+
+class _Outcome:
+    """A one-shot result, set once from any thread, waited on by any number of
+    threads or greenlets (each with its own waiter)."""
+
+    __slots__ = ("_error", "_lock", "_value", "_wakers", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._wakers: list[Callable[[], None]] = []
+        self._lock = _native_allocate_lock()  # never held across a wait or a switch
+
+    def set(self, value: Any = None, error: BaseException | None = None) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self._value, self._error = value, error
+            self.done = True
+        # A waiter appends its waker before re-reading `done`, and `done` is set
+        # before this snapshot, so every waiter is either in it or sees `done`.
+        for wake in list(self._wakers):
+            wake()
+        return True
+
+    def wait(self, timeout: float | None, check_alive: Callable[[], None]) -> Any:
+        if not self.done:
+            hub = _gevent_hub()
+            waiter = _GreenletWaiter(hub) if hub is not None else _LockWaiter()
+            self._wakers.append(waiter.wake)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self.done:
+                budget = LIVENESS_POLL
+                if deadline is not None:
+                    budget = min(budget, deadline - time.monotonic())
+                    if budget <= 0:
+                        raise LoopTimeout(f"no result within {timeout} s", timeout=timeout)
+                if waiter.wait(budget):
+                    break
+                check_alive()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+# -- one incarnation of the loop thread --------------------------------------
+
+
+class _LoopThread:
+    """One native thread and the loop built inside it (a fork child gets a new one)."""
+
+    def __init__(self, owner: SharedLoop) -> None:
+        self.name = owner.name
+        self.pid = os.getpid()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ident: int | None = None
+        self.ready = _Outcome()
+        self.exited = _Outcome()
+        self.pending: set[LoopFuture[Any]] = set()
+        self.resources: weakref.WeakSet[AsyncClosable] = weakref.WeakSet()
+        self.closing = False  # close() asked; the thread drains and exits
+        self.dead: BaseException | None = None  # why the thread stopped serving, once it has
+
+    def start(self) -> None:
+        _native("_thread", "start_new_thread")(self._main, ())
+
+    def check_alive(self) -> None:
+        if self.pid != os.getpid():
+            raise LoopThreadDied(f"{self.name}: this call belongs to the parent process's loop (fork)")
+        if self.dead is not None:
+            raise self.dead
+
+    # The thread itself.
+
+    def _main(self) -> None:
+        death: BaseException | None = None
+        try:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self.loop, self.ident = loop, _native_get_ident()
+            loop.call_soon(self.ready.set)
+            loop.run_forever()
+        except BaseException as exc:  # noqa: BLE001 -- anything escaping run_forever kills the thread
+            death = exc
+        # Waiters learn first; the best-effort cleanup below may take a while.
+        if death is None and self.closing:
+            reason: BaseException = LoopClosed(f"{self.name} closed")
+        else:
+            reason = LoopThreadDied(f"{self.name}: the loop thread died ({death!r})")
+            reason.__cause__ = death
+        self.dead = reason
+        self.closing = True
+        self._fail_pending(reason)
+        self.ready.set(error=reason)
+        try:
+            if self.loop is not None:
+                self.loop.run_until_complete(self._drain())
+                self.loop.close()
+        except BaseException:  # noqa: BLE001, S110 -- a broken loop cannot drain; waiters already know
+            pass
+        finally:
+            self._fail_pending(reason)
+            self.exited.set()
+
+    def _fail_pending(self, reason: BaseException) -> None:
+        for future in list(self.pending):
+            future._settle(error=reason)
+
+    async def _drain(self) -> None:
+        """Close tracked resources, then cancel and reap every other task."""
+        resources = [asyncio.ensure_future(r.close()) for r in list(self.resources)]
+        if resources:
+            await asyncio.wait(resources, timeout=CLOSE_TIMEOUT / 2)
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT / 4)
+        for task in tasks + resources:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a close error at shutdown is not worth a log line
+        loop = asyncio.get_running_loop()
+        await loop.shutdown_asyncgens()
+        await loop.shutdown_default_executor()
+
+
+# -- the handle a caller holds for one submitted coroutine -------------------
+
+
+class LoopFuture(Generic[T]):
+    """A coroutine submitted to a :class:`SharedLoop`, waitable from any thread or greenlet.
+
+    Like :class:`concurrent.futures.Future`: ``result(timeout)`` waits without
+    cancelling on timeout; ``cancel()`` asks the loop to cancel the task, whose
+    ``result()`` then raises :class:`concurrent.futures.CancelledError`.
+    """
+
+    __slots__ = ("__weakref__", "_outcome", "_task", "_thread")
+
+    def __init__(self, thread: _LoopThread) -> None:
+        self._thread = thread
+        self._outcome = _Outcome()
+        self._task: asyncio.Task[T] | None = None
+
+    def done(self) -> bool:
+        return self._outcome.done
+
+    def result(self, timeout: float | None = None) -> T:
+        """The coroutine's result (or its exception, raised here).
+
+        Raises :class:`LoopTimeout` after ``timeout`` seconds (None: no
+        deadline, but a dead loop thread is still noticed), and
+        :class:`LoopThreadDied`/:class:`LoopClosed` when the loop goes away.
+        """
+        return self._outcome.wait(timeout, self._thread.check_alive)
+
+    def cancel(self) -> None:
+        if self._outcome.done:
+            return
+        loop = self._thread.loop
+        assert loop is not None  # a future exists only once its loop runs
+        try:
+            loop.call_soon_threadsafe(self._cancel_in_loop)
+        except RuntimeError:  # loop already closed: the exiting thread settles every pending future
+            pass
+
+    # Loop-thread side. submit() schedules _start before it returns the future,
+    # so _cancel_in_loop always runs after _start.
+
+    def _start(self, coro: Coroutine[Any, Any, T]) -> None:
+        if self._thread.closing:
+            coro.close()
+            self._settle(error=self._thread.dead or LoopClosed(f"{self._thread.name} is closing"))
+            return
+        self._task = asyncio.ensure_future(coro)
+        self._task.add_done_callback(self._on_done)
+
+    def _cancel_in_loop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _on_done(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            if self._thread.closing:
+                self._settle(error=self._thread.dead or LoopClosed(f"{self._thread.name} closed mid-call"))
+            else:
+                self._settle(error=concurrent.futures.CancelledError())
+            return
+        error = task.exception()
+        if error is not None:
+            self._settle(error=error)
+        else:
+            self._settle(task.result())
+
+    def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._thread.pending.discard(self)
+        self._outcome.set(value, error)
+
+
+# -- the public handle --------------------------------------------------------
+
+_INSTANCES: weakref.WeakSet[SharedLoop] = weakref.WeakSet()
+_FORK_ORPHANS: list[_LoopThread] = []
+_exit_hook_registered = False
+
+
+class SharedLoop:
+    """One native thread running one asyncio loop, shared by blocking callers.
+
+    ``SharedLoop.default()`` is the lazily created process-wide instance every
+    :func:`shinken_sync.connect` uses unless given ``loop=``; make your own for
+    an isolated loop (its own thread, its own frame budget). The thread starts on
+    first use. Use from any thread or greenlet, never from the loop thread itself
+    (there, ``await`` the coroutine instead).
+    """
+
+    _default: SharedLoop | None = None
+    _default_lock = _native_allocate_lock()
+
+    def __init__(self, name: str = "shinken-loop") -> None:
+        self.name = name
+        self._lock = _native_allocate_lock()  # guards state changes only; never held across a wait
+        self._thread: _LoopThread | None = None
+        self._closed = False
+        _INSTANCES.add(self)
+
+    @classmethod
+    def default(cls) -> SharedLoop:
+        """The process-wide loop; a closed or dead default is replaced on the next call."""
+        loop = cls._default
+        if loop is None or not loop._usable():
+            with cls._default_lock:
+                loop = cls._default
+                if loop is None or not loop._usable():
+                    loop = cls._default = cls("shinken-default-loop")
+        return loop
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The asyncio loop (starting the thread if needed). Hand it to code that
+        schedules its own callbacks with ``call_soon_threadsafe``."""
+        loop = self._running().loop
+        assert loop is not None
+        return loop
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block this thread (or only this greenlet,
+        under gevent) until it finishes.
+
+        After ``timeout`` seconds the coroutine is cancelled and
+        :class:`LoopTimeout` raised. ``timeout=None`` waits as long as the
+        coroutine runs; the loop's death still ends the wait.
+        """
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            # Our deadline, or the caller itself interrupted (KeyboardInterrupt,
+            # a killed greenlet): the coroutine has no one left to report to.
+            future.cancel()
+            raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> LoopFuture[T]:
+        """Schedule ``coro`` on the loop and return at once with its :class:`LoopFuture`."""
+        try:
+            thread = self._running()
+            if thread.ident == _native_get_ident():
+                raise RuntimeError(f"{self.name}: a blocking call from the loop thread itself would deadlock")
+            future: LoopFuture[T] = LoopFuture(thread)
+            thread.pending.add(future)
+            assert thread.loop is not None
+            try:
+                thread.loop.call_soon_threadsafe(future._start, coro)
+            except RuntimeError:  # the loop closed under us
+                thread.pending.discard(future)
+                raise thread.dead or LoopClosed(f"{self.name} closed") from None
+        except BaseException:
+            coro.close()  # never leave a "coroutine was never awaited" behind
+            raise
+        return future
+
+    def track(self, resource: AsyncClosable) -> None:
+        """Close ``resource`` (awaiting its ``close()``) when this loop shuts down.
+
+        Held weakly: a resource that is garbage-collected drops out. The
+        blocking facade tracks every sandbox it opens, so an interpreter exiting
+        with sandboxes still open closes their connections cleanly.
+        """
+        thread = self._running()
+        if thread.ident == _native_get_ident():
+            thread.resources.add(resource)
+        else:
+            assert thread.loop is not None
+            thread.loop.call_soon_threadsafe(thread.resources.add, resource)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close tracked resources, cancel remaining tasks, stop the loop and wait
+        for its thread to exit. Pending and later calls fail with
+        :class:`LoopClosed`. Idempotent.
+
+        Raises :class:`LoopTimeout` if the loop does not stop within
+        ``timeout`` seconds (something blocks the loop thread); waiters are
+        released regardless.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None or thread.pid != os.getpid():
+            return
+        if thread.ident == _native_get_ident():
+            raise RuntimeError(f"{self.name}: close() from the loop thread itself would deadlock")
+        deadline = time.monotonic() + timeout
+        thread.ready.wait(timeout, thread.check_alive)
+        thread.closing = True
+        if not thread.exited.done:
+            assert thread.loop is not None
+            try:
+                thread.loop.call_soon_threadsafe(thread.loop.stop)
+            except RuntimeError:  # already closed: the thread is on its way out
+                pass
+            try:
+                thread.exited.wait(max(0.0, deadline - time.monotonic()), lambda: None)
+            finally:
+                thread._fail_pending(LoopClosed(f"{self.name} closed"))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        thread = self._thread
+        state = "closed" if self._closed else "idle" if thread is None else "dead" if thread.dead else "running"
+        return f"<SharedLoop {self.name!r} {state}>"
+
+    def _usable(self) -> bool:
+        thread = self._thread
+        return not self._closed and (thread is None or thread.dead is None)
+
+    def _running(self) -> _LoopThread:
+        """The live loop thread, started on first use."""
+        thread = self._thread
+        if thread is not None and thread.ready.done and thread.dead is None:
+            return thread
+        with self._lock:
+            if self._closed:
+                raise LoopClosed(f"{self.name} is closed")
+            thread = self._thread
+            if thread is None:
+                _prepare_caller()
+                thread = self._thread = _LoopThread(self)
+                thread.start()
+                _register_exit_hook()
+        thread.ready.wait(START_TIMEOUT, thread.check_alive)
+        thread.check_alive()
+        return thread
+
+
+def _prepare_caller() -> None:
+    """Under gevent, create this thread's hub before the loop thread starts.
+
+    With patching, import locks are gevent locks: a caller creating its hub for
+    the first time while the new thread imports can deadlock both. The modules
+    the loop thread needs (asyncio, ssl, idna, the executor) are imported at the
+    top of this module for the same reason.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        import gevent
+
+        gevent.get_hub()
+
+
+def _register_exit_hook() -> None:
+    """Close every loop at interpreter exit, *before* threading joins threads.
+
+    ``threading._register_atexit`` hooks run first in ``threading._shutdown``,
+    last-registered first, so this runs before concurrent.futures (imported
+    above) shuts its executors down, and while a program thread blocked on a
+    sandbox call can still be released instead of hanging the join.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    try:
+        threading._register_atexit(_close_all)  # type: ignore[attr-defined]
+    except RuntimeError:  # first use during shutdown itself
+        import atexit
+
+        atexit.register(_close_all)
+
+
+def _close_all() -> None:
+    for shared in list(_INSTANCES):
+        try:
+            shared.close()
+        except ShinkenError:  # a wedged loop at exit: nothing better to do than move on
+            pass
+
+
+def _after_fork_in_child() -> None:
+    # The parent's loop thread does not exist here. Its objects (sockets shared
+    # with the parent, a loop with tasks) stay referenced forever: tearing them
+    # down would close the parent's connections or warn. Each loop restarts on
+    # first use; inherited waiters notice the pid change within LIVENESS_POLL.
+    for shared in list(_INSTANCES):
+        shared._lock = _native_allocate_lock()
+        if shared._thread is not None:
+            _FORK_ORPHANS.append(shared._thread)
+            shared._thread = None
+    SharedLoop._default_lock = _native_allocate_lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
