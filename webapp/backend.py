@@ -1,0 +1,90 @@
+"""Client for the inference backend (SGLang/vLLM-style chat completions with ``input_ids``).
+
+One pooled ``requests.Session`` per core; every call has explicit (connect, read) timeouts and
+the body read is bounded by ``MAX_BACKEND_REPLY_BYTES`` and by the read timeout as a total
+deadline. Failures are translated once, here:
+
+- transport errors -> ``BackendUnreachable``; connect/read timeouts -> ``BackendTimeout``
+- a 200 reply that is not a UTF-8 JSON object -> ``BackendMalformed``
+- a non-200 reply -> ``UpstreamStatus`` carrying the backend's body, relayed untouched
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
+
+__all__ = ["BackendClient", "BackendReply", "MAX_BACKEND_REPLY_BYTES", "CHAT_COMPLETIONS_PATH"]
+
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+# A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply
+# (see the seed); 4 GiB leaves ample headroom while refusing a runaway body before it is read.
+MAX_BACKEND_REPLY_BYTES = 4 << 30
+_READ_CHUNK = 1 << 20
+
+
+@dataclass
+class BackendReply:
+    raw: bytes  # the body exactly as received: records embed it verbatim (R3 included)
+    parsed: dict[str, Any]
+
+
+class BackendClient:
+    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, read_timeout: float = 600.0,
+                 pool_maxsize: int = 64) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = (connect_timeout, read_timeout)
+        self._http = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_maxsize, max_retries=0)
+        self._http.mount("http://", adapter)
+        self._http.mount("https://", adapter)
+
+    def chat_completions(self, payload: bytes) -> BackendReply:
+        """POST ``payload`` (JSON bytes) to the chat completions endpoint."""
+        url = self.base_url + CHAT_COMPLETIONS_PATH
+        try:
+            resp = self._http.post(url, data=payload, timeout=self.timeout, stream=True,
+                                   headers={"Content-Type": "application/json"})
+            with resp:
+                raw = self._read_body(resp)
+        except requests.Timeout as exc:
+            raise BackendTimeout(f"backend timed out: {exc}") from exc
+        except requests.RequestException as exc:
+            raise BackendUnreachable(f"backend unreachable: {exc}") from exc
+        if resp.status_code != 200:
+            raise UpstreamStatus(resp.status_code, raw,
+                                 resp.headers.get("Content-Type", "application/octet-stream"))
+        try:
+            parsed = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise BackendMalformed(f"backend reply is not UTF-8 JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise BackendMalformed("backend reply is not a JSON object")
+        return BackendReply(raw, parsed)
+
+    def _read_body(self, resp: requests.Response) -> bytes:
+        declared = resp.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BACKEND_REPLY_BYTES:
+            raise BackendMalformed(f"backend reply of {declared} bytes exceeds {MAX_BACKEND_REPLY_BYTES}")
+        # requests' read timeout bounds each socket read; the deadline bounds the whole body.
+        deadline = time.monotonic() + self.timeout[1]
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in resp.iter_content(_READ_CHUNK):
+            size += len(chunk)
+            if size > MAX_BACKEND_REPLY_BYTES:
+                raise BackendMalformed(f"backend reply exceeds {MAX_BACKEND_REPLY_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise requests.Timeout(f"reply body not complete after {self.timeout[1]} s")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        self._http.close()

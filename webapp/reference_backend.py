@@ -1,0 +1,295 @@
+"""A deterministic stand-in for SGLang/vLLM that speaks the backend contract.
+
+``python -m webapp.reference_backend --bind 127.0.0.1:0 [--tokenizer DIR] [--r3-layers L --r3-topk K]``
+serves (threaded, HTTP/1.1 keep-alive):
+
+- ``GET /health`` -> ``{"status": "ok"}``
+- ``POST /v1/chat/completions``: an OpenAI chat completion for ``input_ids`` (or, without
+  them, for ``messages`` rendered with the chat template). Each choice carries
+  ``meta_info.output_token_logprobs`` ``[[logprob, token_id], ...]``, ``completion_tokens``,
+  ``prompt_tokens`` and, when the request asks ``return_routed_experts`` and ``--r3-layers``
+  is set, ``routed_experts``: base64 of (prompt + completion - 1) x layers x top_k int32 LE.
+
+The assistant text is one computer-use action in the documented ACTION FORMAT, chosen by a
+hash of the input ids, then tokenized; the token ids are followed by the end-of-turn token
+(unless ``max_tokens`` cuts the output, then ``finish_reason`` is ``length``)::
+
+    {"action": {"verb": "click", "x": 812, "y": 440, "button": "left"}}
+    {"action": {"verb": "type", "text": "hello world"}}
+    {"action": {"verb": "key", "keys": "ctrl+s"}}
+    {"action": {"verb": "scroll", "x": 960, "y": 540, "dx": 0, "dy": -3}}
+
+Coordinates lie inside a 1920x1080 screen. Everything except ``created`` is a deterministic
+function of the input ids (and the knobs), so records can be checked exactly.
+
+When bound, it prints one JSON line on stdout: ``{"ready": true, "url": "http://HOST:PORT"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from array import array
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Sequence
+
+from webapp.tokenizers import ChatTokenizer, load_tokenizer
+
+__all__ = [
+    "SCREEN_WIDTH",
+    "SCREEN_HEIGHT",
+    "ACTION_VERBS",
+    "R3Shape",
+    "choose_action",
+    "reference_completion",
+    "routed_experts_b64",
+    "ReferenceBackendProcess",
+    "start_reference_backend",
+    "main",
+]
+
+SCREEN_WIDTH, SCREEN_HEIGHT = 1920, 1080
+ACTION_VERBS = ("click", "type", "key", "scroll")
+_WORDS = ("hello world", "shinken", "report.pdf", "quarterly numbers", "search terms", "ok")
+_KEYS = ("Enter", "Tab", "Escape", "ctrl+s", "ctrl+l", "alt+F4", "BackSpace")
+MODEL_NAME = "shinken-reference"
+MAX_REQUEST_BYTES = 256 << 20
+# 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
+_R3_BLOCK_INTS = 3 * 4096
+READY_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class R3Shape:
+    layers: int = 0  # 0: never return routed_experts
+    top_k: int = 8
+    num_experts: int = 128
+
+
+def _digest(input_ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16).digest()
+
+
+def choose_action(digest: bytes) -> dict[str, Any]:
+    """The action for a prompt digest, in the ACTION FORMAT."""
+    n = int.from_bytes(digest, "big")
+    verb = ACTION_VERBS[n % len(ACTION_VERBS)]
+    x, y = (n >> 8) % SCREEN_WIDTH, (n >> 24) % SCREEN_HEIGHT
+    if verb == "click":
+        action = {"verb": "click", "x": x, "y": y, "button": "left"}
+    elif verb == "type":
+        action = {"verb": "type", "text": _WORDS[(n >> 40) % len(_WORDS)]}
+    elif verb == "key":
+        action = {"verb": "key", "keys": _KEYS[(n >> 40) % len(_KEYS)]}
+    else:
+        action = {"verb": "scroll", "x": x, "y": y, "dx": 0, "dy": (n >> 40) % 11 - 5}
+    return {"action": action}
+
+
+def routed_experts_b64(digest: bytes, num_tokens: int, shape: R3Shape) -> str:
+    """Base64 of ``num_tokens x layers x top_k`` little-endian int32 expert ids, deterministic."""
+    seed = int.from_bytes(digest[:8], "big")
+    block = array("i", [((seed + j * 2654435761) >> 7) % shape.num_experts for j in range(_R3_BLOCK_INTS)])
+    if sys.byteorder != "little":
+        block.byteswap()
+    raw = block.tobytes()
+    size = max(num_tokens, 0) * shape.layers * shape.top_k * 4
+    full, rest = divmod(size, len(raw))
+    return (base64.b64encode(raw).decode("ascii") * full) + base64.b64encode(raw[:rest]).decode("ascii")
+
+
+def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, max_tokens: int | None = None,
+                         want_r3: bool = False, r3: R3Shape = R3Shape()) -> dict[str, Any]:
+    """The full backend reply for ``input_ids`` (pure, except ``created``)."""
+    digest = _digest(input_ids)
+    text = json.dumps(choose_action(digest), separators=(", ", ": "))
+    output_ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    finish_reason = "stop"
+    if max_tokens is not None and len(output_ids) > max_tokens:
+        output_ids, finish_reason = output_ids[:max_tokens], "length"
+    content_ids = output_ids[:-1] if finish_reason == "stop" else output_ids
+    n = int.from_bytes(digest, "big")
+    pairs = [[-(((n >> (i % 64)) + i * 7919 + tid) % 5000) / 1000.0, tid] for i, tid in enumerate(output_ids)]
+    meta: dict[str, Any] = {
+        "output_token_logprobs": pairs,
+        "completion_tokens": len(output_ids),
+        "prompt_tokens": len(input_ids),
+        "finish_reason": {"type": finish_reason},
+    }
+    if want_r3 and r3.layers > 0:
+        meta["routed_experts"] = routed_experts_b64(digest, len(input_ids) + len(output_ids) - 1, r3)
+    return {
+        "id": "chatcmpl-" + digest.hex(),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": MODEL_NAME,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": tokenizer.decode(content_ids)},
+            "finish_reason": finish_reason,
+            "meta_info": meta,
+        }],
+        "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
+                  "total_tokens": len(input_ids) + len(output_ids)},
+    }
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _input_ids(request: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    ids = request.get("input_ids")
+    if ids is None:
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("need input_ids or messages")
+        return tokenizer.encode(tokenizer.render(messages, add_generation_prompt=True, tools=request.get("tools")))
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise _BadRequest("input_ids must be a non-empty list of non-negative integers")
+    return ids
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: stdout carries the ready line
+        pass
+
+    def _send(self, status: int, obj: Any) -> None:
+        body = json.dumps(obj, separators=(",", ":")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+        else:
+            self._send(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_REQUEST_BYTES:
+            self.close_connection = True
+            self._send(413, {"error": "request too large"})
+            return
+        body = self.rfile.read(length)
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                raise _BadRequest("body must be a JSON object")
+            ids = _input_ids(request, self.server.tokenizer)
+            max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
+            reply = reference_completion(ids, self.server.tokenizer, max_tokens=max_tokens,
+                                         want_r3=bool(request.get("return_routed_experts")), r3=self.server.r3)
+        except (ValueError, _BadRequest) as exc:
+            self._send(400, {"error": str(exc)})
+            return
+        self._send(200, reply)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+
+    def __init__(self, address: tuple[str, int], tokenizer: ChatTokenizer, r3: R3Shape) -> None:
+        self.tokenizer = tokenizer
+        self.r3 = r3
+        super().__init__(address, _Handler)
+
+
+def _parse_bind(bind: str) -> tuple[str, int]:
+    host, _, port = bind.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m webapp.reference_backend", description=__doc__.split("\n")[0])
+    parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: pick a free one)")
+    parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template (default: bytes)")
+    parser.add_argument("--r3-layers", type=int, default=0, help="routed_experts layers (0: no R3)")
+    parser.add_argument("--r3-topk", type=int, default=8, help="routed_experts top_k")
+    parser.add_argument("--r3-experts", type=int, default=128, help="number of experts (id range)")
+    args = parser.parse_args(argv)
+    server = _Server(_parse_bind(args.bind), load_tokenizer(args.tokenizer),
+                     R3Shape(args.r3_layers, args.r3_topk, args.r3_experts))
+    host, port = server.server_address[:2]
+    print(json.dumps({"ready": True, "url": f"http://{host}:{port}", "pid": os.getpid()}), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+class ReferenceBackendProcess:
+    """A running ``python -m webapp.reference_backend`` subprocess."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> ReferenceBackendProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0, r3_topk: int = 8,
+                            bind: str = "127.0.0.1:0", timeout: float = READY_TIMEOUT) -> ReferenceBackendProcess:
+    """Start the reference backend as a subprocess and wait (at most ``timeout``) for its ready line."""
+    argv = [sys.executable, "-m", "webapp.reference_backend", "--bind", bind,
+            "--r3-layers", str(r3_layers), "--r3-topk", str(r3_topk)]
+    if tokenizer is not None:
+        argv += ["--tokenizer", tokenizer]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    line = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"reference backend not ready after {timeout} s")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                proc.wait()
+                raise RuntimeError(f"reference backend exited with {proc.returncode} before ready")
+            line += chunk
+    return ReferenceBackendProcess(proc, json.loads(line)["url"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Errors of the session core, each carrying the HTTP status an adapter answers with.
+
+Every adapter (the Flask app, the data-plane worker) maps a caught ``SessionError`` to
+``core.error_response(exc.status, str(exc))``, so single- and multi-process modes answer
+alike. ``UpstreamStatus`` is the one exception whose body is passed through verbatim.
+
+Exception tree::
+
+    SessionError                      status 500 unless a subclass says otherwise
+    ├── BadRequest                    400  the client broke the rules; nothing is stored
+    │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
+    │   ├── InvalidField              400  a field is missing or has the wrong type/value
+    │   ├── BodyTooLarge              413  request body over the named limit, refused unread
+    │   └── AppendOnlyViolation       400  messages do not extend the stored ones
+    │       └── RollbackTooDeep       400  rolls back more than one assistant step
+    ├── SessionNotFound               404  unknown, deleted or closing session
+    ├── SessionExists                 409  create_session with an id already in use
+    ├── SessionBusy                   503  waited too long for the session's previous turn
+    ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
+    ├── BackendError                  502  the backend failed us
+    │   ├── BackendUnreachable        502  connect/transport error
+    │   │   └── BackendTimeout        502  connect or read timeout
+    │   └── BackendMalformed          502  reply is not the backend contract
+    └── UpstreamStatus                the backend's own non-200, passed through unrecorded
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SessionError",
+    "BadRequest",
+    "InvalidJSON",
+    "InvalidField",
+    "BodyTooLarge",
+    "AppendOnlyViolation",
+    "RollbackTooDeep",
+    "SessionNotFound",
+    "SessionExists",
+    "SessionBusy",
+    "TokenPrefixMismatch",
+    "BackendError",
+    "BackendUnreachable",
+    "BackendTimeout",
+    "BackendMalformed",
+    "UpstreamStatus",
+]
+
+
+class SessionError(Exception):
+    """Base of every error the session core raises on purpose."""
+
+    status: int = 500
+
+
+class BadRequest(SessionError):
+    status = 400
+
+
+class InvalidJSON(BadRequest):
+    pass
+
+
+class InvalidField(BadRequest):
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(field, problem)
+        self.field = field
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"invalid field {self.field!r}: {self.problem}"
+
+
+class BodyTooLarge(BadRequest):
+    status = 413
+
+
+class AppendOnlyViolation(BadRequest):
+    pass
+
+
+class RollbackTooDeep(AppendOnlyViolation):
+    pass
+
+
+class SessionNotFound(SessionError):
+    status = 404
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session_id = session_id
+
+    def __str__(self) -> str:
+        return f"session {self.session_id!r} not found"
+
+
+class SessionExists(SessionError):
+    status = 409
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session_id = session_id
+
+    def __str__(self) -> str:
+        return f"session {self.session_id!r} already exists"
+
+
+class SessionBusy(SessionError):
+    status = 503
+
+
+class TokenPrefixMismatch(SessionError):
+    status = 500
+
+
+class BackendError(SessionError):
+    status = 502
+
+
+class BackendUnreachable(BackendError):
+    pass
+
+
+class BackendTimeout(BackendUnreachable):
+    pass
+
+
+class BackendMalformed(BackendError):
+    pass
+
+
+class UpstreamStatus(SessionError):
+    """The backend answered non-200: the adapter relays its status and body untouched."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    def __str__(self) -> str:
+        return f"backend answered HTTP {self.status}"

@@ -1,0 +1,210 @@
+"""Token-in/token-out accounting for one session, free of I/O.
+
+A session's token state is a ``TitoState``: the normalized messages so far (ending with the
+committed assistant reply), the accumulated token ids (last prompt ids + output ids), and
+what is needed to append the next turn without re-tokenizing earlier ones.
+
+Rules (see docs/session-server.md):
+
+- First turn: prompt ids = ``encode(render(messages, add_generation_prompt=True))``.
+- Later turns: the request's messages must extend the stored ones append-only. Prompt ids =
+  stored ids + ``encode(closer + suffix)``, where ``suffix`` is what the chat template renders
+  for the new messages (the text past the rendering of the stored messages) and ``closer`` is
+  what the template puts after the model's end-of-turn token (ChatML: ``"\\n"``; the whole
+  ``"<|im_end|>\\n"`` when the output stopped without the end-of-turn token).
+- A request may instead extend the state before the last turn: a rollback of exactly one
+  assistant step. Anything that rewrites older messages is ``RollbackTooDeep``.
+- If the template renders the stored messages differently once new ones follow, the ids
+  cannot be appended: ``TokenPrefixMismatch``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
+from webapp.tokenizers import ChatTokenizer
+
+__all__ = [
+    "TitoState",
+    "TurnPlan",
+    "INITIAL_STATE",
+    "normalize_message",
+    "normalize_messages",
+    "plan_turn",
+    "commit_turn",
+    "MAX_MESSAGES",
+]
+
+Message = dict[str, Any]
+
+# A computer-use episode of a few hundred steps has ~1-2k messages; far beyond that is a
+# runaway client, refused before any rendering work.
+MAX_MESSAGES = 100_000
+
+
+@dataclass(frozen=True)
+class TitoState:
+    messages: tuple[Message, ...]
+    tools_key: str | None
+    token_ids: tuple[int, ...]
+    rendered_prompt: str  # render(messages[:-1], add_generation_prompt=True) of the last turn
+    output_ended_with_eos: bool
+
+
+INITIAL_STATE = TitoState(messages=(), tools_key=None, token_ids=(), rendered_prompt="",
+                          output_ended_with_eos=True)
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    base: TitoState
+    rollback: bool
+    messages: tuple[Message, ...]
+    tools_key: str | None
+    prompt_text: str
+    prompt_ids: list[int]
+
+
+def _check_str(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidField(field, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def normalize_message(raw: Any, where: str = "message") -> Message:
+    """The comparable form of one OpenAI message: role, content, name, tool_calls, tool_call_id.
+
+    Other keys (``refusal``, ``annotations``, ``reasoning_content`` ...) and None values are
+    dropped, so a client echoing the assistant message through the ``openai`` models still
+    compares equal to what was stored.
+    """
+    if not isinstance(raw, dict):
+        raise InvalidField(where, f"expected an object, got {type(raw).__name__}")
+    msg: Message = {"role": _check_str(raw.get("role"), f"{where}.role")}
+    content = raw.get("content")
+    if content is None or isinstance(content, str):
+        msg["content"] = content or ""
+    elif isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        msg["content"] = [{k: v for k, v in p.items() if v is not None} for p in content]
+    else:
+        raise InvalidField(f"{where}.content", "expected a string, null or a list of parts")
+    if raw.get("name") is not None:
+        msg["name"] = _check_str(raw["name"], f"{where}.name")
+    if raw.get("tool_call_id") is not None:
+        msg["tool_call_id"] = _check_str(raw["tool_call_id"], f"{where}.tool_call_id")
+    calls = raw.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise InvalidField(f"{where}.tool_calls", "expected a list")
+        norm_calls = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise InvalidField(f"{where}.tool_calls[{j}].function", "expected an object")
+            arguments = fn.get("arguments")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            norm_calls.append({
+                "id": call.get("id"),
+                "type": call.get("type") or "function",
+                "function": {"name": _check_str(fn.get("name"), f"{where}.tool_calls[{j}].function.name"),
+                             "arguments": arguments},
+            })
+        msg["tool_calls"] = norm_calls
+    return msg
+
+
+def normalize_messages(raw: Any) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidField("messages", "expected a non-empty list")
+    if len(raw) > MAX_MESSAGES:
+        raise InvalidField("messages", f"more than {MAX_MESSAGES} messages")
+    return tuple(normalize_message(m, f"messages[{i}]") for i, m in enumerate(raw))
+
+
+def tools_key(tools: Any) -> str | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidField("tools", "expected a list")
+    return json.dumps(tools, sort_keys=True, ensure_ascii=False)
+
+
+def _extends(messages: tuple[Message, ...], stored: tuple[Message, ...]) -> bool:
+    return len(messages) > len(stored) and messages[: len(stored)] == stored
+
+
+def _first_difference(messages: tuple[Message, ...], stored: tuple[Message, ...]) -> int:
+    for i, (a, b) in enumerate(zip(messages, stored)):
+        if a != b:
+            return i
+    return min(len(messages), len(stored))
+
+
+def _choose_base(messages: tuple[Message, ...], current: TitoState,
+                 previous: TitoState | None) -> tuple[TitoState, bool]:
+    if _extends(messages, current.messages):
+        return current, False
+    if previous is not None and _extends(messages, previous.messages):
+        return previous, True
+    if messages == current.messages:
+        raise AppendOnlyViolation("no new message after the stored conversation")
+    i = _first_difference(messages, current.messages)
+    if previous is not None and i < len(previous.messages):
+        raise RollbackTooDeep(
+            f"message {i} differs from the stored conversation; only the last assistant step "
+            f"(messages {len(previous.messages)}..) may be rolled back")
+    raise AppendOnlyViolation(f"message {i} differs from the stored conversation (append-only)")
+
+
+def _turn_closer(reply_region: str, eos_token: str, ended_with_eos: bool) -> str:
+    """Text the template renders after the model's tokens for the stored assistant reply."""
+    k = reply_region.rfind(eos_token)
+    if k < 0:
+        return ""
+    return reply_region[k + len(eos_token):] if ended_with_eos else reply_region[k:]
+
+
+def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any, tools: Any,
+              tokenizer: ChatTokenizer) -> TurnPlan:
+    """Validate a turn's messages against the session and compute its prompt ids.
+
+    Raises ``InvalidField``, ``AppendOnlyViolation``/``RollbackTooDeep`` (400) or
+    ``TokenPrefixMismatch`` (500); never mutates state.
+    """
+    messages = normalize_messages(raw_messages)
+    key = tools_key(tools)
+    base, rollback = _choose_base(messages, current, previous)
+    if base.messages and key != base.tools_key:
+        raise AppendOnlyViolation("tools differ from the ones this session started with")
+    if messages[-1]["role"] == "assistant":
+        raise AppendOnlyViolation("the last message must not be an assistant message")
+    prompt_text = tokenizer.render(messages, add_generation_prompt=True, tools=tools)
+    if not base.messages:
+        return TurnPlan(base, rollback, messages, key, prompt_text, tokenizer.encode(prompt_text))
+    rendered_base = tokenizer.render(base.messages, add_generation_prompt=False, tools=tools)
+    if not rendered_base.startswith(base.rendered_prompt):
+        raise TokenPrefixMismatch(
+            "chat template renders the stored prompt differently once the assistant reply follows")
+    if not prompt_text.startswith(rendered_base):
+        raise TokenPrefixMismatch(
+            "chat template re-renders the stored messages differently when new messages follow")
+    closer = _turn_closer(rendered_base[len(base.rendered_prompt):], tokenizer.eos_token,
+                          base.output_ended_with_eos)
+    new_ids = tokenizer.encode(closer + prompt_text[len(rendered_base):])
+    return TurnPlan(base, rollback, messages, key, prompt_text, [*base.token_ids, *new_ids])
+
+
+def commit_turn(plan: TurnPlan, assistant_message: Message, output_ids: Sequence[int],
+                eos_token_id: int) -> TitoState:
+    """The session state after the turn ``plan`` produced ``output_ids``."""
+    return TitoState(
+        messages=(*plan.messages, assistant_message),
+        tools_key=plan.tools_key,
+        token_ids=(*plan.prompt_ids, *output_ids),
+        rendered_prompt=plan.prompt_text,
+        output_ended_with_eos=bool(output_ids) and output_ids[-1] == eos_token_id,
+    )
