@@ -21,7 +21,7 @@ from requests.adapters import HTTPAdapter
 
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 
-__all__ = ["BackendClient", "BackendReply", "MAX_BACKEND_REPLY_BYTES", "CHAT_COMPLETIONS_PATH"]
+__all__ = ["CHAT_COMPLETIONS_PATH", "MAX_BACKEND_REPLY_BYTES", "BackendClient", "BackendReply"]
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 # A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply

@@ -39,16 +39,16 @@ from webapp.tito import INITIAL_STATE, TitoState, TurnPlan, commit_turn, normali
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
 __all__ = [
-    "Reply",
-    "error_response",
-    "json_response",
-    "CoreConfig",
-    "Session",
-    "SessionRegistry",
-    "SessionCore",
-    "build_session_core",
     "MAX_CHAT_BODY_BYTES",
     "SESSION_ID_PATTERN",
+    "CoreConfig",
+    "Reply",
+    "Session",
+    "SessionCore",
+    "SessionRegistry",
+    "build_session_core",
+    "error_response",
+    "json_response",
 ]
 
 log = logging.getLogger(__name__)

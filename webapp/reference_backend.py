@@ -37,23 +37,24 @@ import subprocess
 import sys
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Sequence
+from typing import Any
 
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
 __all__ = [
-    "SCREEN_WIDTH",
-    "SCREEN_HEIGHT",
     "ACTION_VERBS",
+    "SCREEN_HEIGHT",
+    "SCREEN_WIDTH",
     "R3Shape",
+    "ReferenceBackendProcess",
     "choose_action",
+    "main",
     "reference_completion",
     "routed_experts_b64",
-    "ReferenceBackendProcess",
     "start_reference_backend",
-    "main",
 ]
 
 SCREEN_WIDTH, SCREEN_HEIGHT = 1920, 1080
@@ -257,12 +258,6 @@ class ReferenceBackendProcess:
                 self.proc.wait(timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-
-    def __enter__(self) -> ReferenceBackendProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0, r3_topk: int = 8,

@@ -27,21 +27,21 @@ Exception tree::
 from __future__ import annotations
 
 __all__ = [
-    "SessionError",
-    "BadRequest",
-    "InvalidJSON",
-    "InvalidField",
-    "BodyTooLarge",
     "AppendOnlyViolation",
-    "RollbackTooDeep",
-    "SessionNotFound",
-    "SessionExists",
-    "SessionBusy",
-    "TokenPrefixMismatch",
     "BackendError",
-    "BackendUnreachable",
-    "BackendTimeout",
     "BackendMalformed",
+    "BackendTimeout",
+    "BackendUnreachable",
+    "BadRequest",
+    "BodyTooLarge",
+    "InvalidField",
+    "InvalidJSON",
+    "RollbackTooDeep",
+    "SessionBusy",
+    "SessionError",
+    "SessionExists",
+    "SessionNotFound",
+    "TokenPrefixMismatch",
     "UpstreamStatus",
 ]
 

@@ -21,21 +21,22 @@ Rules (see docs/session-server.md):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
 from webapp.tokenizers import ChatTokenizer
 
 __all__ = [
+    "INITIAL_STATE",
+    "MAX_MESSAGES",
     "TitoState",
     "TurnPlan",
-    "INITIAL_STATE",
+    "commit_turn",
     "normalize_message",
     "normalize_messages",
     "plan_turn",
-    "commit_turn",
-    "MAX_MESSAGES",
 ]
 
 Message = dict[str, Any]

@@ -17,15 +17,16 @@ import datetime
 import json
 import os
 import re
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 __all__ = [
-    "ChatTokenizer",
     "ByteChatTokenizer",
+    "ChatTokenizer",
     "HFChatTokenizer",
     "TokenizerLoadError",
-    "load_tokenizer",
     "content_text",
+    "load_tokenizer",
 ]
 
 Message = dict[str, Any]
