@@ -52,6 +52,22 @@ class Provider(abc.ABC, Generic[Handle]):
     def close(self) -> None:
         """Destroy every sandbox this provider created. Idempotent."""
 
+    def connect(self, handle: Handle, **kwargs: Any) -> Any:
+        """Dial ``handle`` with the blocking SDK: ``shinken_sync.sync.connect(url,
+        token=..., liveness_probe=..., **kwargs)``. The probe lets a lost
+        connection be upgraded to ``SandboxDied`` with this provider's detail."""
+        from shinken_sync.sync import connect
+
+        url, token = self.endpoint(handle)
+        return connect(url, token=token, liveness_probe=lambda: self.check_alive(handle), **kwargs)
+
+    async def aconnect(self, handle: Handle, **kwargs: Any) -> Any:
+        """Like :meth:`connect`, with the asyncio SDK (``shinken_sync.client.aconnect``)."""
+        from shinken_sync.client import aconnect
+
+        url, token = self.endpoint(handle)
+        return await aconnect(url, token=token, liveness_probe=lambda: self.check_alive(handle), **kwargs)
+
     def __enter__(self):
         return self
 

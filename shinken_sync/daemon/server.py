@@ -1,0 +1,238 @@
+"""shinkend: the in-sandbox ACI daemon (``python -m shinken_sync.daemon.server``).
+
+Binds, prints exactly one JSON line to stdout once every sandbox accepts
+connections, then serves until SIGTERM/SIGINT::
+
+    {"event": "ready", "url": "ws://127.0.0.1:PORT/sb/0", "pid": 1234, ...}
+
+Everything else goes to stderr. Each sandbox is served on its own URL path
+``/sb/<index>``: ``/sb/0`` in single mode, ``/sb/0`` .. ``/sb/N-1`` with
+``--fleet N`` (N virtual sandboxes in one process sharing one encode cache,
+for scale tests). One bearer token, read from ``--token-file``, guards them
+all. docs/protocol.md is the reference.
+
+Exit codes: 0 after a clean shutdown, 2 for bad command-line options or an
+unreadable token file, 3 when a display could not be started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import http
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION
+
+from .connection import serve_connection
+from .display import make_display
+from .screencast import DEFAULT_GRACE_S, StreamRegistry
+from .verbs import Sandbox
+
+log = logging.getLogger("shinkend")
+
+EXIT_USAGE = 2
+EXIT_BOOT_ERROR = 3
+MAX_FLEET = 4096
+MAX_RTT_MS = 10_000
+#: How long shutdown waits for connections to close and displays to stop.
+SHUTDOWN_TIMEOUT_S = 10.0
+#: Incoming frames buffered per connection before websockets stops reading;
+#: the reader drains them into the call queue at once, so a few suffice.
+WS_MAX_QUEUE = 4
+
+_PATH = re.compile(r"/sb/(\d+)")
+
+
+def sandbox_path(index: int) -> str:
+    return f"/sb/{index}"
+
+
+class Daemon:
+    def __init__(self, sandboxes: list[Sandbox], token: str, rtt_ms: float):
+        self.sandboxes = sandboxes
+        self._expected = f"Bearer {token}".encode()
+        self._delay_s = rtt_ms / 1000
+
+    def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._expected):
+            response = connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token\n")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        if self._sandbox_for(request.path) is None:
+            return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {request.path}\n")
+        return None
+
+    def _sandbox_for(self, path: str) -> Sandbox | None:
+        match = _PATH.fullmatch(path.split("?", 1)[0])
+        if match is None or int(match.group(1)) >= len(self.sandboxes):
+            return None
+        return self.sandboxes[int(match.group(1))]
+
+    async def handle(self, ws: ServerConnection) -> None:
+        sandbox = self._sandbox_for(ws.request.path)
+        assert sandbox is not None  # process_request refused every other path
+        await serve_connection(ws, sandbox, self._delay_s)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(sb.close() for sb in self.sandboxes), return_exceptions=True)
+
+
+def _parse_screen(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not match or not (16 <= int(match.group(1)) <= 16384 and 16 <= int(match.group(2)) <= 16384):
+        raise argparse.ArgumentTypeError(f"screen must be WIDTHxHEIGHT between 16 and 16384, not {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shinkend", description="The Shinken in-sandbox ACI daemon.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--token-file", required=True, help="file holding the bearer token")
+    p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual")
+    p.add_argument("--screen", type=_parse_screen, default=(1920, 1080), help="WIDTHxHEIGHT")
+    p.add_argument("--fleet", type=int, default=0, metavar="N", help="serve N virtual sandboxes")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="hold every outgoing message this long")
+    p.add_argument("--sandbox-id", default="", help="id reported in hello (fleet: prefix, '-<index>' added)")
+    p.add_argument("--stream-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="how long a detached screencast waits for resume_screencast")
+    p.add_argument("--seed", type=int, default=0, help="virtual desktop content seed")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _read_token(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+async def _make_sandboxes(args: argparse.Namespace) -> list[Sandbox]:
+    width, height = args.screen
+    base_id = args.sandbox_id or f"shinkend-{os.getpid()}"
+    if args.fleet:
+        from .display.virtual import SharedFrameCache
+
+        cache = SharedFrameCache()
+        # One seed for the whole fleet: one shared scene, and sandboxes in the same
+        # state share encoded frames.
+        specs = [(f"{base_id}-{i}", {"seed": args.seed, "shared_cache": cache}) for i in range(args.fleet)]
+    else:
+        options: dict[str, Any] = {"seed": args.seed} if args.display == "virtual" else {}
+        specs = [(base_id, options)]
+    sandboxes: list[Sandbox] = []
+    try:
+        for sandbox_id, options in specs:
+            display = make_display(args.display, width, height, **options)
+            sandboxes.append(Sandbox(sandbox_id, display, StreamRegistry(display, args.stream_grace)))
+            await display.start()
+    except BaseException:
+        await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
+        raise
+    return sandboxes
+
+
+async def run(args: argparse.Namespace, token: str) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        sandboxes = await _make_sandboxes(args)
+    except Exception:
+        log.exception("could not start the %s display", args.display)
+        return EXIT_BOOT_ERROR
+    daemon = Daemon(sandboxes, token, args.rtt_ms)
+    server: Server | None = None
+    try:
+        server = await serve(
+            daemon.handle,
+            args.host,
+            args.port,
+            process_request=daemon.process_request,
+            compression=None,
+            max_size=MAX_MESSAGE_SIZE,
+            max_queue=WS_MAX_QUEUE,
+            logger=logging.getLogger("shinkend.ws"),
+        )
+        port = server.sockets[0].getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]
+        display = sandboxes[0].display
+        ready: dict[str, Any] = {
+            "event": "ready",
+            "url": urls[0],
+            "pid": os.getpid(),
+            "port": port,
+            "protocol": PROTOCOL_VERSION,
+            "display": args.display,
+            "screen": {"width": display.width, "height": display.height},
+            "sandbox_id": sandboxes[0].sandbox_id,
+            "rtt_ms": args.rtt_ms,
+        }
+        x_display = getattr(display, "display_name", None)
+        if x_display:
+            ready["x_display"] = x_display
+        if args.fleet:
+            ready["urls"] = urls
+        sys.stdout.write(json.dumps(ready) + "\n")
+        sys.stdout.flush()
+        log.info("serving %d sandbox(es) on %s", len(sandboxes), urls[0] if len(urls) == 1 else f"port {port}")
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        if server is not None:
+            server.close()
+            try:
+                await asyncio.wait_for(server.wait_closed(), SHUTDOWN_TIMEOUT_S)
+            except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
+                log.warning("connections still open after %.0f s; closing anyway", SHUTDOWN_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(daemon.close(), SHUTDOWN_TIMEOUT_S)
+        except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
+            log.warning("displays still closing after %.0f s; exiting anyway", SHUTDOWN_TIMEOUT_S)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s shinkend[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    # One INFO line per connection is noise at a thousand connections.
+    logging.getLogger("shinkend.ws").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.fleet and args.display != "virtual":
+        parser.error("--fleet serves virtual sandboxes only (use --display virtual)")
+    if not 0 <= args.fleet <= MAX_FLEET:
+        parser.error(f"--fleet must be between 1 and {MAX_FLEET}")
+    if not 0 <= args.rtt_ms <= MAX_RTT_MS:
+        parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
+    if args.stream_grace < 0:
+        parser.error("--stream-grace must be >= 0")
+    try:
+        token = _read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        log.error("cannot read the token: %s", exc)
+        return EXIT_USAGE
+    return asyncio.run(run(args, token))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

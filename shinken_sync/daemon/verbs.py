@@ -1,0 +1,223 @@
+"""Dispatch: one call in, one encoded reply out.
+
+:func:`execute` validates the call's arguments (:mod:`.args`), runs the verb
+against the sandbox and encodes the reply. It never raises for anything a
+client did: bad arguments, a failing action, an expired deadline or a daemon
+bug each become an error reply on the same connection (see :mod:`.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shinken_sync.protocol import (
+    ERR_INTERNAL,
+    Call,
+    encode_error,
+    encode_image_reply,
+    encode_reply,
+)
+
+from .args import STREAM_PARAMS, Screen, validate
+from .display.base import Display, DisplayError, EncodedImage
+from .errors import VerbError, VerbTimeout
+from .outbox import Outbox
+from .screencast import StreamRegistry
+from .shell import Shell, read_file, write_file
+
+log = logging.getLogger("shinkend.verbs")
+
+#: Deadline for one display action (input or capture). A display that hangs
+#: longer is reported as a timeout; the connection carries on.
+DISPLAY_CALL_TIMEOUT_S = 30.0
+#: How often wait_change / wait_stable look at the screen. Cheap on the virtual
+#: display; about one capture + digest per poll on Xvfb.
+POLL_INTERVAL_S = 0.05
+MIN_POLL_INTERVAL_S = 0.01
+
+
+@dataclass
+class Sandbox:
+    """Everything one sandbox owns inside the daemon."""
+
+    sandbox_id: str
+    display: Display
+    streams: StreamRegistry
+    shell: Shell = field(default_factory=Shell)
+
+    @property
+    def screen(self) -> Screen:
+        return Screen(self.display.width, self.display.height)
+
+    async def close(self) -> None:
+        self.streams.close()
+        self.shell.close()
+        await self.display.close()
+
+
+Handler = Callable[[Sandbox, Outbox, dict[str, Any]], Awaitable["dict[str, Any] | EncodedImage"]]
+
+
+async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
+    """Run one call and return its encoded reply (text, or binary for an image)."""
+    try:
+        params = validate(call.verb, call.args, sandbox.screen)
+        result = await HANDLERS[call.verb](sandbox, outbox, params)
+    except VerbError as exc:
+        return encode_error(call.call_id, exc.kind, str(exc), exc.outcome)
+    except DisplayError as exc:
+        return encode_error(call.call_id, exc.kind, str(exc))
+    except Exception as exc:
+        log.exception("%s (call %r) failed inside the daemon", call.verb, call.call_id)
+        return encode_error(call.call_id, ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+    if isinstance(result, EncodedImage):
+        return encode_image_reply(call.call_id, result.meta(), result.data)
+    return encode_reply(call.call_id, result=result)
+
+
+async def _on_display(action: Awaitable[Any], what: str) -> Any:
+    try:
+        return await asyncio.wait_for(action, DISPLAY_CALL_TIMEOUT_S)
+    except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
+        raise VerbTimeout(f"{what} took longer than {DISPLAY_CALL_TIMEOUT_S:.0f} s") from None
+
+
+# ---------------------------------------------------------------------------
+# Handlers: (sandbox, outbox, validated params) -> result dict or EncodedImage
+
+
+async def _screenshot(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> EncodedImage:
+    return await _on_display(sb.display.screenshot(**p), "screenshot")
+
+
+async def _click(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.click(p["x"], p["y"], p["button"], p["count"]), "click")
+    return {}
+
+
+async def _move(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.move(p["x"], p["y"]), "move")
+    return {}
+
+
+async def _drag(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.drag(p["x0"], p["y0"], p["x1"], p["y1"], p["button"]), "drag")
+    return {}
+
+
+async def _scroll(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.scroll(p["dx"], p["dy"], p["x"], p["y"]), "scroll")
+    return {}
+
+
+async def _type(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.type_text(p["text"]), "type")
+    return {}
+
+
+async def _key(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await _on_display(sb.display.key(p["combo"]), "key")
+    return {}
+
+
+async def _cursor(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    x, y = await _on_display(sb.display.cursor(), "cursor")
+    return {"x": x, "y": y}
+
+
+async def _screen_size(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return {"width": sb.display.width, "height": sb.display.height}
+
+
+async def _wait(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    await asyncio.sleep(p["ms"] / 1000)
+    return {"waited_ms": p["ms"]}
+
+
+async def _token(sb: Sandbox) -> Hashable:
+    return await _on_display(sb.display.change_token(), "change_token")
+
+
+async def _wait_change(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + p["timeout_ms"] / 1000
+    first = await _token(sb)
+    while loop.time() < deadline:
+        await asyncio.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - loop.time())))
+        if await _token(sb) != first:
+            return {"changed": True, "waited_ms": _ms_since(loop, start)}
+    raise VerbTimeout(f"the screen did not change within {p['timeout_ms']} ms")
+
+
+async def _wait_stable(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    stable_s = p["stable_ms"] / 1000
+    deadline = start + p["timeout_ms"] / 1000
+    interval = max(MIN_POLL_INTERVAL_S, min(POLL_INTERVAL_S, stable_s / 4))
+    last, since = await _token(sb), start
+    while True:
+        now = loop.time()
+        if now - since >= stable_s:
+            return {"stable": True, "waited_ms": _ms_since(loop, start)}
+        if now >= deadline:
+            raise VerbTimeout(f"the screen kept changing for {p['timeout_ms']} ms")
+        await asyncio.sleep(min(interval, max(0.0, deadline - now), max(0.0, since + stable_s - now)))
+        token = await _token(sb)
+        if token != last:
+            last, since = token, loop.time()
+
+
+def _ms_since(loop: asyncio.AbstractEventLoop, start: float) -> float:
+    return round((loop.time() - start) * 1000, 1)
+
+
+async def _exec(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return await sb.shell.exec(p)
+
+
+async def _read_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return await asyncio.to_thread(read_file, p)
+
+
+async def _write_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return await asyncio.to_thread(write_file, p)
+
+
+async def _screencast_start(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return sb.streams.start(outbox, p)
+
+
+async def _screencast_stop(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return sb.streams.stop(p["stream_id"])
+
+
+async def _resume_screencast(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    return sb.streams.resume(outbox, p["stream_id"], {k: p[k] for k in STREAM_PARAMS})
+
+
+HANDLERS: dict[str, Handler] = {
+    "screenshot": _screenshot,
+    "click": _click,
+    "move": _move,
+    "drag": _drag,
+    "scroll": _scroll,
+    "type": _type,
+    "key": _key,
+    "wait": _wait,
+    "wait_stable": _wait_stable,
+    "wait_change": _wait_change,
+    "cursor": _cursor,
+    "screen_size": _screen_size,
+    "exec": _exec,
+    "read_file": _read_file,
+    "write_file": _write_file,
+    "screencast_start": _screencast_start,
+    "screencast_stop": _screencast_stop,
+    "resume_screencast": _resume_screencast,
+}

@@ -1,0 +1,48 @@
+"""Errors the providers raise. They hang off the SDK's root error::
+
+    ShinkenError                       (shinken_sync.errors)
+    └── ProviderError                  a provider could not do what was asked
+        ├── DaemonStartError           a shinkend process did not report ready
+        │                              (exit_code / signal / stderr_tail say why)
+        ├── ProviderExhausted          a fixed-size provider has no sandbox left to hand out
+        └── UnknownHandle              the handle was not created by this provider
+"""
+
+from __future__ import annotations
+
+from shinken_sync.errors import ShinkenError
+
+
+class ProviderError(ShinkenError):
+    """A provider could not create, reach or destroy a sandbox."""
+
+
+class DaemonStartError(ProviderError):
+    """shinkend exited, or stayed silent, before printing its ready line."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        stderr_tail: str = "",
+    ):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.signal = signal
+        self.stderr_tail = stderr_tail
+
+    def __str__(self) -> str:
+        text = self.args[0]
+        if self.stderr_tail:
+            text += "\n--- shinkend stderr (tail) ---\n" + self.stderr_tail
+        return text
+
+
+class ProviderExhausted(ProviderError):
+    """Every sandbox of a fixed-size provider (static list, fleet host) is handed out."""
+
+
+class UnknownHandle(ProviderError):
+    """The handle does not belong to this provider (or was already destroyed and forgotten)."""

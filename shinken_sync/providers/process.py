@@ -1,0 +1,269 @@
+"""Starting, probing and stopping shinkend child processes on loopback.
+
+:func:`start_daemons` launches ``sys.executable -m shinken_sync.daemon.server``
+children with bounded parallelism and waits for each one's ready line. Every
+child gets a fresh random token in a 0600 file (deleted as soon as the child
+reported ready: it reads the token before binding), and its stderr goes to an
+already-unlinked temporary file whose descriptor the parent keeps, so a failed
+start can quote the daemon's last words and a crash leaves nothing on disk.
+
+Children die with their parent three ways:
+
+* ``PR_SET_PDEATHSIG`` (SIGTERM) is set in the child before exec. The kernel
+  sends it when the *thread* that forked exits, so every child is forked from
+  one long-lived spawner thread owned by this module, never from a caller's
+  short-lived thread;
+* :meth:`DaemonProcess.terminate` from ``Provider.close()`` / ``destroy()``;
+* an ``atexit`` hook terminating whatever is still running (Ctrl-C included:
+  KeyboardInterrupt unwinds through it; children in the terminal's process
+  group get the SIGINT themselves too).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import IO, Any
+
+from .base import Liveness
+from .errors import DaemonStartError
+
+#: How long a daemon may take from exec to its ready line.
+DEFAULT_START_TIMEOUT_S = 30.0
+#: SIGTERM -> SIGKILL escalation delay (a clean stop includes stopping Xvfb).
+TERMINATE_TIMEOUT_S = 10.0
+#: Bytes of a daemon's stderr quoted in a DaemonStartError.
+STDERR_TAIL_BYTES = 4000
+#: A ready line longer than this is not a ready line (fleet lines list N URLs).
+MAX_READY_LINE = 4 * 2**20
+
+_PR_SET_PDEATHSIG = 1
+_live: weakref.WeakSet[DaemonProcess] = weakref.WeakSet()
+_spawner_lock = threading.Lock()
+_spawner: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+try:  # resolved in the parent: nothing may be loaded between fork and exec
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent(parent_pid: int):
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _spawn_thread() -> concurrent.futures.ThreadPoolExecutor:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # first use, or a forked child
+            _spawner = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, "shinken-spawner"))
+        return _spawner[1]
+
+
+class DaemonProcess:
+    """One shinkend child: its process, token and ready line."""
+
+    def __init__(self, argv: list[str], name: str):
+        self.name = name
+        self.token = secrets.token_urlsafe(32)
+        fd, self._token_path = tempfile.mkstemp(prefix=f"shinkend-{name}-", suffix=".token")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+        self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
+        self.ready: dict[str, Any] = {}
+        self._buffer = bytearray()
+        cmd = [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
+        try:
+            self.process: subprocess.Popen[bytes] = _spawn_thread().submit(self._popen, cmd).result()
+        except BaseException:
+            self._forget_token()
+            self._stderr.close()
+            raise
+        _live.add(self)
+
+    def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            close_fds=True,
+            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (one spawner thread; see docstring)
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return self.ready["url"]
+
+    # -- startup -------------------------------------------------------------
+
+    def _feed(self) -> bool | None:
+        """Read what stdout holds: True once the ready line is complete, False
+        at EOF (the daemon exited or closed stdout), None to keep waiting."""
+        chunk = os.read(self.process.stdout.fileno(), 65536)
+        if not chunk:
+            return False
+        self._buffer += chunk
+        if b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_READY_LINE:
+                raise self.start_error("the daemon wrote more than a ready line's worth without a newline")
+            return None
+        line = bytes(self._buffer).split(b"\n", 1)[0]
+        try:
+            ready = json.loads(line)
+        except ValueError:
+            ready = None
+        if not isinstance(ready, dict) or ready.get("event") != "ready" or "url" not in ready:
+            raise self.start_error(f"expected a ready line, got {line[:200]!r}")
+        self.ready = ready
+        return True
+
+    def _started(self) -> None:
+        self.process.stdout.close()  # the daemon writes nothing else to stdout
+        self._forget_token()  # read before the daemon bound its port
+
+    def start_error(self, message: str) -> DaemonStartError:
+        self.terminate()
+        rc = self.process.returncode
+        return DaemonStartError(
+            f"shinkend {self.name}: {message}",
+            exit_code=rc if rc is not None and rc >= 0 else None,
+            signal=-rc if rc is not None and rc < 0 else None,
+            stderr_tail=self.stderr_tail(),
+        )
+
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
+        try:
+            size = os.fstat(self._stderr.fileno()).st_size
+            data = os.pread(self._stderr.fileno(), limit, max(0, size - limit))
+        except (OSError, ValueError):
+            return ""
+        return data.decode("utf-8", errors="replace")
+
+    # -- probing and stopping --------------------------------------------------
+
+    def liveness(self) -> Liveness:
+        rc = self.process.poll()
+        if rc is None:
+            return Liveness(alive=True)
+        if rc >= 0:
+            return Liveness(alive=False, exit_code=rc, detail=f"shinkend exited with code {rc}")
+        name = _signal_name(-rc)
+        detail = f"shinkend killed by {name}"
+        if -rc == signal.SIGKILL:
+            # The kernel's OOM killer also sends SIGKILL; from the outside the two
+            # look the same, so oom stays False rather than guessed.
+            detail += " (an OOM kill looks the same; not distinguished)"
+        return Liveness(alive=False, signal=-rc, detail=detail)
+
+    def terminate(self, timeout: float = TERMINATE_TIMEOUT_S) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; idempotent."""
+        proc = self.process
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(TERMINATE_TIMEOUT_S)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
+        self._forget_token()
+        _live.discard(self)
+
+    def release(self) -> None:
+        """Terminate and close the stderr capture."""
+        self.terminate()
+        self._stderr.close()
+
+    def _forget_token(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._token_path)
+
+
+def start_daemons(
+    argvs: list[list[str]],
+    names: list[str],
+    *,
+    parallelism: int = 8,
+    timeout: float = DEFAULT_START_TIMEOUT_S,
+) -> list[DaemonProcess]:
+    """Start one daemon per argv, at most ``parallelism`` starting at once.
+
+    All or nothing: when one fails to report ready within ``timeout`` seconds,
+    every daemon this call started is terminated and :class:`DaemonStartError`
+    (with that daemon's stderr tail) is raised.
+    """
+    if parallelism < 1:
+        raise ValueError("parallelism must be >= 1")
+    todo = list(zip(argvs, names))
+    todo.reverse()
+    started: list[DaemonProcess] = []
+    deadlines: dict[DaemonProcess, float] = {}
+    with selectors.DefaultSelector() as sel:
+        try:
+            while todo or deadlines:
+                while todo and len(deadlines) < parallelism:
+                    argv, name = todo.pop()
+                    daemon = DaemonProcess(argv, name)
+                    started.append(daemon)
+                    deadlines[daemon] = time.monotonic() + timeout
+                    sel.register(daemon.process.stdout, selectors.EVENT_READ, daemon)
+                wait = max(0.0, min(deadlines.values()) - time.monotonic())
+                for key, _ in sel.select(wait):
+                    daemon = key.data
+                    done = daemon._feed()
+                    if done is False:
+                        daemon.process.wait(TERMINATE_TIMEOUT_S)
+                        raise daemon.start_error("exited before it was ready")
+                    if done:
+                        sel.unregister(key.fileobj)
+                        daemon._started()
+                        del deadlines[daemon]
+                now = time.monotonic()
+                for daemon, deadline in deadlines.items():
+                    if now >= deadline:
+                        raise daemon.start_error(f"not ready after {timeout:.0f} s")
+        except BaseException:
+            for daemon in started:
+                daemon.release()
+            raise
+    return started
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@atexit.register
+def _terminate_leftovers() -> None:
+    for daemon in list(_live):
+        with contextlib.suppress(Exception):
+            daemon.terminate(timeout=2.0)
