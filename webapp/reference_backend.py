@@ -35,6 +35,7 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Sequence
@@ -66,6 +67,7 @@ MAX_REQUEST_BYTES = 256 << 20
 # 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
 _R3_BLOCK_INTS = 3 * 4096
 READY_TIMEOUT = 30.0
+PARENT_POLL_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,12 @@ def _parse_bind(bind: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_INTERVAL)
+    os._exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m webapp.reference_backend", description=__doc__.split("\n")[0])
     parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: pick a free one)")
@@ -228,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--r3-layers", type=int, default=0, help="routed_experts layers (0: no R3)")
     parser.add_argument("--r3-topk", type=int, default=8, help="routed_experts top_k")
     parser.add_argument("--r3-experts", type=int, default=128, help="number of experts (id range)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="exit when the parent process dies (no orphan after a killed server)")
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     server = _Server(_parse_bind(args.bind), load_tokenizer(args.tokenizer),
                      R3Shape(args.r3_layers, args.r3_topk, args.r3_experts))
     host, port = server.server_address[:2]
@@ -263,7 +275,7 @@ class ReferenceBackendProcess:
 def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0, r3_topk: int = 8,
                             bind: str = "127.0.0.1:0", timeout: float = READY_TIMEOUT) -> ReferenceBackendProcess:
     """Start the reference backend as a subprocess and wait (at most ``timeout``) for its ready line."""
-    argv = [sys.executable, "-m", "webapp.reference_backend", "--bind", bind,
+    argv = [sys.executable, "-m", "webapp.reference_backend", "--bind", bind, "--exit-with-parent",
             "--r3-layers", str(r3_layers), "--r3-topk", str(r3_topk)]
     if tokenizer is not None:
         argv += ["--tokenizer", tokenizer]

@@ -1,0 +1,118 @@
+"""The single-process session server: a Flask adapter over one ``SessionCore``.
+
+``gunicorn -k gevent --no-control-socket 'webapp.app:create_app()'`` serves it. Settings come
+from the arguments or, when ``config`` is None, from the environment:
+
+- ``SHINKEN_BACKEND_URL``: the inference backend. Unset: the app starts the reference backend
+  (``webapp.reference_backend``) as a subprocess of its own, the embedded default.
+- ``SHINKEN_TOKENIZER``: a directory with ``tokenizer.json`` + chat template (unset: bytes).
+- ``SHINKEN_REFERENCE_R3_LAYERS`` / ``SHINKEN_REFERENCE_R3_TOPK``: R3 shape of an embedded
+  reference backend (default: no R3).
+
+The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
+chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
+with an explicit ``Content-Length``, so it is written chunk by chunk and never joined.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+from typing import Any
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from webapp.core import (
+    MAX_CHAT_BODY_BYTES,
+    CoreConfig,
+    Reply,
+    SessionCore,
+    build_session_core,
+    error_response,
+)
+from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
+
+__all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
+
+CORE_EXTENSION_KEY = "shinken_session_core"
+
+
+def to_flask_response(reply: Reply) -> Response:
+    resp = Response(reply.chunks, status=reply.status)
+    if reply.content_type:
+        resp.headers["Content-Type"] = reply.content_type
+    else:
+        del resp.headers["Content-Type"]
+    if reply.status != 204:
+        resp.headers["Content-Length"] = str(reply.content_length)
+    for name, value in reply.headers:
+        resp.headers.add(name, value)
+    return resp
+
+
+def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendProcess | None]:
+    tokenizer = kw.pop("tokenizer", None) or os.environ.get("SHINKEN_TOKENIZER") or None
+    backend_url = kw.pop("backend_url", None) or os.environ.get("SHINKEN_BACKEND_URL") or None
+    reference = None
+    if backend_url is None:
+        reference = start_reference_backend(
+            tokenizer=tokenizer,
+            r3_layers=int(os.environ.get("SHINKEN_REFERENCE_R3_LAYERS", "0")),
+            r3_topk=int(os.environ.get("SHINKEN_REFERENCE_R3_TOPK", "8")),
+        )
+        backend_url = reference.url
+    return CoreConfig(backend_url=backend_url, tokenizer=tokenizer, **kw), reference
+
+
+def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
+    """The single-process session server app.
+
+    ``config`` wins; keyword arguments override its fields (or, without it, build one with
+    the environment as described in the module docstring).
+    """
+    if config is None:
+        config, reference = _config_from_env(dict(kw))
+    else:
+        config, reference = dataclasses.replace(config, **kw), None
+    core = build_session_core(config)
+
+    def shutdown() -> None:
+        core.close()
+        if reference is not None:
+            reference.close()
+
+    atexit.register(shutdown)
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
+    app.extensions[CORE_EXTENSION_KEY] = core
+    _add_routes(app, core)
+    return app
+
+
+def _add_routes(app: Flask, core: SessionCore) -> None:
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        return to_flask_response(error_response(exc.code or 500, exc.description or exc.name))
+
+    @app.get("/health")
+    def health() -> Response:
+        return to_flask_response(core.health())
+
+    @app.post("/sessions")
+    def create_session() -> Response:
+        return to_flask_response(core.create_session())
+
+    @app.get("/sessions/<session_id>")
+    def get_session(session_id: str) -> Response:
+        return to_flask_response(core.get_session(session_id))
+
+    @app.delete("/sessions/<session_id>")
+    def delete_session(session_id: str) -> Response:
+        return to_flask_response(core.delete_session(session_id))
+
+    @app.post("/sessions/<session_id>/v1/chat/completions")
+    def chat(session_id: str) -> Response:
+        return to_flask_response(core.chat(session_id, request.get_data(cache=False)))
