@@ -1,0 +1,977 @@
+"""The asyncio core: one :class:`AsyncSandbox` per WebSocket connection to shinkend.
+
+Each connection has exactly one reader task. It decodes every daemon message
+(:mod:`shinken_sync.protocol`) and routes it: replies by ``call_id`` to the
+future of the call awaiting them, screencast frames into their stream's
+bounded queue (:mod:`shinken_sync.framebudget`), ``stream_end`` to its stream.
+Calls never read the socket themselves, so any number of them may be in flight
+at once: ``step`` sends all of its calls before awaiting any reply and costs
+about one round trip.
+
+Every call has a deadline (``rpc_timeout``, or ``timeout=`` per call; verbs
+that wait on purpose -- ``wait``, ``wait_stable``, ``wait_change``, ``exec`` --
+get their own duration on top). When the connection dies, every pending call
+fails at once with :class:`~shinken_sync.errors.ConnectionLost`, or with
+:class:`~shinken_sync.errors.SandboxDied` when the ``liveness_probe`` says the
+sandbox is gone; open screencasts end with a stream-lost sentinel.
+
+The frame budget knob
+---------------------
+:data:`GLOBAL_FRAME_BUDGET_BYTES` (default None = off) caps the bytes of
+screencast frames queued on one event loop, across every connection on it.
+It is read at every frame push, on whichever loop the frame arrives: setting
+it applies from the next pushed frame on, on every loop; frames queued before
+stay until consumed or evicted by a later push. Each loop has its own budget
+of that size (two loops, two budgets). ``framebudget`` documents the eviction
+order; :func:`loop_frame_budget` reads the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import logging
+import random
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from . import actions as build
+from . import protocol
+from .errors import (
+    ActionDenied,
+    ActionError,
+    ActionTimeout,
+    AuthRefused,
+    ConnectError,
+    ConnectionLost,
+    FrameTimeout,
+    ProtocolViolation,
+    RPCTimeout,
+    SandboxClosed,
+    SandboxDied,
+    ShinkenError,
+    Skipped,
+    StreamLost,
+    classify_exception,
+)
+from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
+from .providers.base import Liveness
+from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
+
+__all__ = [
+    "GLOBAL_FRAME_BUDGET_BYTES",
+    "AsyncSandbox",
+    "ScreencastStream",
+    "aconnect",
+    "loop_frame_budget",
+]
+
+log = logging.getLogger("shinken_sync.client")
+
+#: Byte budget for queued screencast frames per event loop; None = off.
+#: Recommended for fleets: ``256 << 20``. See the module docstring.
+GLOBAL_FRAME_BUDGET_BYTES: int | None = None
+
+#: The websockets keepalive default; ``ping_jitter`` adds to it per connection.
+DEFAULT_PING_INTERVAL = 20.0
+DEFAULT_OPEN_TIMEOUT = 10.0
+DEFAULT_RPC_TIMEOUT = 30.0
+DEFAULT_CLOSE_TIMEOUT = 2.0
+#: Frames a stream's queue holds before dropping its oldest.
+DEFAULT_MAX_QUEUE_FRAMES = 32
+#: How long a liveness probe may take on the failure path before the loss is
+#: reported as a plain ConnectionLost.
+LIVENESS_PROBE_TIMEOUT = 2.0
+#: Added to the duration of verbs that wait on purpose to form their deadline.
+WAITING_VERB_SLACK = 10.0
+#: read_file() without max_bytes fetches the file in calls of this size (the
+#: daemon's own per-call cap).
+READ_FILE_CHUNK = 8 * 2**20
+
+Gateway = Callable[[Mapping[str, Any]], bool]
+LivenessProbe = Callable[[], Liveness]
+
+#: Verbs that manage screencasts have dedicated methods; step/act_batch refuse them.
+_STREAM_VERBS = frozenset({"screencast_start", "screencast_stop", "resume_screencast"})
+_ACTION_VERBS = protocol.VERBS - _STREAM_VERBS
+#: Arguments that carry bytes, base64-encoded on the wire.
+_BINARY_ARGS = {"write_file": "data", "exec": "stdin"}
+
+
+class _StreamEnded:
+    """Queue sentinel: the daemon ended the stream (stop, expiry, moved)."""
+
+    __slots__ = ()
+
+
+class _StreamLostMark:
+    """Queue sentinel: the connection carrying the stream died."""
+
+    __slots__ = ("cause",)
+
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+
+
+_ENDED = _StreamEnded()
+
+
+class _Pending:
+    """One call awaiting its reply: the future and its deadline timer."""
+
+    __slots__ = ("future", "timer", "verb")
+
+    def __init__(self, future: asyncio.Future, timer: asyncio.TimerHandle, verb: str):
+        self.future = future
+        self.timer = timer
+        self.verb = verb
+
+
+def loop_frame_budget(loop: asyncio.AbstractEventLoop | None = None) -> FrameBudget:
+    """The frame budget (and its counters) of ``loop``, default the running loop."""
+    return budget_for_loop(loop or asyncio.get_running_loop())
+
+
+async def aconnect(
+    url: str,
+    token: str | None = None,
+    *,
+    ping_jitter: float = 0.0,
+    open_timeout: float = DEFAULT_OPEN_TIMEOUT,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    liveness_probe: LivenessProbe | None = None,
+    gateway: Gateway | None = None,
+    ssl: Any = None,
+    max_queue_frames: int = DEFAULT_MAX_QUEUE_FRAMES,
+) -> AsyncSandbox:
+    """Dial one sandbox and wait for its ``hello``.
+
+    Args:
+        url: ``ws://`` or ``wss://`` endpoint. TLS is dialed by the SDK itself
+            (no proxy is consulted); ``ssl`` is an ``ssl.SSLContext`` for
+            ``wss://`` (None = the system defaults).
+        token: the bearer token, sent in the ``Authorization`` header.
+        ping_jitter: the keepalive interval is ``20 + uniform(0, ping_jitter)``
+            seconds, drawn once here, so a fleet dialed together does not ping
+            in lockstep forever. 0 keeps the websockets default of 20 s.
+        open_timeout: bound on TCP + TLS + WebSocket handshake + hello.
+        rpc_timeout: default deadline of every call; ``timeout=`` overrides it.
+        close_timeout: bound on the closing handshake in :meth:`AsyncSandbox.close`.
+        liveness_probe: called (in an executor, at most
+            :data:`LIVENESS_PROBE_TIMEOUT` s) when the connection drops; a
+            ``Liveness(alive=False, ...)`` turns the loss into ``SandboxDied``.
+        gateway: called with each ``step``/``act_batch`` action before it is
+            sent; a false return marks the action ``denied`` and it is not sent.
+        max_queue_frames: per-stream frame queue bound (drop-oldest).
+
+    Raises:
+        AuthRefused: the daemon answered HTTP 401.
+        ConnectError: anything else that kept the connection from opening.
+    """
+    if ping_jitter < 0:
+        raise ValueError(f"ping_jitter must be >= 0, not {ping_jitter}")
+    if max_queue_frames < 1:
+        raise ValueError(f"max_queue_frames must be >= 1, not {max_queue_frames}")
+    ping_interval = DEFAULT_PING_INTERVAL + (random.uniform(0.0, ping_jitter) if ping_jitter else 0.0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + open_timeout
+    options: dict[str, Any] = {}
+    if ssl is not None:
+        options["ssl"] = ssl
+    try:
+        ws = await connect(
+            url,
+            additional_headers={"Authorization": f"Bearer {token}"} if token else None,
+            compression=None,  # images do not compress; deflate costs ~12x the CPU
+            max_size=protocol.MAX_MESSAGE_SIZE,
+            open_timeout=open_timeout,
+            ping_interval=ping_interval,
+            close_timeout=close_timeout,
+            proxy=None,
+            user_agent_header=f"shinken-sync (websockets/{websockets.__version__})",
+            **options,
+        )
+    except InvalidStatus as exc:
+        status = exc.response.status_code
+        if status == 401:
+            raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
+        raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
+    except (TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:
+        raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
+    try:
+        hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()))
+    except BaseException:
+        await ws.close()
+        raise
+    return AsyncSandbox(
+        ws,
+        hello,
+        url=url,
+        ping_interval=ping_interval,
+        rpc_timeout=rpc_timeout,
+        liveness_probe=liveness_probe,
+        gateway=gateway,
+        max_queue_frames=max_queue_frames,
+    )
+
+
+async def _receive_hello(ws: ClientConnection, url: str, timeout: float) -> protocol.Hello:
+    try:
+        message = await asyncio.wait_for(ws.recv(), timeout)
+    except TimeoutError as exc:
+        raise ConnectError(f"{url}: no hello within the open timeout", url) from exc
+    except ConnectionClosed as exc:
+        raise ConnectError(f"{url}: closed before the hello", url) from exc
+    try:
+        hello = protocol.decode_server_message(message)
+    except protocol.ProtocolError as exc:
+        raise ProtocolViolation(f"{url}: bad hello: {exc}") from exc
+    if not isinstance(hello, protocol.Hello):
+        raise ProtocolViolation(f"{url}: expected hello, got {type(hello).__name__}")
+    if hello.protocol != protocol.PROTOCOL_VERSION:
+        raise ConnectError(
+            f"{url}: daemon speaks protocol {hello.protocol}, this SDK {protocol.PROTOCOL_VERSION}", url
+        )
+    return hello
+
+
+def _wire_args(verb: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop None values (the daemon's defaults apply) and base64 bytes fields."""
+    out = {name: value for name, value in args.items() if value is not None}
+    binary = _BINARY_ARGS.get(verb)
+    if binary is not None and isinstance(out.get(binary), (bytes, bytearray, memoryview)):
+        out[binary] = base64.b64encode(out[binary]).decode("ascii")
+    return out
+
+
+def _split_action(index: int, action: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    if not isinstance(action, Mapping):
+        raise TypeError(
+            f"actions[{index}] must be a dict like {{'verb': 'click', ...}}, not {type(action).__name__}"
+        )
+    verb = action.get("verb")
+    if verb not in _ACTION_VERBS:
+        raise ValueError(
+            f"actions[{index}]: {verb!r} is not an action verb ({', '.join(sorted(_ACTION_VERBS))})"
+        )
+    return verb, {name: value for name, value in action.items() if name != "verb"}
+
+
+def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
+    """Seconds a verb may legitimately take in the daemon before replying."""
+    if verb == "wait":
+        return args.get("ms", 0) / 1000
+    if verb in ("wait_stable", "wait_change", "exec"):
+        return args.get("timeout_ms", 30_000 if verb == "exec" else 10_000) / 1000
+    return 0.0
+
+
+def _reply_error(verb: str, reply: protocol.Reply) -> ShinkenError:
+    error = reply.error or protocol.ErrorInfo(protocol.ERR_INTERNAL, "error reply without an error")
+    if reply.outcome == protocol.SANDBOX_DIED:
+        return SandboxDied(f"{verb}: {error.message}", detail=error.message)
+    cls = ActionTimeout if reply.outcome == protocol.TIMEOUT else ActionError
+    return cls(error.message, kind=error.kind, verb=verb, call_id=reply.call_id)
+
+
+def _decode_exec(reply: protocol.Reply) -> ExecResult:
+    r = reply.result or {}
+    binary = r.get("encoding") == "base64"
+    out, err = r.get("stdout", ""), r.get("stderr", "")
+    return ExecResult(
+        exit_code=r.get("exit_code"),
+        signal=r.get("signal"),
+        stdout=base64.b64decode(out) if binary else out,
+        stderr=base64.b64decode(err) if binary else err,
+        stdout_truncated=bool(r.get("stdout_truncated")),
+        stderr_truncated=bool(r.get("stderr_truncated")),
+        duration_ms=float(r.get("duration_ms", 0.0)),
+    )
+
+
+def _decode_screenshot(reply: protocol.Reply) -> Screenshot:
+    if reply.image is None:
+        raise ProtocolViolation("screenshot reply carried no image")
+    return Screenshot._from_wire(reply.result or {}, reply.image)
+
+
+def _no_value(reply: protocol.Reply) -> None:
+    return None  # input verbs reply with an empty result
+
+
+#: verb -> reply -> the value the method returns. Unlisted verbs return the result dict.
+_DECODERS: dict[str, Callable[[protocol.Reply], Any]] = {
+    "screenshot": _decode_screenshot,
+    "exec": _decode_exec,
+    "cursor": lambda reply: (reply.result["x"], reply.result["y"]),
+    "screen_size": lambda reply: (reply.result["width"], reply.result["height"]),
+    "click": _no_value,
+    "move": _no_value,
+    "drag": _no_value,
+    "scroll": _no_value,
+    "type": _no_value,
+    "key": _no_value,
+}
+
+
+def _unwrap(verb: str, reply: protocol.Reply) -> Any:
+    if reply.outcome != protocol.OK:
+        raise _reply_error(verb, reply)
+    decode = _DECODERS.get(verb)
+    if decode is None:
+        return reply.result or {}
+    try:
+        return decode(reply)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolViolation(f"{verb}: malformed result {reply.result!r}") from exc
+
+
+class AsyncSandbox:
+    """A connection to one sandbox. Create it with :func:`aconnect`.
+
+    Use it as an async context manager, or call :meth:`close`. Methods may be
+    called concurrently from many tasks of the loop that created it (and only
+    from that loop). After the connection is lost, every call raises the loss
+    (``ConnectionLost``/``SandboxDied``); after :meth:`close`, ``SandboxClosed``.
+    """
+
+    def __init__(
+        self,
+        ws: ClientConnection,
+        hello: protocol.Hello,
+        *,
+        url: str,
+        ping_interval: float,
+        rpc_timeout: float,
+        liveness_probe: LivenessProbe | None,
+        gateway: Gateway | None,
+        max_queue_frames: int,
+    ):
+        self._ws = ws
+        self._hello = hello
+        self._url = url
+        self._ping_interval = ping_interval
+        self._rpc_timeout = rpc_timeout
+        self._probe = liveness_probe
+        self._gateway = gateway
+        self._max_queue_frames = max_queue_frames
+        self._loop = asyncio.get_running_loop()
+        self._budget = budget_for_loop(self._loop)
+        self._frame_counters = FrameCounters()
+        self._pending: dict[int, _Pending] = {}
+        self._next_call_id = 1
+        self._streams: dict[str, ScreencastStream] = {}
+        self._closing = False
+        self._loss: ShinkenError | None = None  # set once the connection is gone
+        self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
+
+    # -- properties --------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._hello.sandbox_id
+
+    @property
+    def screen(self) -> tuple[int, int]:
+        """``(width, height)`` from the hello; :meth:`screen_size` asks again."""
+        return (self._hello.width, self._hello.height)
+
+    @property
+    def verbs(self) -> tuple[str, ...]:
+        return self._hello.verbs
+
+    @property
+    def display(self) -> str:
+        """The daemon's display backend (``virtual``, ``xvfb``)."""
+        return self._hello.display
+
+    @property
+    def ping_interval(self) -> float:
+        """Keepalive period of this connection, fixed at dial time."""
+        return self._ping_interval
+
+    @property
+    def rpc_timeout(self) -> float:
+        return self._rpc_timeout
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is gone, closed by us or lost."""
+        return self._loss is not None or self._closing
+
+    @property
+    def loss(self) -> ShinkenError | None:
+        """Why the connection ended (``ConnectionLost``, ``SandboxDied``, ...), or None."""
+        return self._loss
+
+    @property
+    def frame_counters(self) -> FrameCounters:
+        """Frames queued/dropped/evicted on this connection's streams."""
+        return self._frame_counters
+
+    @property
+    def pending_calls(self) -> int:
+        return len(self._pending)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncSandbox:  # noqa: PYI034 - no typing.Self on 3.10
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection; pending calls fail with ``SandboxClosed``. Idempotent."""
+        if not self._closing:
+            self._closing = True
+            await self._ws.close()
+        # The reader fails what is still pending once the socket is closed.
+        await asyncio.shield(self._reader)
+
+    # -- calls -------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closing:
+            raise SandboxClosed(f"sandbox {self.sandbox_id} is closed")
+
+    def _loss_error(self) -> ShinkenError:
+        """A fresh copy of the loss, so each raiser gets its own traceback."""
+        assert self._loss is not None
+        exc = copy.copy(self._loss)
+        exc.__cause__ = self._loss.__cause__
+        return exc
+
+    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+        """Send one call; return the future its reply (a protocol.Reply) will resolve."""
+        self._check_usable()
+        future = self._loop.create_future()
+        if self._loss is not None:
+            future.set_exception(self._loss_error())
+            return future
+        wire = _wire_args(verb, args)
+        if timeout is None:
+            waiting = _waiting_time(verb, wire)
+            timeout = self._rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        message = protocol.encode_call(call_id, verb, wire)
+        timer = self._loop.call_later(timeout, self._expire, call_id, timeout)
+        self._pending[call_id] = _Pending(future, timer, verb)
+        try:
+            await self._ws.send(message)
+        except ConnectionClosed:
+            pass  # the reader sees the same close and fails the future with the classified loss
+        return future
+
+    def _expire(self, call_id: int, timeout: float) -> None:
+        pending = self._pending.pop(call_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(
+                RPCTimeout(
+                    f"{pending.verb}: no reply within {timeout:g} s",
+                    verb=pending.verb,
+                    call_id=call_id,
+                    timeout=timeout,
+                )
+            )
+
+    async def _call(self, verb: str, args: Mapping[str, Any], timeout: float | None = None) -> Any:
+        future = await self._submit(verb, args, timeout)
+        return _unwrap(verb, await future)
+
+    async def _act(self, action: Mapping[str, Any], timeout: float | None) -> Any:
+        verb, args = _split_action(0, action)
+        return await self._call(verb, args, timeout)
+
+    # -- verbs -------------------------------------------------------------
+
+    async def screenshot(
+        self,
+        format: str = "jpeg",
+        quality: int = 80,
+        max_long_edge: int | None = None,
+        region: tuple[int, int, int, int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Screenshot:
+        """Capture the screen (or ``region`` = x, y, width, height), downscaled so
+        the long edge is at most ``max_long_edge``."""
+        return await self._act(build.screenshot(format, quality, max_long_edge, region), timeout)
+
+    async def click(
+        self, x: int, y: int, button: str = "left", count: int = 1, *, timeout: float | None = None
+    ) -> None:
+        await self._act(build.click(x, y, button, count), timeout)
+
+    async def move(self, x: int, y: int, *, timeout: float | None = None) -> None:
+        await self._act(build.move(x, y), timeout)
+
+    async def drag(
+        self, x0: int, y0: int, x1: int, y1: int, button: str = "left", *, timeout: float | None = None
+    ) -> None:
+        await self._act(build.drag(x0, y0, x1, y1, button), timeout)
+
+    async def scroll(
+        self,
+        dx: int = 0,
+        dy: int = 0,
+        x: int | None = None,
+        y: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        await self._act(build.scroll(dx, dy, x, y), timeout)
+
+    async def type(self, text: str, *, timeout: float | None = None) -> None:
+        await self._act(build.type(text), timeout)
+
+    async def key(self, combo: str, *, timeout: float | None = None) -> None:
+        await self._act(build.key(combo), timeout)
+
+    async def wait(self, ms: int, *, timeout: float | None = None) -> dict[str, Any]:
+        """Sleep ``ms`` in the sandbox (in order with the calls around it)."""
+        return await self._act(build.wait(ms), timeout)
+
+    async def wait_stable(
+        self, stable_ms: int | None = None, timeout_ms: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Return once the screen has been still for ``stable_ms``; ``ActionTimeout`` at ``timeout_ms``."""
+        return await self._act(build.wait_stable(stable_ms, timeout_ms), timeout)
+
+    async def wait_change(
+        self, timeout_ms: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Return at the first screen change; ``ActionTimeout`` at ``timeout_ms``."""
+        return await self._act(build.wait_change(timeout_ms), timeout)
+
+    async def cursor(self, *, timeout: float | None = None) -> tuple[int, int]:
+        return await self._act(build.cursor(), timeout)
+
+    async def screen_size(self, *, timeout: float | None = None) -> tuple[int, int]:
+        return await self._act(build.screen_size(), timeout)
+
+    async def exec(
+        self,
+        cmd: str,
+        timeout_ms: int | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output: int | None = None,
+        encoding: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
+        killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
+        return await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout)
+
+    async def read_file(
+        self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None
+    ) -> bytes:
+        """The file's bytes from ``offset``: at most ``max_bytes``, or to its end
+        (fetched in :data:`READ_FILE_CHUNK` calls) when None."""
+        chunks = []
+        while True:
+            want = READ_FILE_CHUNK if max_bytes is None else min(READ_FILE_CHUNK, max_bytes)
+            result = await self._act(build.read_file(path, offset, want), timeout)
+            try:
+                chunk = base64.b64decode(result["data"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolViolation(f"read_file: malformed result for {path!r}") from exc
+            chunks.append(chunk)
+            offset += len(chunk)
+            if max_bytes is not None:
+                max_bytes -= len(chunk)
+            if not result.get("truncated") or not chunk or max_bytes == 0:
+                return b"".join(chunks)
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes,
+        append: bool = False,
+        make_dirs: bool = False,
+        mode: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        return await self._act(build.write_file(path, data, append, make_dirs, mode), timeout)
+
+    # -- batches -----------------------------------------------------------
+
+    async def act_batch(
+        self,
+        actions: Iterable[Mapping[str, Any]],
+        *,
+        timeout: float | None = None,
+        gateway: Gateway | None = None,
+    ) -> StepResult:
+        """Run actions one at a time, each awaiting its reply; stop at the first
+        failure (a denial included) and report the rest ``skipped``.
+
+        About one round trip per action; :meth:`step` pipelines instead.
+        """
+        actions_ = list(actions)
+        calls = [_split_action(i, action) for i, action in enumerate(actions_)]
+        self._check_usable()
+        gate = gateway or self._gateway
+        rows: list[StepRow] = []
+        failed_at: int | None = None
+        for i, (action, (verb, args)) in enumerate(zip(actions_, calls)):
+            if failed_at is not None:
+                error: BaseException = Skipped(f"not run: action {failed_at} failed", cause_index=failed_at)
+                rows.append(StepRow(index=i, verb=verb, outcome=protocol.SKIPPED, error=error))
+                continue
+            if gate is not None and not gate(action):
+                error = ActionDenied(f"{verb}: refused by the gateway", action=dict(action))
+                rows.append(StepRow(index=i, verb=verb, outcome=protocol.DENIED, error=error))
+                failed_at = i
+                continue
+            try:
+                value = await self._call(verb, args, timeout)
+            except ShinkenError as exc:
+                rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
+                failed_at = i
+            else:
+                rows.append(StepRow(index=i, verb=verb, outcome=protocol.OK, result=value))
+        return StepResult(rows=tuple(rows))
+
+    async def step(
+        self,
+        actions: Iterable[Mapping[str, Any]],
+        observe: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        gateway: Gateway | None = None,
+    ) -> StepResult:
+        """Send every action, then the observation screenshot, before awaiting
+        any reply: about one round trip for the whole step.
+
+        The daemon runs them in order. There is no ``skipped`` here: every
+        action is already on the wire when an earlier one fails, so each row
+        carries its own real outcome (``ok | error | timeout | sandbox_died``),
+        or ``denied`` when the gateway refused it (it was never sent).
+        ``observe`` holds :meth:`screenshot` arguments (``{}`` for defaults); the
+        observation comes back even after an action failed.
+        """
+        actions_ = list(actions)
+        calls = [_split_action(i, action) for i, action in enumerate(actions_)]
+        observe_args = None if observe is None else _split_action(len(calls), build.screenshot(**observe))[1]
+        gate = gateway or self._gateway
+        # Ask the gateway about every action before sending any, so a gateway
+        # that raises leaves nothing half-sent.
+        admitted = [gate is None or bool(gate(action)) for action in actions_]
+        self._check_usable()
+        futures: list[asyncio.Future | None] = []
+        for (verb, args), allowed in zip(calls, admitted):
+            futures.append(await self._submit(verb, args, timeout) if allowed else None)
+        observation_future = None
+        if observe_args is not None:
+            observation_future = await self._submit("screenshot", observe_args, timeout)
+        rows = []
+        for i, ((verb, _), action, future) in enumerate(zip(calls, actions_, futures)):
+            if future is None:
+                error = ActionDenied(f"{verb}: refused by the gateway", action=dict(action))
+                rows.append(StepRow(index=i, verb=verb, outcome=protocol.DENIED, error=error))
+                continue
+            try:
+                value = _unwrap(verb, await future)
+            except ShinkenError as exc:
+                rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
+            else:
+                rows.append(StepRow(index=i, verb=verb, outcome=protocol.OK, result=value))
+        observation = observation_error = None
+        if observation_future is not None:
+            try:
+                observation = _unwrap("screenshot", await observation_future)
+            except ShinkenError as exc:
+                observation_error = exc
+        return StepResult(rows=tuple(rows), observation=observation, observation_error=observation_error)
+
+    # -- screencast --------------------------------------------------------
+
+    async def screencast(
+        self,
+        fps: float = 5.0,
+        max_long_edge: int | None = None,
+        quality: int = 80,
+        format: str = "jpeg",
+        *,
+        timeout: float | None = None,
+    ) -> ScreencastStream:
+        """Start a pushed stream of frames (unchanged screens are not resent)."""
+        params = {"fps": fps, "max_long_edge": max_long_edge, "quality": quality, "format": format}
+        return await self._open_stream("screencast_start", params, None, timeout)
+
+    async def resume_screencast(
+        self,
+        stream_id: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        last_seq: int | None = None,
+        timeout: float | None = None,
+    ) -> ScreencastStream:
+        """Continue a stream started on another (dropped) connection.
+
+        ``params`` may change fps/quality/format/max_long_edge (None keeps the
+        stream's). ``last_seq`` is the last frame the consumer got (a
+        ``StreamLost`` carries it); the next frame's ``gap`` counts from it.
+        Without it, the gap counts the frames the daemon could not send.
+        """
+        args = {"stream_id": stream_id, **(params or {})}
+        return await self._open_stream("resume_screencast", args, last_seq, timeout)
+
+    async def _open_stream(
+        self, verb: str, args: dict[str, Any], last_seq: int | None, timeout: float | None
+    ) -> ScreencastStream:
+        result = await self._call(verb, args, timeout)
+        # The reader registered the stream when the reply arrived, before any
+        # of its frames could be routed (see _on_reply).
+        stream = self._streams.get(result.get("stream_id", ""))
+        if stream is None:
+            if self._loss is not None:  # lost between the reply and now
+                raise self._loss_error()
+            raise ProtocolViolation(f"{verb} reply without a usable stream_id: {result!r}")
+        if last_seq is not None:
+            stream._last_seq = last_seq
+        return stream
+
+    def _register_stream(self, result: Mapping[str, Any]) -> None:
+        stream_id = result.get("stream_id")
+        if not isinstance(stream_id, str):
+            return
+        params = {k: result.get(k) for k in ("fps", "format", "quality", "max_long_edge")}
+        # On resume the daemon reports its seq and the frames it could not send.
+        delivered = int(result.get("last_seq", 0)) - int(result.get("missed", 0))
+        queue = FrameQueue(self._budget, self._max_queue_frames, self._frame_counters)
+        self._streams[stream_id] = ScreencastStream(self, stream_id, params, queue, delivered)
+
+    def _stream_stopped(self, stream_id: str) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream._finish(_ENDED)
+
+    # -- the reader --------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        cause: BaseException | None = None
+        try:
+            async for message in self._ws:
+                self._dispatch(message)
+        except ConnectionClosed as exc:
+            cause = exc
+        except ProtocolViolation as exc:
+            cause = exc
+            log.warning("%s: %s; closing the connection", self._url, exc)
+            await self._ws.close(1002, "protocol error")
+        except Exception as exc:  # a bug here must not leave calls hanging
+            cause = exc
+            log.exception("%s: reader failed; closing the connection", self._url)
+            await self._ws.close(1011, "client error")
+        await self._connection_gone(cause)
+
+    def _dispatch(self, message: str | bytes) -> None:
+        try:
+            msg = protocol.decode_server_message(message)
+        except protocol.ProtocolError as exc:
+            raise ProtocolViolation(f"undecodable message: {exc}") from exc
+        if isinstance(msg, protocol.Frame):
+            stream = self._streams.get(msg.stream_id)
+            if stream is not None:  # else: a late frame of a stream already stopped
+                self._budget.limit = GLOBAL_FRAME_BUDGET_BYTES
+                stream._push(msg, len(message))
+        elif isinstance(msg, protocol.Reply):
+            self._on_reply(msg)
+        elif isinstance(msg, protocol.StreamEnd):
+            self._stream_stopped(msg.stream_id)
+        else:
+            raise ProtocolViolation(f"unexpected {type(msg).__name__} after the hello")
+
+    def _on_reply(self, reply: protocol.Reply) -> None:
+        call_id = reply.call_id
+        pending = self._pending.pop(call_id, None) if isinstance(call_id, int) else None
+        if pending is None:
+            if isinstance(call_id, int) and 0 < call_id < self._next_call_id:
+                return  # the call already timed out; its late reply is dropped
+            raise ProtocolViolation(f"reply to call {call_id!r}, which was never sent")
+        pending.timer.cancel()
+        if reply.outcome == protocol.OK and pending.verb in ("screencast_start", "resume_screencast"):
+            self._register_stream(reply.result or {})
+        if not pending.future.done():  # else the caller was cancelled
+            pending.future.set_result(reply)
+
+    async def _connection_gone(self, cause: BaseException | None) -> None:
+        if self._closing:
+            loss: ShinkenError = SandboxClosed(f"sandbox {self.sandbox_id} was closed")
+        else:
+            loss = await self._classify_loss(cause)
+        loss.__cause__ = cause
+        self._loss = loss
+        pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.timer.cancel()
+            if not call.future.done():
+                call.future.set_exception(self._loss_error())
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._finish(_ENDED if self._closing else _StreamLostMark(loss))
+
+    async def _classify_loss(self, cause: BaseException | None) -> ShinkenError:
+        if isinstance(cause, ProtocolViolation):
+            return cause
+        # close_code is None when the TCP connection broke without a close frame.
+        code, reason = self._ws.close_code, self._ws.close_reason or ""
+        liveness = await self._probe_liveness()
+        if liveness is not None and not liveness.alive:
+            return SandboxDied.from_liveness(liveness, code=code, reason=reason)
+        detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+        return ConnectionLost(
+            f"connection to sandbox {self.sandbox_id} lost{detail}", code=code, reason=reason
+        )
+
+    async def _probe_liveness(self) -> Liveness | None:
+        if self._probe is None:
+            return None
+        try:
+            return await asyncio.wait_for(
+                self._loop.run_in_executor(None, self._probe), LIVENESS_PROBE_TIMEOUT
+            )
+        except Exception:
+            log.warning("%s: liveness probe failed", self._url, exc_info=True)
+            return None
+
+
+class ScreencastStream:
+    """One screencast: ``async for frame in stream`` or :meth:`next_frame`.
+
+    Frames queue up (at most ``max_queue_frames``, oldest dropped first, and
+    within the loop's frame budget) until consumed. Iteration ends when the
+    stream ends (``stop()``, the daemon ended it, or the sandbox was closed);
+    a dropped connection raises :class:`~shinken_sync.errors.StreamLost`,
+    which carries what :meth:`AsyncSandbox.resume_screencast` needs.
+    """
+
+    def __init__(
+        self, sandbox: AsyncSandbox, stream_id: str, params: dict[str, Any], queue: FrameQueue, last_seq: int
+    ):
+        self._sandbox = sandbox
+        self._stream_id = stream_id
+        self._params = params
+        self._queue = queue
+        self._last_seq = last_seq
+        self._missed = 0
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def stream_id(self) -> str:
+        return self._stream_id
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """fps, format, quality, max_long_edge as the daemon confirmed them."""
+        return dict(self._params)
+
+    @property
+    def last_seq(self) -> int:
+        """``seq`` of the last frame handed to the consumer (0 before the first)."""
+        return self._last_seq
+
+    @property
+    def missed(self) -> int:
+        """Sum of the ``gap`` of every frame delivered so far."""
+        return self._missed
+
+    @property
+    def ended(self) -> bool:
+        return self._queue.terminal is not None
+
+    @property
+    def counters(self) -> FrameCounters:
+        """This stream's queued/dropped/evicted frames."""
+        return self._queue.counters
+
+    def __aiter__(self) -> ScreencastStream:
+        return self
+
+    async def __anext__(self) -> Frame:
+        frame = await self.next_frame()
+        if frame is None:
+            raise StopAsyncIteration
+        return frame
+
+    async def next_frame(self, timeout: float | None = None) -> Frame | None:
+        """The next frame in order; None once the stream has ended.
+
+        Raises:
+            FrameTimeout: no frame within ``timeout`` seconds (None = wait; the
+                connection's keepalive bounds how long a dead peer goes unnoticed).
+            StreamLost: the connection dropped; resume on a new connection.
+        """
+        loop = self._sandbox._loop
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            item = self._queue.pop()
+            if item is EMPTY:
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    raise FrameTimeout(f"no frame from stream {self._stream_id} within {timeout:g} s")
+                if self._waiter is None or self._waiter.done():
+                    self._waiter = loop.create_future()
+                # asyncio.wait (unlike wait_for) never cancels the shared waiter.
+                await asyncio.wait((self._waiter,), timeout=remaining)
+                continue
+            if item is _ENDED:
+                return None
+            if isinstance(item, _StreamLostMark):
+                raise StreamLost(
+                    f"stream {self._stream_id} lost with its connection at seq {self._last_seq}",
+                    stream_id=self._stream_id,
+                    params=self.params,
+                    last_seq=self._last_seq,
+                ) from item.cause
+            gap = max(0, item.seq - self._last_seq - 1)
+            self._last_seq = max(self._last_seq, item.seq)
+            self._missed += gap
+            return Frame._from_protocol(item, gap)
+
+    async def stop(self, *, timeout: float | None = None) -> None:
+        """Stop the stream and release its queued frames. Idempotent; a no-op
+        once the stream ended or its connection is gone."""
+        if self.ended:
+            return
+        sandbox = self._sandbox
+        if sandbox._loss is None and not sandbox._closing:
+            try:
+                await sandbox._call("screencast_stop", {"stream_id": self._stream_id}, timeout)
+            except ActionError as exc:
+                if exc.kind != protocol.ERR_NOT_FOUND:  # already ended in the daemon
+                    raise
+            except ConnectionLost:
+                pass
+        sandbox._stream_stopped(self._stream_id)
+        self._finish(_ENDED)
+
+    def _push(self, frame: protocol.Frame, size: int) -> None:
+        if self._queue.push(frame, size):
+            self._wake()
+
+    def _finish(self, sentinel: Any) -> None:
+        self._queue.clear()
+        self._queue.end(sentinel)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
