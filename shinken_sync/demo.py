@@ -1,0 +1,379 @@
+"""``shinken demo``: the whole product on the embedded defaults, end to end.
+
+It starts the session server (router + workers + the reference backend) and N
+local virtual sandboxes, then runs a synchronous rollout loop in plain blocking
+code, one OS thread per episode (see docs/demo.md for why threads): per turn it
+asks the model through the session server's OpenAI-compatible endpoint, parses
+the action the model answers with, and applies it with one pipelined
+``step([action], observe=...)`` that also returns the next observation. At the
+end it fetches every session's token records and writes the trajectories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
+SYSTEM_PROMPT = (
+    "You operate a 1920x1080 desktop. Each user message describes the latest screenshot. "
+    'Answer with one action as JSON: {"action": {"verb": ..., ...}}.'
+)
+SERVER_START_TIMEOUT = 60.0
+HTTP_TIMEOUT = (5.0, 120.0)  # (connect, read) for every call to the session server
+
+
+class DemoError(Exception):
+    """The demo could not start or run; the message says what to do."""
+
+
+@dataclass
+class Episode:
+    index: int
+    sandbox_id: str
+    session_id: str = ""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    final_jpeg: bytes = b""
+    error: str | None = None
+    finished: bool = False
+
+
+# ---------------------------------------------------------------------------
+# The session server, as a child process
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise DemoError(f"cannot use {host}:{port} for the session server: {exc.strerror}; "
+                            f"pass --port with a free port (or 0 for any)") from exc
+
+
+class SessionServer:
+    """``shinken-session-server`` with the reference backend, on loopback."""
+
+    def __init__(self, workers: int, port: int, log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", f"127.0.0.1:{port}"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._log_path = log_path
+
+    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise DemoError(f"the session server exited with code {self._proc.returncode}; "
+                                f"its log: {self._log_path}\n{self._tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise DemoError(f"the session server was not healthy after {timeout:.0f} s; log: {self._log_path}")
+
+    def _tail(self) -> str:
+        self._log.flush()
+        return Path(self._log_path).read_text(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------
+# One episode
+
+
+def describe(obs: Any, turn: int, last: dict[str, Any] | None) -> str:
+    """The user message for one turn: what the agent sees, as text the byte tokenizer takes."""
+    digest = hashlib.sha256(obs.data).hexdigest()[:16]
+    text = (f"Turn {turn}. Screenshot {obs.width}x{obs.height} {obs.format}, {len(obs.data)} bytes, "
+            f"sha256 {digest}, scale {obs.scale:g}.")
+    if last is not None:
+        text += f" Last action {json.dumps(last['action'], sort_keys=True)} -> {last['outcome']}."
+    return text
+
+
+def parse_action(content: str) -> dict[str, Any]:
+    """The reference backend's action format: ``{"action": {"verb": ..., ...}}`` (docs/session-server.md)."""
+    try:
+        action = json.loads(content)["action"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DemoError(f"model reply is not an action: {content[:200]!r}") from exc
+    if not isinstance(action, dict) or not isinstance(action.get("verb"), str):
+        raise DemoError(f"model action has no verb: {action!r}")
+    return action
+
+
+def obs_meta(obs: Any) -> dict[str, Any]:
+    return {"format": obs.format, "width": obs.width, "height": obs.height, "scale": obs.scale,
+            "bytes": len(obs.data), "sha256": hashlib.sha256(obs.data).hexdigest()}
+
+
+def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: requests.Session,
+                stop: threading.Event, progress: Progress) -> None:
+    reply = http.post(f"{server}/sessions", timeout=HTTP_TIMEOUT)
+    reply.raise_for_status()
+    ep.session_id = reply.json()["session_id"]
+    t0 = time.monotonic()
+    obs = sandbox.screenshot(**OBSERVE)
+    progress.observed(time.monotonic() - t0)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    last: dict[str, Any] | None = None
+    for turn in range(turns):
+        if stop.is_set():
+            return
+        messages.append({"role": "user", "content": describe(obs, turn, last)})
+        chat = http.post(f"{server}/sessions/{ep.session_id}/v1/chat/completions",
+                         json={"model": "reference", "messages": messages}, timeout=HTTP_TIMEOUT)
+        if chat.status_code != 200:
+            raise DemoError(f"chat turn {turn} failed with {chat.status_code}: {chat.text[:300]}")
+        content = chat.json()["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": content})
+        action = parse_action(content)
+        t0 = time.monotonic()
+        result = sandbox.step([action], observe=OBSERVE)
+        elapsed = time.monotonic() - t0
+        row = result.rows[0]
+        last = {"action": action, "outcome": row.outcome}
+        step = {"turn": turn, "action": action, "outcome": row.outcome, "error": row.error,
+                "step_latency_s": round(elapsed, 4)}
+        if result.observation is not None:
+            obs = result.observation
+            step["observation"] = obs_meta(obs)
+        ep.steps.append(step)
+        progress.stepped(elapsed, row.outcome)
+    ep.final_jpeg = bytes(obs.data)
+    got = http.get(f"{server}/sessions/{ep.session_id}", timeout=HTTP_TIMEOUT)
+    got.raise_for_status()
+    body = got.json()
+    ep.records = body["records"]
+    ep.metadata = body["metadata"]
+    ep.finished = True
+
+
+def check_episode(ep: Episode) -> dict[str, Any]:
+    """Do the token records agree with the steps taken? (the demo's own consistency check)"""
+    acc = ep.metadata.get("accumulated_token_ids", [])
+    last = ep.records[-1] if ep.records else {}
+    expected = list(last.get("prompt_ids", [])) + list(last.get("output_ids", []))
+    actions_match = len(ep.records) == len(ep.steps) and all(
+        parse_action(rec["response"]["choices"][0]["message"]["content"]) == step["action"]
+        for rec, step in zip(ep.records, ep.steps)
+    )
+    return {"records": len(ep.records), "steps": len(ep.steps),
+            "accumulated_matches_last_record": bool(acc) and acc == expected,
+            "actions_match_records": actions_match}
+
+
+# ---------------------------------------------------------------------------
+# Progress and the summary
+
+
+class Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total = total
+        self.done = 0
+        self.latencies: list[float] = []
+        self.observes: list[float] = []
+        self.outcomes: dict[str, int] = {}
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._last_draw = 0.0
+
+    def observed(self, seconds: float) -> None:
+        with self._lock:
+            self.observes.append(seconds)
+
+    def stepped(self, seconds: float, outcome: str) -> None:
+        with self._lock:
+            self.done += 1
+            self.latencies.append(seconds)
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            self.draw()
+
+    def draw(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self._last_draw < (0.1 if self._tty else 2.0):
+            return
+        self._last_draw = now
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        rate = self.done / max(1e-9, now - self.started)
+        line = f"[{'#' * filled}{'-' * (width - filled)}] {self.done}/{self.total} steps  {rate:5.1f} steps/s"
+        self._stream.write(("\r" + line) if self._tty else (line + "\n"))
+        if final and self._tty:
+            self._stream.write("\n")
+        self._stream.flush()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(math.ceil(q / 100 * len(ordered))) - 1)]
+
+
+def contact_sheet(episodes: list[Episode], path: Path, thumb: tuple[int, int] = (480, 270)) -> None:
+    from PIL import Image, ImageDraw
+
+    shots = [ep for ep in episodes if ep.final_jpeg]
+    cols = max(1, math.ceil(math.sqrt(len(shots))))
+    rows = max(1, math.ceil(len(shots) / cols))
+    sheet = Image.new("RGB", (cols * thumb[0], rows * (thumb[1] + 18)), "white")
+    draw = ImageDraw.Draw(sheet)
+    import io
+
+    for i, ep in enumerate(shots):
+        img = Image.open(io.BytesIO(ep.final_jpeg)).convert("RGB")
+        img.thumbnail(thumb)
+        x, y = (i % cols) * thumb[0], (i // cols) * (thumb[1] + 18)
+        sheet.paste(img, (x, y + 18))
+        draw.text((x + 4, y + 3), f"#{ep.index} {ep.session_id[:8]} ({len(ep.steps)} steps)", fill="black")
+    sheet.save(path)
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
+def run(args: argparse.Namespace) -> int:
+    from shinken_sync.providers.local import LocalProvider
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = args.port or _free_port()
+    _check_port_free("127.0.0.1", port)
+
+    print(f"shinken demo: {args.sandboxes} {args.display} sandboxes x {args.turns} turns, "
+          f"session server with {args.workers} workers -> {out}/", file=sys.stderr)
+    server = SessionServer(args.workers, port, out / "session-server.log")
+    provider = None
+    stop = threading.Event()
+    episodes: list[Episode] = []
+    progress = Progress(args.sandboxes * args.turns)
+    sandboxes: list[Any] = []
+    try:
+        provider = LocalProvider(display=args.display)
+        handles = provider.create_many(args.sandboxes)
+        server.wait_ready()
+        for i, handle in enumerate(handles):
+            sandboxes.append(provider.connect(handle))
+            episodes.append(Episode(index=i, sandbox_id=str(provider.endpoint(handle)[0])))
+        http = requests.Session()
+        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, args.sandboxes)))
+
+        def worker(ep: Episode, sb: Any) -> None:
+            try:
+                run_episode(ep, sb, server.url, args.turns, http, stop, progress)
+            except Exception as exc:  # one failing episode never stops the others
+                ep.error = f"{type(exc).__name__}: {exc}"
+
+        pool = ThreadPoolExecutor(max_workers=args.sandboxes, thread_name_prefix="episode")
+        futures = [pool.submit(worker, ep, sb) for ep, sb in zip(episodes, sandboxes)]
+        try:
+            while not all(f.done() for f in futures):
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            stop.set()
+            print("\nshinken demo: interrupted; finishing the turns in flight and keeping what finished",
+                  file=sys.stderr)
+        pool.shutdown(wait=True)
+        progress.draw(final=True)
+    finally:
+        for sb in sandboxes:
+            try:
+                sb.close()
+            except Exception:
+                pass
+        if provider is not None:
+            provider.close()
+        server.stop()
+    return write_outputs(out, episodes, progress, interrupted=stop.is_set())
+
+
+def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interrupted: bool) -> int:
+    elapsed = time.monotonic() - progress.started
+    finished = [ep for ep in episodes if ep.finished]
+    with open(out / "trajectories.jsonl", "w") as f:
+        for ep in finished:
+            line = {"episode": ep.index, "sandbox": ep.sandbox_id, "session_id": ep.session_id,
+                    "steps": ep.steps, "records": ep.records, "metadata": ep.metadata,
+                    "check": check_episode(ep)}
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+    if finished:
+        contact_sheet(finished, out / "contact_sheet.png")
+    errors = {ep.index: ep.error for ep in episodes if ep.error}
+    outcomes = dict(progress.outcomes)
+    if errors:
+        outcomes["episode_error"] = len(errors)
+    summary = {
+        "episodes": len(finished), "episodes_started": len(episodes), "interrupted": interrupted,
+        "steps": progress.done, "elapsed_s": round(elapsed, 3),
+        "steps_per_s": round(progress.done / max(elapsed, 1e-9), 3),
+        "step_latency_p50_s": round(percentile(progress.latencies, 50), 4),
+        "step_latency_p95_s": round(percentile(progress.latencies, 95), 4),
+        "observe_latency_p50_s": round(percentile(progress.observes, 50), 4),
+        "observe_latency_p95_s": round(percentile(progress.observes, 95), 4),
+        "outcomes": outcomes, "episode_errors": errors,
+        "consistent": all(all(v for k, v in check_episode(ep).items() if isinstance(v, bool))
+                          for ep in finished),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_table(summary, out)
+    return 0 if not errors and not interrupted and summary["consistent"] else 1
+
+
+def print_table(s: dict[str, Any], out: Path) -> None:
+    rows = [
+        ("episodes", f"{s['episodes']}/{s['episodes_started']}"),
+        ("steps", s["steps"]),
+        ("steps/s", s["steps_per_s"]),
+        ("step (act+observe) p50/p95", f"{s['step_latency_p50_s'] * 1e3:.1f} / {s['step_latency_p95_s'] * 1e3:.1f} ms"),
+        ("first observe p50/p95", f"{s['observe_latency_p50_s'] * 1e3:.1f} / {s['observe_latency_p95_s'] * 1e3:.1f} ms"),
+        ("outcomes", ", ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items())) or "-"),
+        ("records consistent", "yes" if s["consistent"] else "NO"),
+        ("outputs", str(out)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for idx, err in s["episode_errors"].items():
+        print(f"episode {idx} failed: {err}", file=sys.stderr)
