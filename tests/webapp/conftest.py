@@ -1,0 +1,156 @@
+"""Shared webapp fixtures: real processes on 127.0.0.1 with OS-chosen ports.
+
+- ``reference_backend_factory(tokenizer=None, r3_layers=0, r3_topk=8)`` -> a running
+  ``webapp.reference_backend`` subprocess (``.url``, ``.close()``).
+- ``session_server_factory(argv=None, env=None, backend_url=None, ...)`` -> a running server
+  (``.url``, ``.output()``, ``.close()``). Default argv: gunicorn with the gevent worker and
+  ``webapp.app:create_app()``; pass ``argv`` to start anything else that prints gunicorn's
+  ``Listening at: http://HOST:PORT`` line (or give ``ready_pattern``), e.g.
+  ``shinken-session-server --workers 3 --bind 127.0.0.1:0``.
+  ``session_server_factory.gunicorn_argv(app, workers)`` builds the default argv.
+- ``stub_backend_factory(handler)`` -> the URL of an in-process HTTP server whose
+  ``handler(request_dict)`` returns ``(status, body_bytes)``, or None to never answer (until the
+  module ends); for failure tests.
+
+All three are module-scoped factories: every process they started is stopped at module end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
+
+SERVER_READY_TIMEOUT = 60.0
+GUNICORN_READY = r"Listening at: (http://\S+)"
+HANG_LIMIT = 30.0  # a hanging stub handler gives up after this, so no test thread outlives its module
+
+
+def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> list[str]:
+    return [sys.executable, "-m", "gunicorn", "-k", "gevent", "--no-control-socket", "-w", str(workers),
+            "-b", "127.0.0.1:0", "--graceful-timeout", "5", app]
+
+
+class ServerProcess:
+    """A server subprocess whose merged stdout/stderr is drained by a reader thread."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], ready_pattern: str, timeout: float) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        self._lines: list[str] = []
+        self._ready = threading.Event()
+        self._pattern = re.compile(ready_pattern)
+        self.url = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._ready.wait(timeout) or not self.url:
+            self.close()
+            raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def _drain(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self._lines.append(line)
+            match = self._pattern.search(line)
+            if match and not self.url:
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # EOF: the process died before it was ready
+
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="module")
+def reference_backend_factory() -> Iterator[Callable[..., ReferenceBackendProcess]]:
+    started: list[ReferenceBackendProcess] = []
+
+    def start(**kw) -> ReferenceBackendProcess:
+        backend = start_reference_backend(**kw)
+        started.append(backend)
+        return backend
+
+    yield start
+    for backend in started:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def session_server_factory() -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(argv: list[str] | None = None, env: dict[str, str] | None = None, *,
+              backend_url: str | None = None, tokenizer: str | None = None,
+              ready_pattern: str = GUNICORN_READY, timeout: float = SERVER_READY_TIMEOUT) -> ServerProcess:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
+        if backend_url is not None:
+            full_env["SHINKEN_BACKEND_URL"] = backend_url
+        if tokenizer is not None:
+            full_env["SHINKEN_TOKENIZER"] = tokenizer
+        full_env.update(env or {})
+        server = ServerProcess(argv or gunicorn_argv(), full_env, ready_pattern, timeout)
+        started.append(server)
+        return server
+
+    start.gunicorn_argv = gunicorn_argv
+    yield start
+    for server in started:
+        server.close()
+
+
+class _StubServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+@pytest.fixture(scope="module")
+def stub_backend_factory() -> Iterator[Callable[[Callable[[dict], tuple[int, bytes] | None]], str]]:
+    servers: list[ThreadingHTTPServer] = []
+    release = threading.Event()
+
+    def start(handler: Callable[[dict], tuple[int, bytes] | None]) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                answer = handler(json.loads(body))
+                if answer is None:
+                    release.wait(HANG_LIMIT)
+                    return
+                status, reply = answer
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+        server = _StubServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    release.set()
+    for server in servers:
+        server.shutdown()
+        server.server_close()
