@@ -16,4 +16,6 @@ import sys
 import pytest
 
 if __name__ == "__main__":
-    sys.exit(pytest.main(sys.argv[1:]))
+    # anyio's pytest plugin (pulled in by openai) imports trio when installed,
+    # and trio needs select.epoll, which patching removes.
+    sys.exit(pytest.main(["-p", "no:anyio", *sys.argv[1:]]))
