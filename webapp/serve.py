@@ -1,0 +1,154 @@
+"""``shinken-session-server``: run the session server under gunicorn (gevent worker class).
+
+::
+
+    shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
+                           [--tokenizer PATH] [--api-key KEY]
+
+``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
+session worker subprocesses; ``--workers 0`` serves the single-process app
+(``webapp.app:create_app()``) under the same gunicorn. Without ``--backend-url`` the
+reference backend is started as the embedded default. This process binds the listening
+socket itself (so ``--bind 127.0.0.1:0`` works), hands it to gunicorn as ``fd://``, waits
+until ``/health`` answers 200, then prints one JSON line on stdout::
+
+    {"ready": true, "url": "http://127.0.0.1:PORT", "workers": N, "backend_url": "...", "pid": ...}
+
+SIGTERM/SIGINT are forwarded to gunicorn; when it exits, the embedded backend is stopped and
+this process exits with gunicorn's exit code (see docs/session-server-ops.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
+READY_TIMEOUT = 120.0
+EXIT_NOT_READY = 3  # gunicorn died or /health never turned 200 before READY_TIMEOUT
+_POLL = 0.05
+
+
+def _parse_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--bind must be HOST:PORT, got {bind!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _health_ok(host: str, port: int) -> bool:
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    conn = http.client.HTTPConnection(connect_host, port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shinken-session-server", description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=1,
+                        help="session worker processes (0: the single-process server)")
+    parser.add_argument("--backend-url", default=None,
+                        help="inference backend base URL (default: start the reference backend)")
+    parser.add_argument("--bind", default="127.0.0.1:8000", type=_parse_bind,
+                        help="HOST:PORT to listen on (default 127.0.0.1:8000; port 0 picks a free one)")
+    parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on all routes but /health "
+                             "(default: $SHINKEN_API_KEY; router mode only)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+                        help="seconds a session worker may miss heartbeats before it is restarted")
+    parser.add_argument("--read-timeout", type=float, default=None, help="backend read timeout per turn")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 0:
+        raise SystemExit("--workers must be >= 0")
+    host, port = args.bind
+    api_key = args.api_key or os.environ.get("SHINKEN_API_KEY") or None
+    if api_key and args.workers == 0:
+        raise SystemExit("--api-key is enforced by the router: use --workers >= 1")
+    backend = None
+    backend_url = args.backend_url
+    if backend_url is None:
+        from webapp.reference_backend import start_reference_backend
+
+        backend = start_reference_backend(tokenizer=args.tokenizer)
+        backend_url = backend.url
+    listener = _listen(host, port)
+    port = listener.getsockname()[1]
+    env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
+    env.pop("SHINKEN_API_KEY", None)
+    for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key),
+                        ("SHINKEN_HEARTBEAT_TIMEOUT", args.heartbeat_timeout),
+                        ("SHINKEN_READ_TIMEOUT", args.read_timeout)):
+        if value is not None:
+            env[name] = str(value)
+    app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"
+    argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
+                     "--no-control-socket", "--worker-class", "gevent", "--workers", "1", app_uri]
+    gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL)
+    listener.close()
+
+    def forward(signum: int, _frame: object) -> None:
+        if gunicorn.poll() is None:
+            gunicorn.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not _health_ok(host, port):
+            if gunicorn.poll() is not None or time.monotonic() > deadline:
+                print(json.dumps({"ready": False, "error": "gunicorn exited or /health never answered 200"}),
+                      flush=True)
+                if gunicorn.poll() is None:
+                    gunicorn.terminate()
+                    gunicorn.wait(30)
+                return EXIT_NOT_READY
+            time.sleep(_POLL)
+        url_host = f"[{host}]" if ":" in host else host
+        print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": args.workers,
+                          "backend_url": backend_url, "pid": os.getpid()}), flush=True)
+        return gunicorn.wait()
+    finally:
+        if gunicorn.poll() is None:
+            gunicorn.terminate()
+            try:
+                gunicorn.wait(30)
+            except subprocess.TimeoutExpired:
+                gunicorn.kill()
+                gunicorn.wait()
+        if backend is not None:
+            backend.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Starts, watches and restarts the session worker subprocesses of one router process.
+
+Each shard has one slot run by one greenlet: spawn the worker (multiprocessing *spawn*
+context, a duplex ``Pipe`` = socketpair per worker), wait for its first heartbeat, then
+watch it — process sentinel, channel EOF, and a ``ping`` every ``heartbeat_interval`` that
+must answer within ``heartbeat_timeout``. A dead or hung worker marks its shard down at
+once (its requests get :class:`ShardUnavailable` -> 503 without waiting), is killed and
+reaped, and is restarted with exponential backoff. Its in-memory sessions are gone; the
+other shards never notice.
+
+Must be started after gevent's monkey-patching — in gunicorn's ``post_worker_init`` hook or
+lazily on first use — never in the gunicorn master or at ``--preload``: the workers and their
+sockets belong to the process that will drive them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.os
+from gevent import monkey
+from gevent.socket import wait_read
+
+from webapp import worker
+from webapp.ipc import Buffer, IpcChannelClosed, IpcError, IpcTimeout
+from webapp.ipc_channel import IpcClient, IpcReply, open_socket
+
+__all__ = ["ShardUnavailable", "Supervisor", "SupervisorConfig"]
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE = 5.0  # a worker gets this long to exit on EOF before SIGKILL
+
+
+class ShardUnavailable(Exception):
+    """The worker owning ``shard`` is not serving (starting, dead, hung or stopped)."""
+
+    def __init__(self, shard: int, reason: str) -> None:
+        super().__init__(f"session worker for shard {shard} is unavailable: {reason}")
+        self.shard = shard
+        self.reason = reason
+
+
+@dataclass
+class SupervisorConfig:
+    workers: int
+    core: dict[str, Any]  # keyword arguments of webapp.core.CoreConfig (plain data: no core import)
+    startup_timeout: float = 60.0  # spawn to first heartbeat (tokenizer loading included)
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0  # a worker that cannot answer a ping this long is hung
+    restart_backoff: float = 0.1  # first restart delay, doubled per consecutive failure
+    restart_backoff_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclass
+class _Slot:
+    shard: int
+    state: str = "starting"  # starting | ready | down | stopped
+    reason: str = "starting"
+    client: IpcClient | None = None
+    process: Any = None
+    pid: int | None = None
+    restarts: int = 0
+    lost: gevent.event.Event = field(default_factory=gevent.event.Event)
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots = [_Slot(i) for i in range(config.workers)]
+        self._greenlets: list[gevent.Greenlet] = []
+        self._stopping = False
+        self._started = False
+        self._pid = os.getpid()
+
+    @property
+    def workers(self) -> int:
+        return self.config.workers
+
+    def start(self) -> None:
+        """Spawn every worker; returns at once (see :meth:`wait_ready`). Idempotent."""
+        if self._started:
+            return
+        if os.getpid() != self._pid:
+            raise RuntimeError("a Supervisor cannot be used across fork; create it in the serving process")
+        self._started = True
+        self._greenlets = [gevent.spawn(self._run_slot, slot) for slot in self._slots]
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every shard is ready; False if some are not within ``timeout``."""
+        with gevent.Timeout(timeout, False):
+            while not all(slot.state == "ready" for slot in self._slots):
+                gevent.sleep(0.02)
+            return True
+        return False
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"shard": s.shard, "state": s.state, "reason": s.reason, "restarts": s.restarts,
+                 "pid": s.pid} for s in self._slots]
+
+    def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
+                timeout: float, chunk_timeout: float = 60.0) -> IpcReply:
+        """One request to the worker owning ``shard``.
+
+        Raises:
+            ShardUnavailable: the worker is not serving (at once, without waiting), or died
+                while this request was in flight.
+            IpcTimeout, IpcRemoteError, FrameTooLarge: see :meth:`IpcClient.request`.
+        """
+        self.start()
+        slot = self._slots[shard]
+        client = slot.client
+        if slot.state != "ready" or client is None:
+            raise ShardUnavailable(shard, slot.reason)
+        try:
+            return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout)
+        except IpcChannelClosed as exc:
+            raise ShardUnavailable(shard, f"worker lost mid-request ({exc.reason})") from exc
+
+    def stop(self) -> None:
+        """Close every channel (workers exit on EOF), reap them, SIGKILL stragglers."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for glet in self._greenlets:
+            glet.kill(block=False)
+        for slot in self._slots:
+            slot.state, slot.reason = "stopped", "server shutting down"
+            if slot.client is not None:
+                slot.client.close("server shutting down")
+        for slot in self._slots:
+            if slot.process is not None:
+                _reap(slot.process, _STOP_GRACE)
+
+    # -- one slot -------------------------------------------------------------------------
+
+    def _run_slot(self, slot: _Slot) -> None:
+        backoff = self.config.restart_backoff
+        while not self._stopping:
+            served = self._run_worker(slot)
+            if self._stopping:
+                return
+            if served:  # only consecutive failures to start back off
+                backoff = self.config.restart_backoff
+            slot.restarts += 1
+            log.warning("session worker for shard %d down (%s); restarting in %.1f s",
+                        slot.shard, slot.reason, backoff)
+            gevent.sleep(backoff)
+            backoff = min(backoff * 2, self.config.restart_backoff_max)
+
+    def _run_worker(self, slot: _Slot) -> bool:
+        """Run one worker incarnation to its end; True if it became ready at some point."""
+        cfg = self.config
+        slot.state, slot.reason, slot.pid = "starting", "worker starting", None
+        slot.lost = lost = gevent.event.Event()
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=worker.run, name=f"shinken-session-worker-{slot.shard}", daemon=True,
+            args=(child_conn, slot.shard, cfg.workers, cfg.core, os.getpid()))
+        process.start()
+        _watch_child(process.pid)
+        child_conn.close()  # only the worker may hold its end, or its death would not be EOF here
+        slot.process, slot.pid = process, process.pid
+        sock = open_socket(os.dup(parent_conn.fileno()))
+        parent_conn.close()
+        client = IpcClient(sock, name=f"shard {slot.shard}",
+                           on_close=lambda exc: self._mark_down(slot, lost, f"channel closed ({exc.reason})"))
+        slot.client = client
+        watcher = gevent.spawn(self._watch_sentinel, slot, process, lost)
+        try:
+            served = self._watch(slot, client, lost)
+        finally:
+            watcher.kill(block=False)
+            hung = slot.reason.startswith("hung")
+            client.close("worker replaced")
+            _reap(process, 0.0 if hung else 1.0)
+        return served
+
+    def _watch(self, slot: _Slot, client: IpcClient, lost: gevent.event.Event) -> bool:
+        """Returns once the worker is lost (the slot is down by then): did it ever serve?"""
+        cfg = self.config
+        try:
+            client.request({"op": "ping"}, timeout=cfg.startup_timeout)
+        except IpcTimeout:
+            self._mark_down(slot, lost, f"hung: no heartbeat within the {cfg.startup_timeout} s startup timeout")
+            return False
+        except IpcError as exc:
+            self._mark_down(slot, lost, f"failed to start ({exc})")
+            return False
+        slot.state, slot.reason = "ready", "ready"
+        log.info("session worker for shard %d ready (pid %d)", slot.shard, slot.pid)
+        while not lost.wait(cfg.heartbeat_interval):
+            try:
+                client.request({"op": "ping"}, timeout=cfg.heartbeat_timeout)
+            except IpcTimeout:
+                self._mark_down(slot, lost, f"hung: no heartbeat within {cfg.heartbeat_timeout} s")
+            except IpcError as exc:
+                self._mark_down(slot, lost, f"lost ({exc})")
+        return True
+
+    def _mark_down(self, slot: _Slot, lost: gevent.event.Event, reason: str) -> None:
+        # The first signal wins (sentinel, EOF, failed heartbeat); from this instant the
+        # shard answers 503 without waiting for the slot greenlet to wake up.
+        if slot.lost is lost and slot.state not in ("down", "stopped"):
+            slot.state, slot.reason = "down", reason
+        lost.set()
+
+    def _watch_sentinel(self, slot: _Slot, process: Any, lost: gevent.event.Event) -> None:
+        wait_read(process.sentinel)  # readable once the process is gone; killed with its slot
+        code = process.exitcode  # None when SIGCHLD has not been processed yet
+        self._mark_down(slot, lost, "worker process exited" + (f" with code {code}" if code is not None else ""))
+
+
+def _watch_child(pid: int) -> None:
+    # Under patching, gevent's SIGCHLD handler reaps every child; unless it watches this pid
+    # (before the hub runs again) multiprocessing's waitpid would never see the exit status.
+    if monkey.is_module_patched("os"):
+        gevent.os._watch_child(pid)
+
+
+def _reap(process: Any, grace: float) -> None:
+    """Wait up to ``grace`` s for ``process`` to exit, then SIGKILL it; never blocks the hub."""
+    if grace > 0:
+        try:
+            wait_read(process.sentinel, timeout=grace)
+        except TimeoutError:
+            pass
+    if process.exitcode is None:
+        process.kill()
+        try:
+            wait_read(process.sentinel, timeout=_STOP_GRACE)
+        except TimeoutError:
+            log.error("session worker pid %d survived SIGKILL for %s s", process.pid, _STOP_GRACE)
+            return
+    process.join(0)
+    if process.exitcode is not None:
+        process.close()
