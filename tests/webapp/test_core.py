@@ -1,0 +1,313 @@
+"""SessionCore: lifecycle, exact records, R3 handling, races and error mapping."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+
+import pytest
+
+from webapp.backend import BackendReply
+from webapp.core import CoreConfig, SessionCore, build_session_core
+from webapp.reference_backend import R3Shape, reference_completion
+from webapp.tokenizers import ByteChatTokenizer
+
+TOK = ByteChatTokenizer()
+R3 = R3Shape(layers=3, top_k=2)
+WAIT = 10.0
+
+
+class FakeBackend:
+    """The reference backend's replies, in-process; optionally gated to hold a turn in flight."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.calls: list[dict] = []
+        self.raws: list[bytes] = []
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.gated = gated
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+
+    def chat_completions(self, payload: bytes) -> BackendReply:
+        request = json.loads(payload)
+        with self._lock:
+            self.calls.append(request)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.gated:
+                self.entered.release()
+                assert self.release.wait(WAIT)
+            reply = reference_completion(request["input_ids"], TOK, want_r3=request.get("return_routed_experts"),
+                                         r3=R3, max_tokens=request.get("max_tokens"))
+            raw = json.dumps(reply).encode()
+            self.raws.append(raw)
+            return BackendReply(raw, json.loads(raw))
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def close(self) -> None:
+        pass
+
+
+def make_core(backend=None) -> SessionCore:
+    return SessionCore(TOK, backend or FakeBackend(), turn_wait_timeout=WAIT)
+
+
+def body_of(reply) -> dict:
+    return json.loads(b"".join(reply.chunks))
+
+
+def new_session(core: SessionCore) -> str:
+    return body_of(core.create_session())["session_id"]
+
+
+def chat(core, sid, messages, **fields):
+    return core.chat(sid, json.dumps({"model": "m", "messages": messages, **fields}).encode())
+
+
+def test_lifecycle():
+    core = make_core()
+    created = core.create_session()
+    assert created.status == 200
+    sid = body_of(created)["session_id"]
+    assert len(sid) == 32 and int(sid, 16) >= 0
+    got = core.get_session(sid)
+    assert got.status == 200
+    assert body_of(got) == {"session_id": sid, "records": [], "metadata": {
+        "accumulated_token_ids": [], "num_records": 0, "num_messages": 0,
+        "created_at": body_of(got)["metadata"]["created_at"]}}
+    assert core.delete_session(sid).status == 204
+    for reply in (core.get_session(sid), core.delete_session(sid),
+                  chat(core, sid, [{"role": "user", "content": "x"}])):
+        assert reply.status == 404
+        assert "not found" in body_of(reply)["error"]
+    assert core.health().status == 200 and body_of(core.health())["status"] == "ok"
+
+
+def test_given_ids_duplicates_and_bad_ids():
+    core = make_core()
+    assert body_of(core.create_session("abc123"))["session_id"] == "abc123"
+    dup = core.create_session("abc123")
+    assert dup.status == 409 and "already exists" in body_of(dup)["error"]
+    assert core.create_session("../etc").status == 400
+    assert core.create_session("x" * 129).status == 400
+
+
+def test_ten_turns_with_tool_messages_exact_records_and_r3():
+    backend = FakeBackend()
+    core = make_core(backend)
+    sid = new_session(core)
+    msgs = [{"role": "system", "content": "You operate a 1920x1080 screen."},
+            {"role": "user", "content": "Rename report.pdf ✓"}]
+    bodies, replies = [], []
+    for i in range(10):
+        body = {"model": "m", "messages": msgs, "temperature": 0.0}
+        bodies.append(body)
+        reply = core.chat(sid, json.dumps(body).encode())
+        assert reply.status == 200, reply.body
+        parsed = body_of(reply)
+        replies.append(parsed)
+        meta = parsed["choices"][0]["meta_info"]
+        assert "routed_experts" not in meta and meta["output_token_logprobs"]  # R3 stripped, rest kept
+        assistant = parsed["choices"][0]["message"]
+        action = json.loads(assistant["content"])["action"]
+        conversation = msgs + [assistant]
+        msgs = msgs + [assistant, {"role": "tool", "tool_call_id": f"call_{i}",
+                                   "content": f"did {action['verb']}"}]
+        if i % 2:
+            msgs.append({"role": "user", "content": f"screenshot {i}"})
+    session = body_of(core.get_session(sid))
+    records = session["records"]
+    assert len(records) == 10
+    accumulated = session["metadata"]["accumulated_token_ids"]
+    assert TOK.decode(accumulated) + "\n" == TOK.render(conversation, add_generation_prompt=False)
+    last = records[-1]
+    assert accumulated == last["prompt_token_ids"] + last["output_token_ids"]
+    for i, (record, call, raw, body) in enumerate(zip(records, backend.calls, backend.raws, bodies)):
+        assert record["turn"] == i and record["rollback"] is False
+        assert record["request"] == body
+        assert record["prompt_token_ids"] == call["input_ids"]
+        assert call["logprobs"] is True and call["stream"] is False and call["return_routed_experts"] is True
+        assert record["response"] == json.loads(raw)
+        pairs = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+        assert record["output_token_ids"] == [t for _, t in pairs]
+        assert record["output_token_logprobs"] == [lp for lp, _ in pairs]
+        r3 = record["response"]["choices"][0]["meta_info"]["routed_experts"]
+        tokens = len(record["prompt_token_ids"]) + len(record["output_token_ids"])
+        assert len(base64.b64decode(r3, validate=True)) == (tokens - 1) * R3.layers * R3.top_k * 4
+        if i:  # earlier turns are never re-tokenized
+            prev = records[i - 1]
+            assert record["prompt_token_ids"][: len(prev["prompt_token_ids"]) + len(prev["output_token_ids"])] \
+                == prev["prompt_token_ids"] + prev["output_token_ids"]
+
+
+def test_records_get_reuses_the_backend_bytes_without_reencoding():
+    backend = FakeBackend()
+    core = make_core(backend)
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    reply = core.get_session(sid)
+    assert isinstance(reply.body, list)
+    assert any(chunk is backend.raws[0] for chunk in reply.body)
+    assert reply.content_length == len(b"".join(reply.body))
+
+
+def test_rollback_in_core_and_too_deep_is_400():
+    core = make_core()
+    sid = new_session(core)
+    first = [{"role": "user", "content": "a"}]
+    r1 = body_of(chat(core, sid, first))["choices"][0]["message"]
+    second = first + [r1, {"role": "user", "content": "b"}]
+    assert chat(core, sid, second).status == 200
+    assert chat(core, sid, second).status == 200  # regenerate: one step back
+    deep = chat(core, sid, [{"role": "user", "content": "other"}])
+    assert deep.status == 400 and "rolled back" in body_of(deep)["error"]
+    records = body_of(core.get_session(sid))["records"]
+    assert [r["rollback"] for r in records] == [False, False, True]
+
+
+def test_delete_racing_a_chat_answers_but_commits_nothing():
+    backend = FakeBackend(gated=True)
+    core = make_core(backend)
+    sid = new_session(core)
+    session = core.registry.get(sid)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=chat(core, sid, [{"role": "user", "content": "a"}])))
+    worker.start()
+    assert backend.entered.acquire(timeout=WAIT)
+    assert core.delete_session(sid).status == 204
+    assert core.get_session(sid).status == 404
+    assert chat(core, sid, [{"role": "user", "content": "b"}]).status == 404  # closing: no new turn
+    assert core.delete_session(sid).status == 404  # already closing
+    backend.release.set()
+    worker.join(WAIT)
+    assert result["r"].status == 200 and body_of(result["r"])["choices"][0]["message"]["content"]
+    assert session.records == [] and session.state.token_ids == ()
+
+
+def test_turns_of_one_session_are_serialized_but_other_sessions_proceed():
+    backend = FakeBackend(gated=True)
+    core = make_core(backend)
+    a, b = new_session(core), new_session(core)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(chat(core, a, [{"role": "user", "content": "a"}])))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert backend.entered.acquire(timeout=WAIT)
+    assert not backend.entered.acquire(timeout=0.2)  # the second turn of `a` waits for the first
+    other = threading.Thread(target=lambda: results.append(chat(core, b, [{"role": "user", "content": "b"}])))
+    other.start()
+    assert backend.entered.acquire(timeout=WAIT)  # session b is not held up by a's turn in flight
+    assert backend.in_flight == 2
+    backend.release.set()
+    for t in (*threads, other):
+        t.join(WAIT)
+    assert [r.status for r in results] == [200, 200, 200]
+    assert backend.max_in_flight == 2
+    assert [r["rollback"] for r in body_of(core.get_session(a))["records"]] == [False, True]
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json", b"\xff\xfe", b"[1, 2]", b'"str"',
+    json.dumps({"messages": "hi"}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "model": 5}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": ["x"]}]}).encode(),
+])
+def test_bad_json_and_wrong_types_are_400_and_store_nothing(body):
+    backend = FakeBackend()
+    core = make_core(backend)
+    sid = new_session(core)
+    reply = core.chat(sid, body)
+    assert reply.status == 400
+    assert isinstance(body_of(reply)["error"], str)
+    assert backend.calls == [] and body_of(core.get_session(sid))["records"] == []
+
+
+def test_stream_answers_sse():
+    core = make_core()
+    sid = new_session(core)
+    reply = chat(core, sid, [{"role": "user", "content": "a"}], stream=True, stream_options={"include_usage": True})
+    assert reply.status == 200 and reply.content_type == "text/event-stream"
+    events = b"".join(reply.chunks).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert json.loads(content)["action"]["verb"] in ("click", "type", "key", "scroll")
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+    record = body_of(core.get_session(sid))["records"][0]
+    assert record["request"]["stream"] is True and "routed_experts" in record["response"]["choices"][0]["meta_info"]
+
+
+# --- through the real backend client --------------------------------------------------------------
+
+def core_for(url: str, read_timeout: float = 5.0) -> SessionCore:
+    return build_session_core(CoreConfig(backend_url=url, connect_timeout=1.0, read_timeout=read_timeout))
+
+
+def free_closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_502(core: SessionCore, fragment: str) -> None:
+    sid = new_session(core)
+    reply = chat(core, sid, [{"role": "user", "content": "a"}])
+    assert reply.status == 502, reply.body
+    assert fragment in body_of(reply)["error"]
+    assert body_of(core.get_session(sid))["records"] == []
+    core.close()
+
+
+def test_backend_down_is_502():
+    assert_502(core_for(f"http://127.0.0.1:{free_closed_port()}"), "unreachable")
+
+
+def test_backend_timeout_is_502(stub_backend_factory):
+    assert_502(core_for(stub_backend_factory(lambda request: None), read_timeout=0.3), "timed out")
+
+
+def _valid(request: dict) -> dict:
+    return reference_completion(request["input_ids"], TOK)
+
+
+@pytest.mark.parametrize("make_body, fragment", [
+    (lambda r: b"<html>oops", "not UTF-8 JSON"),
+    (lambda r: b"[]", "not a JSON object"),
+    (lambda r: json.dumps({**_valid(r), "choices": []}).encode(), "exactly one choice"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "assistant", "content": "x"}}]}).encode(), "meta_info"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "assistant", "content": "x"},
+                                        "meta_info": {"output_token_logprobs": [[0.0]]}}]}).encode(), "[logprob"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "assistant", "content": "x"},
+                                        "meta_info": {"output_token_logprobs": [[0.0, "7"]]}}]}).encode(), "integers"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "assistant", "content": "x"}, "meta_info": {
+        "output_token_logprobs": [[0.0, 7]], "completion_tokens": 3}}]}).encode(), "completion_tokens"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "user", "content": "x"}, "meta_info": {
+        "output_token_logprobs": [[0.0, 7]]}}]}).encode(), "role"),
+])
+def test_malformed_backend_reply_is_502(stub_backend_factory, make_body, fragment):
+    assert_502(core_for(stub_backend_factory(lambda request: (200, make_body(request)))), fragment)
+
+
+def test_upstream_non_200_is_passed_through_and_not_recorded(stub_backend_factory):
+    upstream = json.dumps({"object": "error", "message": "overloaded", "code": 429}).encode()
+    core = core_for(stub_backend_factory(lambda request: (429, upstream)))
+    sid = new_session(core)
+    reply = chat(core, sid, [{"role": "user", "content": "a"}])
+    assert (reply.status, reply.body, reply.content_type) == (429, upstream, "application/json")
+    session = body_of(core.get_session(sid))
+    assert session["records"] == [] and session["metadata"]["accumulated_token_ids"] == []
+    core.close()
