@@ -1,0 +1,125 @@
+"""Tokenizers: the byte ChatML default and the tokenizer.json + Jinja2 adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn
+from webapp.tokenizers import ByteChatTokenizer, HFChatTokenizer, TokenizerLoadError, load_tokenizer
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
+    " + '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small byte-level BPE tokenizer.json trained here, plus a ChatML template."""
+    path = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the agent clicks the button on the screen and types hello world"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<|im_end|>", "special": True},
+        "chat_template": [{"name": "tool_use", "template": "unused"},
+                          {"name": "default", "template": CHATML_TEMPLATE}],
+    }))
+    return str(path)
+
+
+@pytest.mark.parametrize("text", ["", "hello", "snowman ☃ and emoji 🦀", "<|im_start|>user\nx<|im_end|>\n",
+                                  "literal <|im_end without close", "\x00\xff\n\t"])
+def test_byte_tokenizer_is_exact_and_reversible(text):
+    tok = ByteChatTokenizer()
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_byte_tokenizer_special_tokens_are_single_ids():
+    tok = ByteChatTokenizer()
+    assert tok.encode("<|im_start|><|im_end|>") == [257, 258]
+    assert tok.eos_token_id == 258 and tok.decode([258]) == "<|im_end|>"
+
+
+def test_byte_template_renders_chatml_with_tools_and_tool_calls():
+    tok = ByteChatTokenizer()
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {}}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    text = tok.render(messages, add_generation_prompt=True, tools=[{"type": "function"}])
+    assert text == (
+        '<|im_start|>system\n# Tools\n{"type": "function"}<|im_end|>\n'
+        "<|im_start|>user\nlook: <|image|><|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name": "click", "arguments": "{\\"x\\": 1}"}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\nok<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_hf_adapter_encodes_decodes_and_renders(hf_dir):
+    tok = load_tokenizer(hf_dir)
+    assert isinstance(tok, HFChatTokenizer)
+    assert tok.eos_token == "<|im_end|>" and tok.decode([tok.eos_token_id]) == "<|im_end|>"
+    text = tok.render([{"role": "user", "content": "hello ☃"}], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhello ☃<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids[0] == 1 and tok.eos_token_id in ids  # special tokens are single ids
+    assert len(ids) < len(text.encode())  # merges learned by the trainer are used
+
+
+def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_dir):
+    tok = load_tokenizer(hf_dir)
+    state, previous = INITIAL_STATE, None
+    msgs = [{"role": "system", "content": "the agent"}, {"role": "user", "content": "click the button"}]
+    for i in range(4):
+        plan = plan_turn(state, previous, msgs, None, tok)
+        reply = f"clicks {i} on the screen"
+        output = tok.encode(reply) + [tok.eos_token_id]
+        previous, state = plan.base, commit_turn(plan, normalize_message({"role": "assistant", "content": reply}),
+                                                 output, tok.eos_token_id)
+        msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "tool", "content": f"ok {i}"}]
+    full = tok.render(msgs[:-1], add_generation_prompt=False)
+    assert tok.decode(state.token_ids) + "\n" == full
+    # special tokens bound every turn, so appending suffixes equals tokenizing the whole text
+    assert list(state.token_ids) == tok.encode(full)[:-1]
+
+
+def test_load_tokenizer_errors(tmp_path, hf_dir):
+    assert isinstance(load_tokenizer(None), ByteChatTokenizer)
+    with pytest.raises(TokenizerLoadError):
+        load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(TokenizerLoadError):
+        load_tokenizer(str(tmp_path))  # no tokenizer.json
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path)
+    with pytest.raises(TokenizerLoadError, match="no chat template"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(TokenizerLoadError, match="eos_token"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert load_tokenizer(str(tmp_path)).render([{"role": "user", "content": "x"}], add_generation_prompt=False) \
+        == "<|im_start|>user\nx<|im_end|>\n"
