@@ -1,0 +1,154 @@
+"""LocalProvider, LocalFleetProvider and StaticProvider lifecycles: nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shinken_sync import protocol
+from shinken_sync.providers import (
+    DaemonStartError,
+    Liveness,
+    LocalFleetProvider,
+    LocalProvider,
+    ProviderExhausted,
+    StaticProvider,
+    UnknownHandle,
+)
+
+pytestmark = pytest.mark.integration
+
+SCREEN = (1024, 768)
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        # a zombie (exited, not yet reaped) is gone for our purposes
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_local_provider_lifecycle(aci):
+    with LocalProvider(screen=SCREEN) as provider:
+        a, b = provider.create_many(2, parallelism=2)
+        assert a.url != b.url and a.token != b.token
+        for handle in (a, b):
+            url, token = provider.endpoint(handle)
+            client = aci(url, token)
+            assert (client.hello.width, client.hello.height) == SCREEN
+            assert client.hello.sandbox_id == handle.sandbox_id
+            assert provider.check_alive(handle) == Liveness(alive=True)
+        pids = [a.pid, b.pid]
+        provider.destroy(a)
+        assert _gone(a.pid)
+        assert provider.check_alive(a).alive is False
+        provider.destroy(a)  # idempotent
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_token_files_do_not_outlive_startup():
+    with LocalProvider(screen=SCREEN) as provider:
+        handle = provider.create()
+        # the daemon read its token before binding; the file is gone once it is ready
+        assert not os.path.exists(handle.daemon._token_path)
+
+
+def test_check_alive_reports_the_killing_signal():
+    with LocalProvider(screen=SCREEN) as provider:
+        handle = provider.create()
+        os.kill(handle.pid, signal.SIGKILL)
+        assert _gone(handle.pid)
+        handle.daemon.process.wait(10)
+        liveness = provider.check_alive(handle)
+        assert liveness.alive is False and liveness.signal == signal.SIGKILL and liveness.exit_code is None
+        assert "SIGKILL" in liveness.detail and liveness.oom is False
+
+        other = provider.create()
+        os.kill(other.pid, signal.SIGTERM)  # a clean stop is an exit, code 0
+        other.daemon.process.wait(15)
+        assert provider.check_alive(other) == Liveness(alive=False, exit_code=0, detail="shinkend exited with code 0")
+
+
+def test_a_daemon_that_cannot_start_raises_with_its_stderr():
+    with LocalProvider(screen=SCREEN, extra_args=["--no-such-flag"]) as provider, pytest.raises(
+        DaemonStartError
+    ) as info:
+        provider.create()
+    assert info.value.exit_code == 2
+    assert "--no-such-flag" in info.value.stderr_tail and "--no-such-flag" in str(info.value)
+
+
+def test_unknown_create_option_is_a_type_error():
+    with LocalProvider() as provider, pytest.raises(TypeError):
+        provider.create(colour="blue")
+
+
+def test_children_die_with_a_killed_parent(tmp_path):
+    """The parent is SIGKILLed (no atexit, no close): PR_SET_PDEATHSIG stops its daemons."""
+    script = textwrap.dedent(f"""
+        import sys, threading
+        from shinken_sync.providers import LocalProvider
+        provider = LocalProvider(screen={SCREEN!r})
+        # created from a short-lived thread: the spawner thread must keep PDEATHSIG tied to the process
+        handles = []
+        t = threading.Thread(target=lambda: handles.extend(provider.create_many(2)))
+        t.start(); t.join()
+        print(" ".join(str(h.pid) for h in handles), flush=True)
+        threading.Event().wait(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(0.3)
+        assert not any(_gone(pid, timeout=0) for pid in pids), "the daemons died with the creating thread"
+    finally:
+        parent.kill()
+        parent.wait()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_fleet_provider_hands_out_each_sandbox_once(aci):
+    with LocalFleetProvider(3, screen=SCREEN) as fleet:
+        handles = fleet.create_many(2) + [fleet.create()]
+        assert len({h.url for h in handles}) == 3
+        with pytest.raises(ProviderExhausted):
+            fleet.create()
+        clients = [aci(*fleet.endpoint(h)) for h in handles]
+        assert len({c.hello.sandbox_id for c in clients}) == 3
+        assert [c.hello.sandbox_id for c in clients] == [h.sandbox_id for h in handles]
+        assert fleet.check_alive(handles[0]).alive
+        host_pid = handles[0].pid
+        fleet.destroy(handles[0])
+        assert fleet.check_alive(handles[1]).alive  # retiring one handle leaves the host up
+    assert _gone(host_pid)
+
+
+def test_static_provider_wraps_given_endpoints(vdaemon, aci):
+    provider = StaticProvider([(vdaemon.url, vdaemon.token)])
+    handle = provider.create()
+    assert provider.endpoint(handle) == (vdaemon.url, vdaemon.token)
+    assert provider.check_alive(handle) == Liveness(alive=True, detail="unknown")
+    assert aci(*provider.endpoint(handle)).ok("screen_size")["width"] > 0
+    with pytest.raises(ProviderExhausted):
+        provider.create()
+    with pytest.raises(UnknownHandle):
+        StaticProvider([("ws://x/sb/0", "t")]).check_alive(handle)
+    provider.destroy(handle)
+    provider.close()
+    assert vdaemon.proc.poll() is None  # a static provider never stops what it did not start
+    assert aci(vdaemon.url, vdaemon.token).call("cursor").outcome == protocol.OK
