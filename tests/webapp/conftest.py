@@ -8,6 +8,8 @@
   ``Listening at: http://HOST:PORT`` line (or give ``ready_pattern``), e.g.
   ``shinken-session-server --workers 3 --bind 127.0.0.1:0``.
   ``session_server_factory.gunicorn_argv(app, workers)`` builds the default argv.
+- ``hf_tokenizer_dir``: a directory with a small byte-level BPE ``tokenizer.json`` trained on
+  the spot and a ChatML template in ``tokenizer_config.json`` (session-scoped).
 - ``stub_backend_factory(handler)`` -> the URL of an in-process HTTP server whose
   ``handler(request_dict)`` returns ``(status, body_bytes)``, or None to never answer (until the
   module ends); for failure tests.
@@ -27,12 +29,51 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 
 SERVER_READY_TIMEOUT = 60.0
 GUNICORN_READY = r"Listening at: (http://\S+)"
 HANG_LIMIT = 30.0  # a hanging stub handler gives up after this, so no test thread outlives its module
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
+    " + '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer.json trained here, plus a ChatML template."""
+    path = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the agent clicks the button on the screen and types hello world"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<|im_end|>", "special": True},
+        "chat_template": [{"name": "tool_use", "template": "unused"},
+                          {"name": "default", "template": CHATML_TEMPLATE}],
+    }))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def chatml_template() -> str:
+    return CHATML_TEMPLATE
 
 
 def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> list[str]:

@@ -7,42 +7,9 @@ import os
 import shutil
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn
 from webapp.tokenizers import ByteChatTokenizer, HFChatTokenizer, TokenizerLoadError, load_tokenizer
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
-    "{% for call in message.get('tool_calls') or [] %}"
-    "{{ '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
-    " + '\\n</tool_call>' }}"
-    "{% endfor %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A small byte-level BPE tokenizer.json trained here, plus a ChatML template."""
-    path = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the agent clicks the button on the screen and types hello world"] * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": {"content": "<|im_end|>", "special": True},
-        "chat_template": [{"name": "tool_use", "template": "unused"},
-                          {"name": "default", "template": CHATML_TEMPLATE}],
-    }))
-    return str(path)
 
 
 @pytest.mark.parametrize("text", ["", "hello", "snowman ☃ and emoji 🦀", "<|im_start|>user\nx<|im_end|>\n",
@@ -78,8 +45,8 @@ def test_byte_template_renders_chatml_with_tools_and_tool_calls():
     )
 
 
-def test_hf_adapter_encodes_decodes_and_renders(hf_dir):
-    tok = load_tokenizer(hf_dir)
+def test_hf_adapter_encodes_decodes_and_renders(hf_tokenizer_dir):
+    tok = load_tokenizer(hf_tokenizer_dir)
     assert isinstance(tok, HFChatTokenizer)
     assert tok.eos_token == "<|im_end|>" and tok.decode([tok.eos_token_id]) == "<|im_end|>"
     text = tok.render([{"role": "user", "content": "hello ☃"}], add_generation_prompt=True)
@@ -90,8 +57,8 @@ def test_hf_adapter_encodes_decodes_and_renders(hf_dir):
     assert len(ids) < len(text.encode())  # merges learned by the trainer are used
 
 
-def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_dir):
-    tok = load_tokenizer(hf_dir)
+def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_tokenizer_dir):
+    tok = load_tokenizer(hf_tokenizer_dir)
     state, previous = INITIAL_STATE, None
     msgs = [{"role": "system", "content": "the agent"}, {"role": "user", "content": "click the button"}]
     for i in range(4):
@@ -107,16 +74,16 @@ def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_dir):
     assert list(state.token_ids) == tok.encode(full)[:-1]
 
 
-def test_load_tokenizer_errors(tmp_path, hf_dir):
+def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
     assert isinstance(load_tokenizer(None), ByteChatTokenizer)
     with pytest.raises(TokenizerLoadError):
         load_tokenizer(str(tmp_path / "missing"))
     with pytest.raises(TokenizerLoadError):
         load_tokenizer(str(tmp_path))  # no tokenizer.json
-    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path)
+    shutil.copy(os.path.join(hf_tokenizer_dir, "tokenizer.json"), tmp_path)
     with pytest.raises(TokenizerLoadError, match="no chat template"):
         load_tokenizer(str(tmp_path))
-    (tmp_path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (tmp_path / "chat_template.jinja").write_text(chatml_template)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
     with pytest.raises(TokenizerLoadError, match="eos_token"):
         load_tokenizer(str(tmp_path))
