@@ -32,12 +32,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["READY_URL_PATTERN", "main", "server_argv"]
 
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
 READY_TIMEOUT = 120.0
 EXIT_NOT_READY = 3  # gunicorn died or /health never turned 200 before READY_TIMEOUT
 _POLL = 0.05
+# Matches the ready line's URL (group 1); for launchers that read this process's stdout.
+READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
+
+
+def server_argv(workers: int, backend_url: str | None = None, bind: str = "127.0.0.1:0",
+                *extra: str) -> list[str]:
+    """The command line that runs this server (tests and benchmarks start it this way)."""
+    argv = [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", bind, *extra]
+    return argv + (["--backend-url", backend_url] if backend_url else [])
 
 
 def _parse_bind(bind: str) -> tuple[str, int]:
