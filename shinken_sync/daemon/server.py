@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import http
 import json
 import logging
 import os
 import re
+import resource
 import signal
 import sys
 from typing import Any
@@ -208,6 +210,15 @@ async def run(args: argparse.Namespace, token: str) -> int:
     return 0
 
 
+def _raise_fd_limit() -> None:
+    # A fleet host holds a socket per connection; the usual soft limit of 1024
+    # is exactly one connection per sandbox of a 1024 fleet, with no headroom.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -226,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
     if args.stream_grace < 0:
         parser.error("--stream-grace must be >= 0")
+    _raise_fd_limit()
     try:
         token = _read_token(args.token_file)
     except (OSError, ValueError) as exc:
