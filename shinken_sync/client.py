@@ -87,6 +87,8 @@ DEFAULT_MAX_QUEUE_FRAMES = 32
 #: How long a liveness probe may take on the failure path before the loss is
 #: reported as a plain ConnectionLost.
 LIVENESS_PROBE_TIMEOUT = 2.0
+#: A probe that still says "alive" is asked once more after this delay.
+LIVENESS_RECHECK_DELAY = 0.1
 #: Added to the duration of verbs that wait on purpose to form their deadline.
 WAITING_VERB_SLACK = 10.0
 #: read_file() without max_bytes fetches the file in calls of this size (the
@@ -202,7 +204,8 @@ async def aconnect(
         if status == 401:
             raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
         raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
-    except (TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:
+    # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
+    except (asyncio.TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:  # noqa: UP041
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
     try:
         hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()))
@@ -224,7 +227,7 @@ async def aconnect(
 async def _receive_hello(ws: ClientConnection, url: str, timeout: float) -> protocol.Hello:
     try:
         message = await asyncio.wait_for(ws.recv(), timeout)
-    except TimeoutError as exc:
+    except asyncio.TimeoutError as exc:  # noqa: UP041 - distinct from TimeoutError on 3.10
         raise ConnectError(f"{url}: no hello within the open timeout", url) from exc
     except ConnectionClosed as exc:
         raise ConnectError(f"{url}: closed before the hello", url) from exc
@@ -736,32 +739,35 @@ class AsyncSandbox:
     async def _open_stream(
         self, verb: str, args: dict[str, Any], last_seq: int | None, timeout: float | None
     ) -> ScreencastStream:
-        result = await self._call(verb, args, timeout)
-        # The reader registered the stream when the reply arrived, before any
-        # of its frames could be routed (see _on_reply).
-        stream = self._streams.get(result.get("stream_id", ""))
-        if stream is None:
-            if self._loss is not None:  # lost between the reply and now
-                raise self._loss_error()
+        # The reader registers the stream when the reply arrives, before any of
+        # its frames can be routed, and resolves the call with the stream itself.
+        outcome = await (await self._submit(verb, args, timeout))
+        if not isinstance(outcome, ScreencastStream):
+            result = _unwrap(verb, outcome)  # raises for an error reply
             raise ProtocolViolation(f"{verb} reply without a usable stream_id: {result!r}")
+        stream = outcome
         if last_seq is not None:
             stream._last_seq = last_seq
         return stream
 
-    def _register_stream(self, result: Mapping[str, Any]) -> None:
+    def _register_stream(self, result: Mapping[str, Any]) -> ScreencastStream | None:
         stream_id = result.get("stream_id")
         if not isinstance(stream_id, str):
-            return
+            return None
         params = {k: result.get(k) for k in ("fps", "format", "quality", "max_long_edge")}
         # On resume the daemon reports its seq and the frames it could not send.
         delivered = int(result.get("last_seq", 0)) - int(result.get("missed", 0))
+        previous = self._streams.get(stream_id)
+        if previous is not None:  # resumed on the connection that already had it
+            previous._finish(_ENDED, "moved", release=True)
         queue = FrameQueue(self._budget, self._max_queue_frames, self._frame_counters)
-        self._streams[stream_id] = ScreencastStream(self, stream_id, params, queue, delivered)
+        stream = self._streams[stream_id] = ScreencastStream(self, stream_id, params, queue, delivered)
+        return stream
 
-    def _stream_stopped(self, stream_id: str) -> None:
-        stream = self._streams.pop(stream_id, None)
-        if stream is not None:
-            stream._finish(_ENDED)
+    def _stream_ended(self, end: protocol.StreamEnd) -> None:
+        stream = self._streams.pop(end.stream_id, None)
+        if stream is not None:  # frames already queued stay readable before the end
+            stream._finish(_ENDED, end.reason, release=False)
 
     # -- the reader --------------------------------------------------------
 
@@ -795,7 +801,7 @@ class AsyncSandbox:
         elif isinstance(msg, protocol.Reply):
             self._on_reply(msg)
         elif isinstance(msg, protocol.StreamEnd):
-            self._stream_stopped(msg.stream_id)
+            self._stream_ended(msg)
         else:
             raise ProtocolViolation(f"unexpected {type(msg).__name__} after the hello")
 
@@ -807,10 +813,14 @@ class AsyncSandbox:
                 return  # the call already timed out; its late reply is dropped
             raise ProtocolViolation(f"reply to call {call_id!r}, which was never sent")
         pending.timer.cancel()
+        if pending.future.done():  # the caller was cancelled
+            return
         if reply.outcome == protocol.OK and pending.verb in ("screencast_start", "resume_screencast"):
-            self._register_stream(reply.result or {})
-        if not pending.future.done():  # else the caller was cancelled
-            pending.future.set_result(reply)
+            stream = self._register_stream(reply.result or {})
+            if stream is not None:
+                pending.future.set_result(stream)
+                return
+        pending.future.set_result(reply)
 
     async def _connection_gone(self, cause: BaseException | None) -> None:
         if self._closing:
@@ -826,7 +836,10 @@ class AsyncSandbox:
                 call.future.set_exception(self._loss_error())
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream._finish(_ENDED if self._closing else _StreamLostMark(loss))
+            if self._closing:
+                stream._finish(_ENDED, "closed", release=True)
+            else:
+                stream._finish(_StreamLostMark(loss), "lost", release=True)
 
     async def _classify_loss(self, cause: BaseException | None) -> ShinkenError:
         if isinstance(cause, ProtocolViolation):
@@ -842,15 +855,25 @@ class AsyncSandbox:
         )
 
     async def _probe_liveness(self) -> Liveness | None:
+        """Ask the provider, at most twice: a killed process closes its sockets a
+        moment before its exit status becomes visible."""
         if self._probe is None:
             return None
-        try:
-            return await asyncio.wait_for(
-                self._loop.run_in_executor(None, self._probe), LIVENESS_PROBE_TIMEOUT
-            )
-        except Exception:
-            log.warning("%s: liveness probe failed", self._url, exc_info=True)
-            return None
+        deadline = self._loop.time() + LIVENESS_PROBE_TIMEOUT
+        liveness = None
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(LIVENESS_RECHECK_DELAY)
+            try:
+                liveness = await asyncio.wait_for(
+                    self._loop.run_in_executor(None, self._probe), max(0.0, deadline - self._loop.time())
+                )
+            except Exception:
+                log.warning("%s: liveness probe failed", self._url, exc_info=True)
+                return liveness
+            if not liveness.alive:
+                break
+        return liveness
 
 
 class ScreencastStream:
@@ -872,6 +895,7 @@ class ScreencastStream:
         self._queue = queue
         self._last_seq = last_seq
         self._missed = 0
+        self._end_reason: str | None = None
         self._waiter: asyncio.Future | None = None
 
     @property
@@ -896,6 +920,14 @@ class ScreencastStream:
     @property
     def ended(self) -> bool:
         return self._queue.terminal is not None
+
+    @property
+    def end_reason(self) -> str | None:
+        """None while open; else ``stopped`` (by us or the daemon), ``closed``
+        (sandbox closed, or the daemon's grace period ran out), ``moved``
+        (resumed on another connection), ``error`` (the daemon's stream
+        failed) or ``lost`` (the connection dropped)."""
+        return self._end_reason
 
     @property
     def counters(self) -> FrameCounters:
@@ -947,12 +979,10 @@ class ScreencastStream:
             return Frame._from_protocol(item, gap)
 
     async def stop(self, *, timeout: float | None = None) -> None:
-        """Stop the stream and release its queued frames. Idempotent; a no-op
-        once the stream ended or its connection is gone."""
-        if self.ended:
-            return
+        """Stop the stream and release its queued frames. Idempotent; only
+        releases the frames once the stream ended or its connection is gone."""
         sandbox = self._sandbox
-        if sandbox._loss is None and not sandbox._closing:
+        if not self.ended and sandbox._loss is None and not sandbox._closing:
             try:
                 await sandbox._call("screencast_stop", {"stream_id": self._stream_id}, timeout)
             except ActionError as exc:
@@ -960,16 +990,19 @@ class ScreencastStream:
                     raise
             except ConnectionLost:
                 pass
-        sandbox._stream_stopped(self._stream_id)
-        self._finish(_ENDED)
+        sandbox._streams.pop(self._stream_id, None)
+        self._finish(_ENDED, "stopped", release=True)
 
     def _push(self, frame: protocol.Frame, size: int) -> None:
         if self._queue.push(frame, size):
             self._wake()
 
-    def _finish(self, sentinel: Any) -> None:
-        self._queue.clear()
-        self._queue.end(sentinel)
+    def _finish(self, sentinel: Any, reason: str, *, release: bool) -> None:
+        if release:
+            self._queue.clear()
+        if self._queue.terminal is None:
+            self._end_reason = reason
+            self._queue.end(sentinel)
         self._wake()
 
     def _wake(self) -> None:

@@ -42,7 +42,21 @@ if TYPE_CHECKING:
 
 
 class ShinkenError(Exception):
-    """Root of every error the SDK raises on purpose."""
+    """Root of every error the SDK raises on purpose.
+
+    Copyable and picklable with every field (keyword-only fields would
+    otherwise be lost: ``copy``/``pickle`` re-call ``__init__`` with ``args``).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[ShinkenError], args: tuple[Any, ...], state: dict[str, Any]) -> ShinkenError:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class ConnectError(ShinkenError):
@@ -243,6 +257,7 @@ def classify_exception(exc: BaseException | None) -> str:
         return protocol.DENIED
     if is_connection_loss(exc):
         return protocol.SANDBOX_DIED
-    if isinstance(exc, TimeoutError):  # RPCTimeout, ActionTimeout, asyncio's TimeoutError
+    # asyncio.TimeoutError is a distinct class before Python 3.11.
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return protocol.TIMEOUT
     return protocol.ERROR
