@@ -1,0 +1,428 @@
+"""A real X screen: its own Xvfb, input through xdotool, capture through mss (MIT-SHM).
+
+Everything blocking (spawning, xdotool, capture, encode) runs on ONE thread
+owned by the display, so the event loop never waits on X and the X client
+(mss's connection) is only ever used from one thread. That thread also forks
+every child: ``PR_SET_PDEATHSIG`` fires when the forking *thread* exits, and
+this one lives exactly as long as the display.
+
+Children (Xvfb, the optional window manager, the optional ``launch`` program)
+each start in their own session under ``setpriv --pdeathsig KILL``, so a
+SIGKILLed daemon takes them with it; :meth:`XvfbDisplay.close` stops their
+process groups (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`).
+
+Screenshots keep the previous scaled frame per geometry and rescale only the
+bands that changed (see :mod:`shinken_sync.daemon.imaging`); the change token
+is a generation counter bumped whenever a capture differs from the previous one
+(a memcmp, cheaper here than a crc32 of the 8 MB buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT
+
+from .. import imaging
+from .base import Display, DisplayError, EncodedImage
+from .errors import DisplayUnavailable
+from .keys import parse_combo
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MIN_SIZE = (64, 64)
+MAX_SIZE = (7680, 4320)
+#: Xvfb start: exec until it reports its display number on -displayfd.
+START_TIMEOUT_S = 10.0
+#: A launched program's first visible window.
+LAUNCH_TIMEOUT_S = 10.0
+#: SIGTERM -> SIGKILL escalation when stopping children.
+STOP_TIMEOUT_S = 3.0
+#: One xdotool invocation; typing adds TYPE_DELAY_MS per character.
+XDOTOOL_TIMEOUT_S = 10.0
+#: Between typed characters (xdotool's default). At 1 ms, characters outside
+#: the keymap, which xdotool types by remapping a spare keycode, got lost in xterm.
+TYPE_DELAY_MS = 12
+#: Pointer motion events a drag sends between press and release, so toolkits
+#: that track motion (sliders, window moves) see a path, not a jump.
+DRAG_STEPS = 8
+#: Scaled frames kept for incremental rescaling (one per screenshot geometry;
+#: each also pins one raw capture, 8 MB at 1080p).
+SCALED_FRAMES_KEPT = 2
+#: Above this fraction of changed pixels a full resize beats patching.
+FULL_RESCALE_FRACTION = 0.5
+
+#: Tried in order when ``window_manager=True``; the first one installed runs.
+WINDOW_MANAGERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matchbox-window-manager", ("-use_titlebar", "no")),
+    ("openbox", ()),
+    ("fluxbox", ()),
+    ("icewm", ()),
+    ("twm", ()),
+)
+_BUTTONS = {"left": "1", "middle": "2", "right": "3"}
+
+
+def _require_programs() -> dict[str, str]:
+    found = {name: shutil.which(name) for name in ("Xvfb", "xdotool")}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        packages = " ".join({"Xvfb": "xvfb", "xdotool": "xdotool"}[m] for m in missing)
+        raise DisplayUnavailable(
+            f"the xvfb display needs {' and '.join(missing)} on PATH: apt-get install {packages}"
+        )
+    try:
+        import mss  # noqa: F401
+    except ImportError:
+        raise DisplayUnavailable("the xvfb display needs the mss package: pip install 'shinken[xvfb]'") from None
+    return found  # type: ignore[return-value]
+
+
+class XvfbDisplay(Display):
+    """A private Xvfb screen; see the module docstring."""
+
+    kind = "xvfb"
+
+    def __init__(
+        self,
+        width: int,
+        height: int,
+        *,
+        window_manager: bool = True,
+        launch: Sequence[str] | None = None,
+        depth: int = 24,
+        start_timeout: float = START_TIMEOUT_S,
+    ):
+        if not (MIN_SIZE[0] <= width <= MAX_SIZE[0] and MIN_SIZE[1] <= height <= MAX_SIZE[1]):
+            raise ValueError(
+                f"xvfb size {width}x{height} outside {MIN_SIZE[0]}x{MIN_SIZE[1]}..{MAX_SIZE[0]}x{MAX_SIZE[1]}"
+            )
+        if depth not in (24, 32):  # mss reads 4-byte pixels
+            raise ValueError("xvfb depth must be 24 or 32")
+        self._programs = _require_programs()
+        self.width, self.height, self.depth = width, height, depth
+        self.window_manager = window_manager
+        self.launch = list(launch) if launch else None
+        self.start_timeout = start_timeout
+        #: ":N" once started.
+        self.display_name: str | None = None
+        #: The window manager that runs, if any.
+        self.window_manager_name: str | None = None
+        self._env: dict[str, str] = {}
+        self._children: list[subprocess.Popen] = []
+        self._x = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xvfb")
+        self._start_lock = asyncio.Lock()
+        self._started = False
+        self._closed = False
+        self._sct: Any = None
+        self._last_raw: bytearray | None = None
+        self._generation = 0
+        self._scaled: collections.OrderedDict[imaging.Geometry, tuple[bytearray, Any]] = collections.OrderedDict()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of every child this display started (Xvfb first)."""
+        return [p.pid for p in self._children]
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self._started or self._closed:
+            raise DisplayError("the xvfb display is not running", ERR_FAILED)
+        return await asyncio.get_running_loop().run_in_executor(self._x, fn, *args)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._started:
+                return
+            if self._closed:
+                raise DisplayError("the xvfb display was closed", ERR_FAILED)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._x, self._start_sync)
+            except BaseException:
+                await asyncio.get_running_loop().run_in_executor(self._x, self._stop_sync)
+                raise
+            self._started = True
+
+    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        # setpriv (util-linux) sets PR_SET_PDEATHSIG between fork and exec without a
+        # preexec_fn, which is unsafe in a threaded process.
+        prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        kwargs.setdefault("stdout", subprocess.DEVNULL)
+        kwargs.setdefault("stderr", subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [*prefix, *argv], stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, **kwargs
+        )
+        self._children.append(proc)
+        return proc
+
+    def _start_sync(self) -> None:
+        read_fd, write_fd = os.pipe()
+        stderr = tempfile.TemporaryFile(prefix="shinken-xvfb-")  # noqa: SIM115 (read on failure)
+        try:
+            xvfb = self._spawn(
+                [self._programs["Xvfb"], "-displayfd", str(write_fd), "-screen", "0",
+                 f"{self.width}x{self.height}x{self.depth}", "-nolisten", "tcp", "-noreset"],
+                pass_fds=(write_fd,),
+                stderr=stderr,
+            )
+            os.close(write_fd)
+            write_fd = -1
+            number = self._read_display_number(read_fd, xvfb, stderr)
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+            stderr.close()
+        self.display_name = f":{number}"
+        self._env = {**os.environ, "DISPLAY": self.display_name}
+        import mss
+
+        self._sct = mss.MSS(display=self.display_name)
+        if self.window_manager:
+            self._start_window_manager()
+        if self.launch:
+            self._launch_sync(self.launch)
+        log.info("xvfb %s up (%dx%d, wm=%s)", self.display_name, self.width, self.height, self.window_manager_name)
+
+    def _read_display_number(self, fd: int, xvfb: subprocess.Popen, stderr: Any) -> int:
+        deadline = time.monotonic() + self.start_timeout
+        data = b""
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DisplayError(f"Xvfb did not report a display within {self.start_timeout:.0f} s", ERR_TIMEOUT)
+            ready, _, _ = select.select([fd], [], [], min(remaining, 0.1))
+            if ready:
+                chunk = os.read(fd, 64)
+                if chunk:
+                    data += chunk
+                    continue
+            if xvfb.poll() is not None:
+                stderr.seek(0)
+                tail = stderr.read()[-2000:].decode(errors="replace").strip()
+                raise DisplayError(f"Xvfb exited with {xvfb.returncode} before it was ready: {tail}", ERR_FAILED)
+        return int(data)
+
+    def _start_window_manager(self) -> None:
+        for name, args in WINDOW_MANAGERS:
+            path = shutil.which(name)
+            if path is not None:
+                self._spawn([path, *args], env=self._env)
+                self.window_manager_name = name
+                return
+        log.info("no window manager installed (tried %s); running without one",
+                 ", ".join(n for n, _ in WINDOW_MANAGERS))
+
+    def _launch_sync(self, argv: list[str]) -> None:
+        """Start ``argv`` on this screen and give keyboard focus to its first window."""
+        try:
+            proc = self._spawn(argv, env=self._env)
+        except OSError as exc:
+            raise DisplayError(f"cannot launch {argv[0]!r}: {exc}", ERR_FAILED) from None
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise DisplayError(f"{argv[0]!r} exited with {proc.returncode} before showing a window", ERR_FAILED)
+            found = subprocess.run(
+                [self._programs["xdotool"], "search", "--onlyvisible", "--pid", str(proc.pid)],
+                env=self._env, capture_output=True, timeout=XDOTOOL_TIMEOUT_S, check=False,
+            )
+            windows = found.stdout.split()
+            if windows:
+                # Without a window manager nobody hands out focus; X would send
+                # keys to whatever lies under the pointer.
+                self._xdotool("windowfocus", windows[0].decode())
+                return
+            time.sleep(0.05)
+        raise DisplayError(f"{argv[0]!r} showed no window within {LAUNCH_TIMEOUT_S:.0f} s", ERR_TIMEOUT)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._x, self._stop_sync)
+        finally:
+            self._x.shutdown(wait=False)
+
+    def _stop_sync(self) -> None:
+        if self._sct is not None:
+            self._sct.close()
+            self._sct = None
+        self._scaled.clear()
+        self._last_raw = None
+        for proc in reversed(self._children):
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline and not all(_exited(p) for p in self._children):
+            time.sleep(0.02)
+        # Exited leaders stay unreaped zombies until here, so their group ids
+        # cannot be reused: this SIGKILL reaches only stragglers (a child that
+        # ignored SIGTERM, xterm's shell) of groups we started.
+        for proc in reversed(self._children):
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        self._children.clear()
+
+    # -- pixels ----------------------------------------------------------------
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return (self.width, self.height)
+
+    def _grab(self) -> bytearray:
+        shot = self._sct.grab(self._sct.monitors[0])
+        raw = shot.raw
+        if self._last_raw is None or raw != self._last_raw:
+            self._generation += 1
+        self._last_raw = raw
+        return raw
+
+    async def change_token(self) -> Hashable:
+        return await self._run(self._change_token_sync)
+
+    def _change_token_sync(self) -> int:
+        self._grab()
+        return self._generation
+
+    async def screenshot(
+        self,
+        format: str = "jpeg",
+        quality: int = 80,
+        max_long_edge: int | None = None,
+        region: tuple[int, int, int, int] | None = None,
+    ) -> EncodedImage:
+        params = imaging.plan(self.width, self.height, format, quality, max_long_edge, region)
+        return await self._run(self._screenshot_sync, params)
+
+    def _screenshot_sync(self, params: imaging.EncodeParams) -> EncodedImage:
+        raw = self._grab()
+        geo = params.geometry
+        if geo.scaled:
+            image = self._rescaled(raw, geo)
+        elif geo.box == (0, 0, self.width, self.height):
+            image = imaging.bgrx_image(raw, self.size)
+        else:
+            image = imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height))
+        return imaging.encoded(image, params)
+
+    def _rescaled(self, raw: bytearray, geo: imaging.Geometry) -> Any:
+        """The capture scaled to ``geo``, patched from the previous one when little changed."""
+        image = None
+        previous = self._scaled.pop(geo, None)
+        if previous is not None:
+            before, image = previous
+            rects = imaging.changed_rects(before, raw, self.size)
+            if sum(w * h for _, _, w, h in rects) <= FULL_RESCALE_FRACTION * self.width * self.height:
+                imaging.rescale_rects(
+                    image, geo, rects, lambda rect: imaging.bgrx_image(raw, self.size, rect), self.size
+                )
+            else:
+                image = None
+        if image is None:
+            image = imaging.render(imaging.bgrx_image(raw, self.size), geo)
+        self._scaled[geo] = (raw, image)
+        while len(self._scaled) > SCALED_FRAMES_KEPT:
+            self._scaled.popitem(last=False)
+        return image
+
+    # -- input -----------------------------------------------------------------
+
+    def _xdotool(self, *args: str, stdin: bytes | None = None, timeout: float = XDOTOOL_TIMEOUT_S) -> str:
+        try:
+            proc = subprocess.run(
+                [self._programs["xdotool"], *args], env=self._env, input=stdin, capture_output=True, timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise DisplayError(f"xdotool {args[0]} timed out after {timeout:.0f} s", ERR_TIMEOUT) from None
+        if proc.returncode != 0:
+            message = proc.stderr.decode(errors="replace").strip()[-500:]
+            raise DisplayError(f"xdotool {args[0]} failed ({proc.returncode}): {message}", ERR_FAILED)
+        return proc.stdout.decode(errors="replace")
+
+    @staticmethod
+    def _button(button: str) -> str:
+        try:
+            return _BUTTONS[button]
+        except KeyError:
+            raise DisplayError(f"button must be left, middle or right, not {button!r}", ERR_BAD_ARGS) from None
+
+    async def move(self, x: int, y: int) -> None:
+        await self._run(self._xdotool, "mousemove", str(x), str(y))
+
+    async def click(self, x: int, y: int, button: str = "left", count: int = 1) -> None:
+        number = self._button(button)
+        await self._run(
+            self._xdotool, "mousemove", str(x), str(y), "click", "--repeat", str(count), "--delay", "60", number
+        )
+
+    async def drag(self, x0: int, y0: int, x1: int, y1: int, button: str = "left") -> None:
+        number = self._button(button)
+        args = ["mousemove", str(x0), str(y0), "mousedown", number]
+        for step in range(1, DRAG_STEPS + 1):
+            x = x0 + (x1 - x0) * step // DRAG_STEPS
+            y = y0 + (y1 - y0) * step // DRAG_STEPS
+            args += ["sleep", "0.01", "mousemove", str(x), str(y)]
+        args += ["mouseup", number]
+        await self._run(self._xdotool, *args)
+
+    async def scroll(self, dx: int, dy: int, x: int | None = None, y: int | None = None) -> None:
+        args: list[str] = []
+        if x is not None and y is not None:
+            args += ["mousemove", str(x), str(y)]
+        # X wheel buttons: 4 up, 5 down, 6 left, 7 right.
+        for clicks, negative, positive in ((dy, "4", "5"), (dx, "6", "7")):
+            if clicks:
+                args += ["click", "--repeat", str(abs(clicks)), "--delay", "10", positive if clicks > 0 else negative]
+        if args:
+            await self._run(self._xdotool, *args)
+
+    async def type_text(self, text: str) -> None:
+        if not text:
+            return
+        timeout = XDOTOOL_TIMEOUT_S + len(text) * TYPE_DELAY_MS / 1000 * 4
+        await self._run(
+            functools.partial(
+                self._xdotool, "type", "--delay", str(TYPE_DELAY_MS), "--file", "-",
+                stdin=text.encode(), timeout=timeout,
+            )
+        )
+
+    async def key(self, combo: str) -> None:
+        await self._run(self._xdotool, "key", parse_combo(combo).xdotool())
+
+    async def cursor(self) -> tuple[int, int]:
+        out = await self._run(self._xdotool, "getmouselocation", "--shell")
+        fields = dict(line.split("=", 1) for line in out.split() if "=" in line)
+        return int(fields["X"]), int(fields["Y"])
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` exited, without reaping it."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped
+        return True
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
