@@ -61,7 +61,7 @@ __all__ = [
 SCREEN_WIDTH, SCREEN_HEIGHT = 1920, 1080
 ACTION_VERBS = ("click", "type", "key", "scroll")
 _WORDS = ("hello world", "shinken", "report.pdf", "quarterly numbers", "search terms", "ok")
-_KEYS = ("Enter", "Tab", "Escape", "ctrl+s", "ctrl+l", "alt+F4", "BackSpace")
+_KEYS = ("Return", "Tab", "Escape", "ctrl+s", "ctrl+l", "alt+F4", "BackSpace")
 MODEL_NAME = "shinken-reference"
 MAX_REQUEST_BYTES = 256 << 20
 # 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
