@@ -1,0 +1,169 @@
+"""The thin router: no session core in its process, API key, deadlines, error shape and
+headers, configuration."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from urllib.parse import urlsplit
+
+import psutil
+import pytest
+import requests
+
+from webapp.router import RouterConfig
+from webapp.serve import READY_URL_PATTERN, build_parser, server_argv
+from webapp.sharding import shard_for
+
+KEY = "s3cret-key"
+
+
+def raw_request(url: str, method: str, path: str, headers: dict | None = None, body: bytes | None = None):
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.getheaders(), resp.read()
+    finally:
+        conn.close()
+
+
+def header_count(headers: list[tuple[str, str]], name: str) -> int:
+    return sum(1 for k, _ in headers if k.lower() == name)
+
+
+def test_defaults_bind_loopback_and_config_from_env() -> None:
+    assert build_parser().parse_args([]).bind == ("127.0.0.1", 8000)
+    config = RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b", "SHINKEN_WORKERS": "3",
+                                    "SHINKEN_API_KEY": "k", "SHINKEN_CONTROL_TIMEOUT": "1.5"})
+    assert (config.workers, config.backend_url, config.api_key, config.control_timeout) == (3, "http://b", "k", 1.5)
+    assert RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b"}).api_key is None
+    with pytest.raises(ValueError):
+        RouterConfig.from_env({})
+
+
+@pytest.mark.integration
+def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_factory) -> None:
+    backend = reference_backend_factory()
+    script = textwrap.dedent(f"""
+        from gevent import monkey; monkey.patch_all()
+        import json, sys
+        from webapp.router import RouterConfig, create_app, start_supervisor, stop_supervisor
+        app = create_app(RouterConfig(workers=2, backend_url={backend.url!r}))
+        start_supervisor(app)
+        assert app.extensions["shinken_supervisor"].wait_ready(60)
+        client = app.test_client()
+        sid = client.post("/sessions").get_json()["session_id"]
+        chat = client.post(f"/sessions/{{sid}}/v1/chat/completions",
+                           json={{"messages": [{{"role": "user", "content": "hi"}}]}})
+        records = client.get(f"/sessions/{{sid}}")
+        statuses = [chat.status_code, records.status_code, client.get("/health").status_code]
+        stop_supervisor(app)
+        loaded = sorted(m for m in sys.modules if m.startswith(("webapp", "tokenizers")))
+        print(json.dumps({{"statuses": statuses, "modules": loaded}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                         timeout=90)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["statuses"] == [200, 200, 200]
+    assert "webapp.router" in result["modules"] and "webapp.worker" in result["modules"]
+    # (jinja2 is not on the list: Flask itself imports it)
+    forbidden = {"webapp.core", "webapp.tito", "webapp.tokenizers", "webapp.backend", "webapp.app",
+                 "webapp.reference_backend", "webapp.session_errors", "tokenizers"}
+    assert forbidden.isdisjoint(result["modules"])
+
+
+@pytest.fixture(scope="module")
+def keyed(reference_backend_factory, session_server_factory):
+    """workers=2, an API key by flag, a 1 s deadline on control ops, slow hang detection."""
+    backend = reference_backend_factory()
+    return session_server_factory(
+        server_argv(2, backend.url, "127.0.0.1:0", "--api-key", KEY, "--heartbeat-timeout", "60"),
+        env={"SHINKEN_CONTROL_TIMEOUT": "1"}, ready_pattern=READY_URL_PATTERN)
+
+
+@pytest.mark.integration
+def test_api_key_is_required_on_every_route_but_health(keyed) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert requests.get(f"{keyed.url}/health", timeout=10).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in (("POST", "/sessions"), ("GET", "/sessions/" + "a" * 32),
+                             ("DELETE", "/sessions/" + "a" * 32),
+                             ("POST", "/sessions/" + "a" * 32 + "/v1/chat/completions"), ("GET", "/nope")):
+            resp = requests.request(method, keyed.url + path, headers=headers, timeout=10)
+            assert resp.status_code == 401, (method, path, headers)
+            assert "error" in resp.json() and resp.headers["WWW-Authenticate"] == "Bearer"
+    sid = requests.post(f"{keyed.url}/sessions", headers=auth, timeout=10).json()["session_id"]
+    chat = requests.post(f"{keyed.url}/sessions/{sid}/v1/chat/completions", headers=auth, timeout=30,
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200
+    assert requests.get(f"{keyed.url}/sessions/{sid}", headers=auth, timeout=10).status_code == 200
+
+
+@pytest.mark.integration
+def test_api_key_from_environment(reference_backend_factory, session_server_factory) -> None:
+    backend = reference_backend_factory()
+    server = session_server_factory(server_argv(1, backend.url), env={"SHINKEN_API_KEY": "from-env"},
+                                    ready_pattern=READY_URL_PATTERN)
+    assert requests.post(f"{server.url}/sessions", timeout=10).status_code == 401
+    assert requests.post(f"{server.url}/sessions", headers={"Authorization": "Bearer from-env"},
+                         timeout=10).status_code == 200
+
+
+@pytest.mark.integration
+def test_one_server_and_one_date_header_and_json_errors(keyed) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, headers, body = raw_request(keyed.url, "POST", "/sessions", auth)
+    sid = json.loads(body)["session_id"]
+    content = json.dumps({"messages": [{"role": "user", "content": "type hello " * 500}]}).encode()
+    raw_request(keyed.url, "POST", f"/sessions/{sid}/v1/chat/completions",
+                {**auth, "Content-Type": "application/json"}, content)
+    cases = [
+        ("GET", "/health", {}, 200),
+        ("GET", f"/sessions/{sid}", auth, 200),
+        ("GET", "/sessions/" + "b" * 32, auth, 404),
+        ("GET", "/no/such/route", auth, 404),
+        ("PUT", "/sessions", auth, 405),
+        ("POST", "/sessions", {}, 401),
+        ("DELETE", f"/sessions/{sid}", auth, 204),
+    ]
+    for method, path, hdrs, expected in cases:
+        status, headers, body = raw_request(keyed.url, method, path, hdrs)
+        assert status == expected, (method, path, body)
+        assert header_count(headers, "server") == 1 and header_count(headers, "date") == 1, headers
+        if status >= 400:
+            assert set(json.loads(body)) >= {"error"}
+            assert {k.lower(): v for k, v in headers}["content-type"] == "application/json"
+
+
+@pytest.mark.integration
+def test_a_stuck_worker_costs_its_callers_one_deadline_not_forever(keyed) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    owned: dict[int, str] = {}
+    while len(owned) < 2:
+        sid = requests.post(f"{keyed.url}/sessions", headers=auth, timeout=10).json()["session_id"]
+        owned.setdefault(shard_for(sid, 2), sid)
+    stuck = next(p for p in psutil.Process(keyed.proc.pid).children(recursive=True)
+                 if "shinken-session-worker[0/2]" in " ".join(p.cmdline()))
+    stuck.suspend()
+    try:
+        resp = requests.get(f"{keyed.url}/sessions/{owned[0]}", headers=auth, timeout=30)
+        assert resp.status_code == 504 and "shard 0" in resp.json()["error"]
+        health = requests.get(f"{keyed.url}/health", timeout=30)
+        assert health.status_code == 503 and health.json()["unhealthy_shards"] == [0]
+        assert requests.get(f"{keyed.url}/sessions/{owned[1]}", headers=auth, timeout=10).status_code == 200
+    finally:
+        stuck.resume()
+    # the worker wakes up and answers the abandoned requests late: they are dropped, and
+    # its next callers get their own answers
+    time.sleep(0.2)
+    for _ in range(3):
+        resp = requests.get(f"{keyed.url}/sessions/{owned[0]}", headers=auth, timeout=10)
+        assert resp.status_code == 200 and resp.json()["session_id"] == owned[0]
+    assert requests.get(f"{keyed.url}/health", timeout=10).status_code == 200

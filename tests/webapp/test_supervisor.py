@@ -1,0 +1,130 @@
+"""Worker supervision under real gunicorn: a killed or hung worker fails only its shard (503
+at once), is restarted with its sessions gone (404); shutdown and a dead router leave no
+worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import requests
+
+from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.sharding import shard_for
+
+pytestmark = pytest.mark.integration
+
+WORKERS = 3
+RECOVERY_LIMIT = 30.0  # generous bound for a restart on a loaded 2-core machine (not a speed target)
+
+
+def worker_procs(server, shards: int = WORKERS) -> dict[int, psutil.Process]:
+    found = {}
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        for shard in range(shards):
+            if f"shinken-session-worker[{shard}/{shards}]" in cmdline:
+                found[shard] = proc
+    return found
+
+
+def wait_healthy(base: str, limit: float = RECOVERY_LIMIT) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if requests.get(f"{base}/health", timeout=10).status_code == 200:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"/health not 200 within {limit} s")
+
+
+def sessions_by_shard(base: str, shards: int = WORKERS) -> dict[int, str]:
+    owned: dict[int, str] = {}
+    while len(owned) < shards:
+        sid = requests.post(f"{base}/sessions", timeout=10).json()["session_id"]
+        owned.setdefault(shard_for(sid, shards), sid)
+    return owned
+
+
+def chat(base: str, sid: str) -> requests.Response:
+    return requests.post(f"{base}/sessions/{sid}/v1/chat/completions", timeout=30,
+                         json={"messages": [{"role": "user", "content": "click the button"}]})
+
+
+@pytest.fixture(scope="module")
+def server(reference_backend_factory, session_server_factory):
+    backend = reference_backend_factory()
+    return session_server_factory(server_argv(WORKERS, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "2"),
+                                  ready_pattern=READY_URL_PATTERN)
+
+
+def test_process_titles_name_their_shard(server) -> None:
+    assert sorted(worker_procs(server)) == list(range(WORKERS))
+
+
+def test_killed_worker_fails_only_its_shard_and_is_restarted(server) -> None:
+    base = server.url
+    owned = sessions_by_shard(base)
+    for sid in owned.values():
+        assert chat(base, sid).status_code == 200
+    victim = worker_procs(server)[0]
+    victim.kill()
+    victim.wait(10)
+    down = requests.get(f"{base}/sessions/{owned[0]}", timeout=10)
+    assert down.status_code == 503
+    assert "shard 0" in down.json()["error"]
+    for shard in (1, 2):  # other shards keep their sessions and serve
+        assert chat(base, owned[shard]).status_code == 200
+        assert requests.get(f"{base}/sessions/{owned[shard]}", timeout=10).status_code == 200
+    wait_healthy(base)
+    replacement = worker_procs(server)[0]
+    assert replacement.pid != victim.pid
+    assert requests.get(f"{base}/sessions/{owned[0]}", timeout=10).status_code == 404  # sessions are gone
+    fresh = sessions_by_shard(base)[0]
+    assert chat(base, fresh).status_code == 200
+
+
+def test_hung_worker_is_detected_killed_and_restarted(server) -> None:
+    base = server.url
+    wait_healthy(base)
+    owned = sessions_by_shard(base)
+    victim = worker_procs(server)[1]
+    victim.suspend()  # SIGSTOP: alive, but answers nothing
+    try:
+        started = time.monotonic()
+        hung = requests.get(f"{base}/sessions/{owned[1]}", timeout=RECOVERY_LIMIT)
+        # answered (503 once the missed heartbeats mark the shard down), never left hanging
+        assert hung.status_code == 503, hung.text
+        assert time.monotonic() - started < RECOVERY_LIMIT
+        assert chat(base, owned[2]).status_code == 200
+        wait_healthy(base)
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+        assert worker_procs(server)[1].pid != victim.pid
+    finally:
+        if victim.is_running():
+            victim.kill()
+
+
+def test_router_death_takes_its_workers_and_sigterm_leaves_nothing(reference_backend_factory,
+                                                                    session_server_factory) -> None:
+    backend = reference_backend_factory()
+    server = session_server_factory(server_argv(2, backend.url), ready_pattern=READY_URL_PATTERN)
+    first = worker_procs(server, 2)
+    assert len(first) == 2
+    router = first[0].parent()
+    assert "gunicorn: worker" in " ".join(router.cmdline())
+    os.kill(router.pid, signal.SIGKILL)  # the router dies without any cleanup
+    _gone, alive = psutil.wait_procs(list(first.values()), timeout=15)
+    assert alive == []
+    wait_healthy(server.url)  # gunicorn's master booted a new router with new workers
+    everything = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(worker_procs(server, 2)) == 2
+    server.close()
+    assert server.proc.returncode == 0
+    _gone, alive = psutil.wait_procs(everything, timeout=15)
+    assert alive == []
