@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import resource
+import shlex
 import signal
 import sys
 from typing import Any
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a detached screencast waits for resume_screencast")
     p.add_argument("--seed", type=int, default=0, help="virtual desktop content seed")
+    p.add_argument("--launch", default="", metavar="COMMAND",
+                   help="xvfb: start this program on the screen once it is up (e.g. xterm) and focus it")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -135,6 +138,8 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[Sandbox]:
         specs = [(f"{base_id}-{i}", {"seed": args.seed, "shared_cache": cache}) for i in range(args.fleet)]
     else:
         options: dict[str, Any] = {"seed": args.seed} if args.display == "virtual" else {}
+        if args.launch:
+            options["launch"] = shlex.split(args.launch)
         specs = [(base_id, options)]
     sandboxes: list[Sandbox] = []
     try:
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fleet must be between 1 and {MAX_FLEET}")
     if not 0 <= args.rtt_ms <= MAX_RTT_MS:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
+    if args.launch and args.display != "xvfb":
+        parser.error("--launch needs --display xvfb")
     if args.stream_grace < 0:
         parser.error("--stream-grace must be >= 0")
     _raise_fd_limit()
