@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from webapp.backend import BackendReply
+from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import CoreConfig, SessionCore, build_session_core
 from webapp.reference_backend import R3Shape, reference_completion
 from webapp.tokenizers import ByteChatTokenizer
@@ -46,7 +46,7 @@ class FakeBackend:
                                          r3=R3, max_tokens=request.get("max_tokens"))
             raw = json.dumps(reply).encode()
             self.raws.append(raw)
-            return BackendReply(raw, json.loads(raw))
+            return BackendReply(raw, parse_backend_reply(raw))
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -251,6 +251,20 @@ def test_stream_answers_sse():
     assert record["request"]["stream"] is True and "routed_experts" in record["response"]["choices"][0]["meta_info"]
 
 
+@pytest.mark.parametrize("raw, expected", [
+    (b'{"a": {"routed_experts": "QUJD+/=="}, "b": 1}', {"a": {"routed_experts": ""}, "b": 1}),
+    (b'{"routed_experts"\n :\t"QUJD","x":[{"routed_experts":"AA=="}]}', {"routed_experts": "", "x": [{"routed_experts": ""}]}),
+    (b'{"routed_experts": null}', {"routed_experts": None}),
+    (b'{"routed_experts": [1, 2]}', {"routed_experts": [1, 2]}),
+    # inside a string every quote is escaped: the key pattern cannot match there
+    (json.dumps({"content": '"routed_experts": "not R3"', "routed_experts": "QQ=="}).encode(),
+     {"content": '"routed_experts": "not R3"', "routed_experts": ""}),
+    (json.dumps({"c": "routed_experts", "d": ["routed_experts"]}).encode(), {"c": "routed_experts", "d": ["routed_experts"]}),
+])
+def test_parse_backend_reply_skips_r3_strings_only(raw, expected):
+    assert parse_backend_reply(raw) == expected
+
+
 # --- through the real backend client --------------------------------------------------------------
 
 def core_for(url: str, read_timeout: float = 5.0) -> SessionCore:
@@ -297,6 +311,9 @@ def _valid(request: dict) -> dict:
         "output_token_logprobs": [[0.0, 7]], "completion_tokens": 3}}]}).encode(), "completion_tokens"),
     (lambda r: json.dumps({"choices": [{"message": {"role": "user", "content": "x"}, "meta_info": {
         "output_token_logprobs": [[0.0, 7]]}}]}).encode(), "role"),
+    (lambda r: json.dumps({"choices": [{"message": {"role": "assistant", "content": "x"}, "meta_info": {
+        "output_token_logprobs": [[0.0, 7]], "routed_experts": "AAAA\n"}}]}).encode(), "base64"),
+    (lambda r: b'{"choices": [], "routed_experts": "AAAA', "unterminated"),
 ])
 def test_malformed_backend_reply_is_502(stub_backend_factory, make_body, fragment):
     assert_502(core_for(stub_backend_factory(lambda request: (200, make_body(request)))), fragment)
