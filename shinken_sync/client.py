@@ -68,6 +68,7 @@ __all__ = [
     "AsyncSandbox",
     "ScreencastStream",
     "aconnect",
+    "call_deadline",
     "loop_frame_budget",
 ]
 
@@ -275,6 +276,16 @@ def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def call_deadline(rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None = None) -> float:
+    """Seconds one call may wait for its reply: ``timeout`` when given, else
+    ``rpc_timeout``, plus the verb's own duration and :data:`WAITING_VERB_SLACK`
+    for verbs that wait on purpose. (The sync facade bounds its callers with it.)"""
+    if timeout is not None:
+        return timeout
+    waiting = _waiting_time(verb, {name: value for name, value in args.items() if value is not None})
+    return rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
+
+
 def _reply_error(verb: str, reply: protocol.Reply) -> ShinkenError:
     error = reply.error or protocol.ErrorInfo(protocol.ERR_INTERNAL, "error reply without an error")
     if reply.outcome == protocol.SANDBOX_DIED:
@@ -463,9 +474,7 @@ class AsyncSandbox:
             future.set_exception(self._loss_error())
             return future
         wire = _wire_args(verb, args)
-        if timeout is None:
-            waiting = _waiting_time(verb, wire)
-            timeout = self._rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
+        timeout = call_deadline(self._rpc_timeout, verb, wire, timeout)
         call_id = self._next_call_id
         self._next_call_id += 1
         message = protocol.encode_call(call_id, verb, wire)
