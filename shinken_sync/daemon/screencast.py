@@ -8,7 +8,10 @@ and not congested, encodes and sends that frame. A frame that could not be
 delivered (no connection attached, or the outbox over its drop mark) still
 consumes its ``seq`` and counts as *missed*: ``seq`` advances on every frame
 the stream would have sent, so after ``resume_screencast`` on another
-connection the gap in ``seq`` equals the frames missed in the outage.
+connection the gap in ``seq`` equals the frames missed in the outage. After a
+frame was dropped for congestion, the first tick with room sends the current
+screen (with the next ``seq``) even if it did not change again, so a viewer is
+never left with a stale picture of an idle screen.
 
 When its connection drops, a stream is detached and kept for the grace period
 (``--stream-grace``, default 60 s); unresumed by then, it ends. A resume sends
@@ -103,14 +106,18 @@ class Stream:
         loop = asyncio.get_running_loop()
         interval = 1.0 / self.params.fps
         last_token: Any = object()  # the first tick always sends
+        # A missed frame leaves the viewer's picture stale: once the connection
+        # can take frames again, send the current screen even if unchanged.
+        stale = False
         next_tick = loop.time()
         try:
             while True:
                 token = await self._display.change_token()
-                if token != last_token:
+                if token != last_token or (stale and self._can_deliver()):
                     last_token = token
                     self.seq += 1
-                    if not await self._deliver():
+                    stale = not await self._deliver()
+                    if stale:
                         self.missed += 1
                 next_tick += interval
                 delay = next_tick - loop.time()
@@ -120,6 +127,9 @@ class Stream:
         except Exception as exc:
             log.exception("stream %s failed", self.id)
             self._registry.end(self.id, "error", detail=str(exc))
+
+    def _can_deliver(self) -> bool:
+        return self.outbox is not None and not self.outbox.congested
 
     async def _deliver(self) -> bool:
         outbox = self.outbox

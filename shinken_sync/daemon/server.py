@@ -68,7 +68,8 @@ class Daemon:
         self._delay_s = rtt_ms / 1000
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        values = request.headers.get_all("Authorization")
+        given = values[0].encode("utf-8", "surrogateescape") if len(values) == 1 else b""
         if not hmac.compare_digest(given, self._expected):
             response = connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token\n")
             response.headers["WWW-Authenticate"] = "Bearer"

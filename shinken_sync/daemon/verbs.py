@@ -34,6 +34,7 @@ log = logging.getLogger("shinkend.verbs")
 #: Deadline for one display action (input or capture). A display that hangs
 #: longer is reported as a timeout; the connection carries on.
 DISPLAY_CALL_TIMEOUT_S = 30.0
+TYPE_TIMEOUT_PER_CHAR_S = 0.05
 #: How often wait_change / wait_stable look at the screen. Cheap on the virtual
 #: display; about one capture + digest per poll on Xvfb.
 POLL_INTERVAL_S = 0.05
@@ -79,11 +80,11 @@ async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     return encode_reply(call.call_id, result=result)
 
 
-async def _on_display(action: Awaitable[Any], what: str) -> Any:
+async def _on_display(action: Awaitable[Any], what: str, timeout: float = DISPLAY_CALL_TIMEOUT_S) -> Any:
     try:
-        return await asyncio.wait_for(action, DISPLAY_CALL_TIMEOUT_S)
+        return await asyncio.wait_for(action, timeout)
     except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
-        raise VerbTimeout(f"{what} took longer than {DISPLAY_CALL_TIMEOUT_S:.0f} s") from None
+        raise VerbTimeout(f"{what} took longer than {timeout:.0f} s") from None
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +116,9 @@ async def _scroll(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, A
 
 
 async def _type(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
-    await _on_display(sb.display.type_text(p["text"]), "type")
+    # Real keyboards type a character every ~10 ms; long texts get the time they need.
+    timeout = DISPLAY_CALL_TIMEOUT_S + len(p["text"]) * TYPE_TIMEOUT_PER_CHAR_S
+    await _on_display(sb.display.type_text(p["text"]), "type", timeout)
     return {}
 
 

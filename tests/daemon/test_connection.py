@@ -135,3 +135,17 @@ def test_bad_command_line_and_token_file_exit_with_2(tmp_path):
                               capture_output=True, timeout=30, check=False)  # fmt: skip
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stdout == b""
+
+
+def test_a_repeated_authorization_header_is_refused(vdaemon):
+    url = urllib.parse.urlsplit(vdaemon.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    conn.putrequest("GET", url.path)
+    for value in (f"Bearer {vdaemon.token}", "Bearer other"):
+        conn.putheader("Authorization", value)
+    for name, value in (("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Sec-WebSocket-Version", "13"),
+                        ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")):  # fmt: skip
+        conn.putheader(name, value)
+    conn.endheaders()
+    assert conn.getresponse().status == 401
+    conn.close()
