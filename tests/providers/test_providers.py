@@ -152,3 +152,31 @@ def test_static_provider_wraps_given_endpoints(vdaemon, aci):
     provider.close()
     assert vdaemon.proc.poll() is None  # a static provider never stops what it did not start
     assert aci(vdaemon.url, vdaemon.token).call("cursor").outcome == protocol.OK
+
+
+def test_provider_connect_dials_with_a_liveness_probe():
+    from shinken_sync.errors import SandboxDied
+
+    with LocalProvider(screen=SCREEN) as provider:
+        handle = provider.create()
+        sandbox = provider.connect(handle)
+        try:
+            assert sandbox.screen_size() == SCREEN
+            os.kill(handle.pid, signal.SIGKILL)
+            handle.daemon.process.wait(10)
+            with pytest.raises(SandboxDied) as info:
+                sandbox.cursor()
+            assert info.value.signal == signal.SIGKILL
+        finally:
+            sandbox.close()
+
+
+def test_provider_aconnect():
+    import asyncio
+
+    async def main(provider, handle):
+        async with await provider.aconnect(handle) as sandbox:
+            return await sandbox.screen_size()
+
+    with LocalProvider(screen=SCREEN) as provider:
+        assert asyncio.run(main(provider, provider.create())) == SCREEN
