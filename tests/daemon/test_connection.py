@@ -149,3 +149,17 @@ def test_a_repeated_authorization_header_is_refused(vdaemon):
     conn.endheaders()
     assert conn.getresponse().status == 401
     conn.close()
+
+
+def test_a_display_that_cannot_start_exits_with_3(tmp_path):
+    import subprocess
+    import sys
+
+    token = tmp_path / "t.token"
+    token.write_text("t")
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no Xvfb on this PATH
+    proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(token),
+                           "--display", "xvfb", "--screen", "640x480"],
+                          capture_output=True, timeout=30, check=False, env=env)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == b"" and b"Xvfb" in proc.stderr

@@ -180,3 +180,23 @@ def test_provider_aconnect():
 
     with LocalProvider(screen=SCREEN) as provider:
         assert asyncio.run(main(provider, provider.create())) == SCREEN
+
+
+def test_ctrl_c_in_the_parent_stops_its_daemons():
+    """KeyboardInterrupt in a script that never calls close(): the atexit hook cleans up."""
+    script = textwrap.dedent(f"""
+        import threading
+        from shinken_sync.providers import LocalProvider
+        provider = LocalProvider(screen={SCREEN!r})
+        print(provider.create().pid, flush=True)
+        threading.Event().wait(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGINT)  # only the parent: the daemon must be stopped by it
+        parent.wait(30)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _gone(pid)
