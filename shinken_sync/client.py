@@ -50,6 +50,7 @@ from .errors import (
     ConnectError,
     ConnectionLost,
     FrameTimeout,
+    MessageTooBig,
     ProtocolViolation,
     RPCTimeout,
     SandboxClosed,
@@ -122,6 +123,18 @@ class _StreamLostMark:
 
 
 _ENDED = _StreamEnded()
+
+
+class _Call:
+    """One encoded call, ready to send."""
+
+    __slots__ = ("call_id", "deadline", "message", "verb")
+
+    def __init__(self, call_id: int, verb: str, message: str, deadline: float):
+        self.call_id = call_id
+        self.verb = verb
+        self.message = message
+        self.deadline = deadline
 
 
 class _Pending:
@@ -276,7 +289,9 @@ def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     return 0.0
 
 
-def call_deadline(rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None = None) -> float:
+def call_deadline(
+    rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None = None
+) -> float:
     """Seconds one call may wait for its reply: ``timeout`` when given, else
     ``rpc_timeout``, plus the verb's own duration and :data:`WAITING_VERB_SLACK`
     for verbs that wait on purpose. (The sync facade bounds its callers with it.)"""
@@ -466,25 +481,47 @@ class AsyncSandbox:
         exc.__cause__ = self._loss.__cause__
         return exc
 
-    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
-        """Send one call; return the future its reply (a protocol.Reply) will resolve."""
+    def _prepare(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> _Call:
+        """Encode one call without sending it; bad arguments raise here, so a
+        batch can be checked whole before any of it goes out.
+
+        Raises:
+            TypeError: an argument is not JSON-serialisable.
+            MessageTooBig: the encoded call exceeds the protocol's message limit.
+        """
+        wire = _wire_args(verb, args)
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        message = protocol.encode_call(call_id, verb, wire)
+        # len() counts characters; only a long message needs its UTF-8 size.
+        if (
+            len(message) > protocol.MAX_MESSAGE_SIZE // 4
+            and len(message.encode()) > protocol.MAX_MESSAGE_SIZE
+        ):
+            raise MessageTooBig(
+                f"{verb}: the encoded call is over the {protocol.MAX_MESSAGE_SIZE}-byte message limit; "
+                "nothing was sent",
+                verb=verb,
+            )
+        return _Call(call_id, verb, message, call_deadline(self._rpc_timeout, verb, wire, timeout))
+
+    async def _send(self, call: _Call) -> asyncio.Future:
+        """Send a prepared call; return the future its reply (a protocol.Reply) resolves."""
         self._check_usable()
         future = self._loop.create_future()
         if self._loss is not None:
             future.set_exception(self._loss_error())
             return future
-        wire = _wire_args(verb, args)
-        timeout = call_deadline(self._rpc_timeout, verb, wire, timeout)
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        message = protocol.encode_call(call_id, verb, wire)
-        timer = self._loop.call_later(timeout, self._expire, call_id, timeout)
-        self._pending[call_id] = _Pending(future, timer, verb)
+        timer = self._loop.call_later(call.deadline, self._expire, call.call_id, call.deadline)
+        self._pending[call.call_id] = _Pending(future, timer, call.verb)
         try:
-            await self._ws.send(message)
+            await self._ws.send(call.message)
         except ConnectionClosed:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
+
+    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+        return await self._send(self._prepare(verb, args, timeout))
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.pop(call_id, None)
@@ -686,12 +723,13 @@ class AsyncSandbox:
         # that raises leaves nothing half-sent.
         admitted = [gate is None or bool(gate(action)) for action in actions_]
         self._check_usable()
-        futures: list[asyncio.Future | None] = []
-        for (verb, args), allowed in zip(calls, admitted):
-            futures.append(await self._submit(verb, args, timeout) if allowed else None)
-        observation_future = None
-        if observe_args is not None:
-            observation_future = await self._submit("screenshot", observe_args, timeout)
+        # Encode everything first: a bad argument raises before anything is sent.
+        prepared = [
+            self._prepare(verb, args, timeout) if ok else None for (verb, args), ok in zip(calls, admitted)
+        ]
+        observe_call = None if observe_args is None else self._prepare("screenshot", observe_args, timeout)
+        futures = [None if call is None else await self._send(call) for call in prepared]
+        observation_future = None if observe_call is None else await self._send(observe_call)
         rows = []
         for i, ((verb, _), action, future) in enumerate(zip(calls, actions_, futures)):
             if future is None:

@@ -14,6 +14,7 @@ asks anyone to match message strings. The tree::
     ├── ActionError                the daemon ran the call and replied with an error (kind, verb)
     │   └── ActionTimeout (TimeoutError)  the action's own deadline passed in the daemon
     ├── ActionDenied               a client-side gateway refused the action; it was never sent
+    ├── MessageTooBig (ValueError)  a call would exceed the protocol's message limit; not sent
     ├── ProtocolViolation          the peer broke the ACI protocol; the SDK closed the connection
     ├── StreamLost                 a screencast's connection dropped; resume the stream elsewhere
     ├── Skipped                    marker in an act_batch row that never ran (never raised)
@@ -176,6 +177,18 @@ class ActionDenied(ShinkenError):
     def __init__(self, message: str, *, action: dict[str, Any] | None = None):
         super().__init__(message)
         self.action = action
+
+
+class MessageTooBig(ShinkenError, ValueError):
+    """A call's encoded message exceeds ``protocol.MAX_MESSAGE_SIZE``.
+
+    Raised before sending: the daemon would close the whole connection (code
+    1009) on such a message, failing every other call in flight with it.
+    """
+
+    def __init__(self, message: str, *, verb: str = ""):
+        super().__init__(message)
+        self.verb = verb
 
 
 class ProtocolViolation(ShinkenError):

@@ -93,7 +93,7 @@ def _check_token(connection: ServerConnection, request: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _scripted(script: Script, *, send_hello: bool = True) -> AsyncIterator[str]:
+async def _scripted(script: Script, *, send_hello: bool = True, ssl: Any = None) -> AsyncIterator[str]:
     hello = protocol.Hello(
         protocol.PROTOCOL_VERSION, "scripted-1", 640, 360, tuple(sorted(protocol.VERBS)), "none"
     )
@@ -110,9 +110,10 @@ async def _scripted(script: Script, *, send_hello: bool = True) -> AsyncIterator
         process_request=_check_token,
         compression=None,
         max_size=protocol.MAX_MESSAGE_SIZE,
+        ssl=ssl,
     ) as server:
         port = server.sockets[0].getsockname()[1]
-        yield f"ws://127.0.0.1:{port}/"
+        yield f"{'wss' if ssl else 'ws'}://127.0.0.1:{port}/"
 
 
 @pytest.fixture

@@ -324,3 +324,66 @@ def test_wrong_token_against_shinkend(run, daemon):
             await aconnect(url, "not-the-token")
 
     run(body())
+
+
+@pytest.fixture
+def tls_pair(tmp_path):
+    """(server context, client context trusting it) from a throwaway self-signed certificate."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+def test_wss_is_dialed_by_the_sdk(run, peer, helpers, tls_pair):
+    import ssl
+
+    server_ctx, client_ctx = tls_pair
+
+    async def body():
+        async with peer(helpers.serve_forever, ssl=server_ctx) as url:
+            assert url.startswith("wss://")
+            async with await aconnect(url, TOKEN, ssl=client_ctx) as sb:
+                assert await sb.wait(1) == {"echo": 1}
+            with pytest.raises(ConnectError) as info:  # the system trust store does not know this cert
+                await aconnect(url, TOKEN)
+            assert isinstance(info.value.__cause__, ssl.SSLCertVerificationError)
+
+    run(body())
+
+
+def test_oversized_call_is_refused_before_sending(run, peer, helpers):
+    from shinken_sync.errors import MessageTooBig
+
+    async def body():
+        async with peer(helpers.serve_forever) as url, await aconnect(url, TOKEN) as sb:
+            with pytest.raises(MessageTooBig):
+                await sb.write_file("/tmp/x", b"\0" * protocol.MAX_MESSAGE_SIZE)
+            assert await sb.wait(1) == {"echo": 2}  # the connection was not touched
+
+    run(body())
+
+
+def test_protocol_version_mismatch_is_connect_error(run, peer):
+    async def script(ws):
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION + 1, "future", 10, 10, (), "none")
+        await ws.send(protocol.encode_hello(hello))
+        await ws.wait_closed()
+
+    async def body():
+        async with peer(script, send_hello=False) as url:
+            with pytest.raises(ConnectError, match="protocol"):
+                await aconnect(url, TOKEN)
+
+    run(body())
