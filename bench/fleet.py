@@ -84,6 +84,9 @@ GATE_MARGINAL_RSS_BYTES = 1 << 20
 GOAL_MARGINAL_RSS_BYTES = 200 << 10
 GATE_LOOP_LAG_P99_S = 0.050
 GATE_STORM_CONVERGENCE_S = 60.0
+#: A drill leaves the others "unaffected" when their round p50 stays within
+#: this factor of the phase before (a shared 2-core machine is noisy).
+UNAFFECTED_RATIO = 1.25
 SUSTAINED_LATE_FRACTION = 0.05  # "sustained 1 Hz": at most 5% of rounds overrun their slot
 
 HOST_READY_TIMEOUT_S = 180.0
@@ -147,6 +150,36 @@ def raise_fd_limit() -> tuple[int, int]:
 def backoff_delay(attempt: int) -> float:
     """Full-jitter exponential backoff (seed section 3.3)."""
     return random.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
+
+
+class GcPauses:
+    """Garbage-collector pauses, from ``gc.callbacks``: every collection stops
+    the event loop (and, under the GIL, everything else) for its duration."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.pauses: list[tuple[int, float]] = []
+        self._t = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t))
+
+    def clear(self) -> None:
+        self.pauses = []
+
+    def report(self) -> dict[str, Any]:
+        gen2 = [d for g, d in self.pauses if g == 2]
+        return {
+            "gc_collections": len(self.pauses),
+            "gc_gen2_collections": len(gen2),
+            "gc_pause_max_s": max((d for _, d in self.pauses), default=0.0),
+            "gc_pause_total_s": sum(d for _, d in self.pauses),
+        }
 
 
 class FdHighWater:
@@ -309,6 +342,7 @@ def _finish_report(
     n_connected: int,
     connect_errors: dict[str, int],
     frames: dict[str, int],
+    gc_pauses: GcPauses,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     status = proc_status()
@@ -338,6 +372,7 @@ def _finish_report(
         "fd_high_water": fds.value,
         "fd_soft_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         **frames,
+        **gc_pauses.report(),
         "step_outcomes": log.outcomes,
         "observations": log.frames,
         "bytes_received": log.bytes,
@@ -426,7 +461,6 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     def dial(url: str) -> Any:
         callers.sleep(random.uniform(0, DIAL_JITTER_S))
         with dial_gate:
-            fds.sample()
             try:
                 return connect(
                     url, token=token, loop=shared, ping_jitter=spec["ping_jitter"], rpc_timeout=RPC_TIMEOUT_S
@@ -448,10 +482,13 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     probe = shared.submit(_loop_lag_probe(lag))
     log = StepLog()
 
+    gc_pauses = GcPauses()
+
     def measure() -> None:
         log.__init__()
         lag.clear()
         hub_lag.clear()
+        gc_pauses.clear()
 
     clock = RoundClock(spec["period"], spec["host_pid"], measure)
 
@@ -477,7 +514,9 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["callers"] == "gevent":
         hub_probe_g.kill()
         extra["hub_lag_s"] = summary(hub_lag)
-    report = _finish_report(spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, extra)
+    report = _finish_report(
+        spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses, extra
+    )
     callers.map(lambda sb: sb.close(), sandboxes)
     callers.close()
     shared.close()
@@ -488,7 +527,7 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
 # The async face: AsyncSandbox + asyncio.gather on one loop
 
 
-async def _dial_all(urls: list[str], token: str, fds: FdHighWater, **options: Any):
+async def _dial_all(urls: list[str], token: str, **options: Any):
     """Jittered, bounded dialing (seed section 3.1). Returns (sandboxes, error counts)."""
     import asyncio
 
@@ -499,7 +538,6 @@ async def _dial_all(urls: list[str], token: str, fds: FdHighWater, **options: An
     async def dial(url: str) -> Any:
         await asyncio.sleep(random.uniform(0, DIAL_JITTER_S))
         async with gate:
-            fds.sample()
             return await aconnect(url, token=token, rpc_timeout=RPC_TIMEOUT_S, **options)
 
     results = await asyncio.gather(*(dial(u) for u in urls), return_exceptions=True)
@@ -537,7 +575,7 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
     rss: dict[str, int] = {"before": proc_status()["VmRSS"]}
     t = time.monotonic()
     sandboxes, connect_errors = await _dial_all(
-        spec["urls"], spec["token"], fds, ping_jitter=spec["ping_jitter"]
+        spec["urls"], spec["token"], ping_jitter=spec["ping_jitter"]
     )
     connect_s = time.monotonic() - t
     status = proc_status()
@@ -550,9 +588,12 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
     probe = asyncio.ensure_future(_loop_lag_probe(lag))
     log = StepLog()
 
+    gc_pauses = GcPauses()
+
     def measure() -> None:
         log.__init__()
         lag.clear()
+        gc_pauses.clear()
 
     clock = RoundClock(spec["period"], spec["host_pid"], measure)
     for k in range(WARMUP_ROUNDS + spec["rounds"]):
@@ -564,7 +605,9 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
         fds.sample()
     probe.cancel()
     frames = _frame_counters(loop)
-    report = _finish_report(spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames)
+    report = _finish_report(
+        spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses
+    )
     await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
     return report
 
@@ -608,8 +651,8 @@ async def _drill_setup(spec: dict[str, Any], **dial_options: Any):
     import shinken_sync.client as client_mod
 
     client_mod.GLOBAL_FRAME_BUDGET_BYTES = FLEET_BUDGET_BYTES
+    sandboxes, errors = await _dial_all(spec["urls"], spec["token"], **dial_options)
     fds = FdHighWater()
-    sandboxes, errors = await _dial_all(spec["urls"], spec["token"], fds, **dial_options)
     if not sandboxes:
         raise RuntimeError(f"no sandbox connected: {errors}")
     width, height = await sandboxes[0].screen_size()
@@ -650,10 +693,16 @@ async def _drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
     consumers = {i: asyncio.ensure_future(consume(i)) for i in sandboxes}
     used_max = 0
 
-    async def watch_budget() -> None:
+    def sample_budget() -> None:
         nonlocal used_max
-        while True:
+        # A new knob value reaches the loop's budget (and evicts) at the next
+        # frame push; until then the old limit is the one in force.
+        if budget.limit == client_mod.GLOBAL_FRAME_BUDGET_BYTES:
             used_max = max(used_max, budget.used_bytes)
+
+    async def watch_budget() -> None:
+        while True:
+            sample_budget()
             await asyncio.sleep(0.02)
 
     watcher = asyncio.ensure_future(watch_budget())
@@ -662,7 +711,8 @@ async def _drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
 
     async def phase(name: str, rounds: int) -> None:
         nonlocal used_max
-        used_max = budget.used_bytes
+        used_max = 0
+        sample_budget()
         evicted0 = {i: streams[i].counters.frames_evicted for i in sandboxes}
         per_round: list[dict[int, float]] = []
 
@@ -672,7 +722,7 @@ async def _drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
         await _paced_rounds(rounds, spec["period"], body)
         evicted = {i: streams[i].counters.frames_evicted - evicted0[i] for i in sandboxes}
         phases[name] = {
-            "budget_limit_bytes": budget.limit,
+            "budget_limit_bytes": client_mod.GLOBAL_FRAME_BUDGET_BYTES,
             "budget_used_max_bytes": used_max,
             "used_within_budget": budget.limit is None or used_max <= budget.limit,
             "evicted_stalled": sum(evicted[i] for i in stalled),
@@ -817,8 +867,7 @@ async def _drill_keepalive(spec: dict[str, Any]) -> dict[str, Any]:
     # even at the longest jittered period.
     window = KEEPALIVE_WINDOW_PERIODS * (DEFAULT_PING_INTERVAL + PING_JITTER_S) + 1.0
     for label, jitter in (("jitter_off", 0.0), ("jitter_on", PING_JITTER_S)):
-        fds = FdHighWater()
-        sandboxes, errors = await _dial_all(spec["urls"], spec["token"], fds, ping_jitter=jitter)
+        sandboxes, errors = await _dial_all(spec["urls"], spec["token"], ping_jitter=jitter)
         sent.clear()
         t0 = time.monotonic()
         await asyncio.sleep(window)
@@ -988,6 +1037,8 @@ def format_round_report(r: dict[str, Any]) -> str:
          f"avg {r['frame_bytes_avg'] / KB:.1f} KiB)"),
         (f"  cpu client/host          {r['client_cpu_pct']:.0f}% / {r['host_cpu_pct']:.0f}% "
          f"(host RSS {_mb(r['host_rss_bytes'])} MiB)"),
+        (f"  gc during rounds         {r['gc_collections']} collections ({r['gc_gen2_collections']} gen2), "
+         f"longest pause {_ms(r['gc_pause_max_s'])} ms"),
         f"  step outcomes            {r['step_outcomes']}",
         f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}",
     ]
@@ -1028,11 +1079,49 @@ def evaluate_gates(runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: f
             gate("sustained 1 Hz rounds", where, r["sustained_1hz"],
                  f"late {r['late_rounds']}/{r['rounds']}, p95 {_ms(r['round_wall_s']['p95'])} ms",
                  "<= 5% rounds over 1 s, no errors")  # fmt: skip
+    stall = drills.get("stall")
+    if stall is not None:
+        where = f"N={stall['n']} drill"
+        if "error" in stall:
+            gate("stall drill completed", where, False, "crashed", "completes")
+        else:
+            for name, ph in stall["phases"].items():
+                if name == "baseline":
+                    continue
+                gate(f"stall[{name}]: used <= budget", where, ph["used_within_budget"],
+                     f"{ph['budget_used_max_bytes'] / MB:.1f} MiB", f"<= {ph['budget_limit_bytes'] / MB:.1f} MiB")
+                confined = ph["evicted_others"] == 0
+                gate(f"stall[{name}]: evictions confined to stalled", where,
+                     confined if ph["evicted_stalled"] or not confined else None,
+                     f"{ph['evicted_stalled']} stalled / {ph['evicted_others']} others",
+                     "others 0 (N/A when nothing was evicted)")
+                ratio = ph["others_round_p50_ratio"]
+                gate(f"stall[{name}]: others' round unaffected", where,
+                     ratio is not None and ratio <= UNAFFECTED_RATIO,
+                     "-" if ratio is None else f"p50 {ratio:.2f}x baseline", f"<= {UNAFFECTED_RATIO}x")
     storm = drills.get("storm")
     if storm is not None:
-        conv = storm.get("convergence_s")
-        gate("storm convergence < 60 s", f"N={storm.get('n')}", conv is not None and conv < GATE_STORM_CONVERGENCE_S,
-             "-" if conv is None else f"{conv:.1f} s", "< 60 s")  # fmt: skip
+        where = f"N={storm['n']} drill"
+        if "error" in storm:
+            gate("storm drill completed", where, False, "crashed", "completes")
+        else:
+            conv = storm["convergence_s"]
+            gate("storm convergence < 60 s", where, conv is not None and conv < GATE_STORM_CONVERGENCE_S,
+                 "-" if conv is None else f"{conv:.1f} s", "< 60 s")
+            ratio = storm["survivors_round_p50_ratio"]
+            gate("storm: survivors' round unaffected", where, ratio is not None and ratio <= UNAFFECTED_RATIO,
+                 "-" if ratio is None else f"p50 {ratio:.2f}x before", f"<= {UNAFFECTED_RATIO}x")
+    keepalive = drills.get("keepalive")
+    if keepalive is not None:
+        where = f"N={keepalive['n']} drill"
+        if "error" in keepalive:
+            gate("keepalive drill completed", where, False, "crashed", "completes")
+        else:
+            on, off = keepalive["jitter_on"], keepalive["jitter_off"]
+            gate("keepalive burst <= N/10 per tick (jitter on)", where,
+                 on["max_pings_per_tick"] <= on["target_max_per_tick"],
+                 f"{on['max_pings_per_tick']} (jitter off: {off['max_pings_per_tick']})",
+                 f"<= {on['target_max_per_tick']:.0f}")
     return gates
 
 
@@ -1118,7 +1207,46 @@ def main(argv: list[str] | None = None) -> int:
 def format_drill(mode: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{mode} drill N={r['n']}: FAILED TO RUN\n{r['error']}"
-    return f"{mode} drill N={r['n']}: " + json.dumps(r, indent=1)
+    if mode == "stall":
+        lines = [(f"stall drill N={r['n']}: {r['stalled']} of {r['connected']} consumers stalled; "
+                  f"screencast {r['screencast']}")]  # fmt: skip
+        for name, ph in r["phases"].items():
+            rw = ph["others_round_wall_s"]
+            ratio = ph.get("others_round_p50_ratio")
+            lines.append(
+                f"  {name:<22} budget {ph['budget_limit_bytes'] / MB:7.1f} MiB, used max "
+                f"{ph['budget_used_max_bytes'] / MB:6.1f} MiB; evicted stalled/others "
+                f"{ph['evicted_stalled']}/{ph['evicted_others']}; others' round p50/p95 "
+                f"{_ms(rw['p50'])}/{_ms(rw['p95'])} ms" + (f" ({ratio:.2f}x baseline)" if ratio else "")
+            )
+        lines.append(f"  frames dropped by the 32-frame bound: {r['frames_dropped_total']}; "
+                     f"step outcomes {r['step_outcomes']}")  # fmt: skip
+        return "\n".join(lines)
+    if mode == "storm":
+        b, d = r["survivors_round_wall_before_s"], r["survivors_round_wall_during_s"]
+        conv = r["convergence_s"]
+        ratio = r["survivors_round_p50_ratio"]
+        return "\n".join([
+            (f"storm drill N={r['n']}: killed {r['killed']} of {r['connected']} connections, "
+             f"recovered {r['recovered']}, convergence {'-' if conv is None else f'{conv:.1f} s'}"),
+            (f"  recovery p50/max {_ms(r['recovery_s']['p50'])}/{_ms(r['recovery_s']['max'])} ms; attempts "
+             f"p50/max {r['reconnect_attempts']['p50']}/{r['reconnect_attempts']['max']}; failed attempts "
+             f"{r['reconnect_failures'] or 0}; resumed seq gap p50/max {r['resumed_seq_gap']['p50']}/"
+             f"{r['resumed_seq_gap']['max']}"),
+            (f"  survivors' round p50/p95 before {_ms(b['p50'])}/{_ms(b['p95'])} ms, during "
+             f"{_ms(d['p50'])}/{_ms(d['p95'])} ms" + (f" ({ratio:.2f}x)" if ratio else "")),
+            f"  step outcomes {r['step_outcomes']}",
+        ])  # fmt: skip
+    lines = [(f"keepalive drill N={r['n']}: base ping interval {r['ping_interval_s']:g} s, pings per "
+              f"{PING_TICK_S * 1000:.0f} ms tick across the fleet")]  # fmt: skip
+    for label in ("jitter_off", "jitter_on"):
+        ph = r[label]
+        lines.append(
+            f"  ping_jitter={ph['ping_jitter_s']:<4g} {ph['pings']} pings in {ph['window_s']:.0f} s over "
+            f"{ph['busy_ticks']} ticks; max {ph['max_pings_per_tick']} per tick (N/10 = "
+            f"{ph['target_max_per_tick']:.0f})"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
