@@ -193,7 +193,8 @@ def _parse_chat_body(body: bytes) -> dict[str, Any]:
         raise InvalidJSON("request body must be a JSON object")
     if not isinstance(request.get("stream", False), bool):
         raise InvalidField("stream", "expected a boolean")
-    if request.get("n", 1) != 1 or isinstance(request.get("n"), bool):
+    n = request.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise InvalidField("n", "only n=1 is supported: one reply is committed per turn")
     for name in ("max_tokens", "max_completion_tokens"):
         value = request.get(name)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ __all__ = [
     "choose_action",
     "main",
     "reference_completion",
+    "reference_completion_json",
     "routed_experts_b64",
     "start_reference_backend",
 ]
@@ -97,16 +99,26 @@ def choose_action(digest: bytes) -> dict[str, Any]:
     return {"action": action}
 
 
-def routed_experts_b64(digest: bytes, num_tokens: int, shape: R3Shape) -> str:
-    """Base64 of ``num_tokens x layers x top_k`` little-endian int32 expert ids, deterministic."""
-    seed = int.from_bytes(digest[:8], "big")
-    block = array("i", [((seed + j * 2654435761) >> 7) % shape.num_experts for j in range(_R3_BLOCK_INTS)])
+@functools.lru_cache(maxsize=8)
+def _expert_block(num_experts: int) -> bytes:
+    block = array("i", [((j * 2654435761) >> 7) % num_experts for j in range(_R3_BLOCK_INTS)])
     if sys.byteorder != "little":
         block.byteswap()
-    raw = block.tobytes()
+    return block.tobytes()
+
+
+def _routed_experts_base64(digest: bytes, num_tokens: int, shape: R3Shape) -> bytes:
+    fixed = _expert_block(shape.num_experts)
+    offset = 4 * (int.from_bytes(digest[:8], "big") % _R3_BLOCK_INTS)  # the prompt picks a rotation
+    raw = fixed[offset:] + fixed[:offset]
     size = max(num_tokens, 0) * shape.layers * shape.top_k * 4
     full, rest = divmod(size, len(raw))
-    return (base64.b64encode(raw).decode("ascii") * full) + base64.b64encode(raw[:rest]).decode("ascii")
+    return base64.b64encode(raw) * full + base64.b64encode(raw[:rest])
+
+
+def routed_experts_b64(digest: bytes, num_tokens: int, shape: R3Shape) -> str:
+    """Base64 of ``num_tokens x layers x top_k`` little-endian int32 expert ids, deterministic."""
+    return _routed_experts_base64(digest, num_tokens, shape).decode("ascii")
 
 
 def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, max_tokens: int | None = None,
@@ -145,6 +157,23 @@ def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, 
     }
 
 
+_R3_MARK = "\u2063R3\u2063"  # placeholder, spliced with the base64 bytes after encoding
+
+
+def reference_completion_json(input_ids: Sequence[int], tokenizer: ChatTokenizer, *,
+                              max_tokens: int | None = None, want_r3: bool = False,
+                              r3: R3Shape = R3Shape()) -> bytes:
+    """``json.dumps(reference_completion(...))`` without running the encoder over the R3 string."""
+    reply = reference_completion(input_ids, tokenizer, max_tokens=max_tokens, want_r3=False, r3=r3)
+    if not (want_r3 and r3.layers > 0):
+        return json.dumps(reply).encode()
+    meta = reply["choices"][0]["meta_info"]
+    meta["routed_experts"] = _R3_MARK
+    head, tail = json.dumps(reply).encode().split(json.dumps(_R3_MARK).encode())
+    tokens = meta["prompt_tokens"] + meta["completion_tokens"] - 1
+    return b"".join((head, b'"', _routed_experts_base64(_digest(input_ids), tokens, r3), b'"', tail))
+
+
 class _BadRequest(Exception):
     pass
 
@@ -169,7 +198,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, obj: Any) -> None:
-        body = json.dumps(obj, separators=(",", ":")).encode()
+        self._send_bytes(status, json.dumps(obj, separators=(",", ":")).encode())
+
+    def _send_bytes(self, status: int, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -200,12 +231,13 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _BadRequest("body must be a JSON object")
             ids = _input_ids(request, self.server.tokenizer)
             max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
-            reply = reference_completion(ids, self.server.tokenizer, max_tokens=max_tokens,
-                                         want_r3=bool(request.get("return_routed_experts")), r3=self.server.r3)
+            reply = reference_completion_json(ids, self.server.tokenizer, max_tokens=max_tokens,
+                                              want_r3=bool(request.get("return_routed_experts")),
+                                              r3=self.server.r3)
         except (ValueError, _BadRequest) as exc:
             self._send(400, {"error": str(exc)})
             return
-        self._send(200, reply)
+        self._send_bytes(200, reply)
 
 
 class _Server(ThreadingHTTPServer):

@@ -16,6 +16,7 @@ from webapp.reference_backend import (
     SCREEN_WIDTH,
     R3Shape,
     reference_completion,
+    reference_completion_json,
 )
 from webapp.tokenizers import ByteChatTokenizer, load_tokenizer
 
@@ -72,6 +73,15 @@ def test_routed_experts_shape_and_range(layers, top_k, n_prompt):
     values = struct.unpack(f"<{len(raw) // 4}i", raw)
     assert all(0 <= v < 64 for v in values)
     assert "routed_experts" not in reference_completion([1], TOK, want_r3=False, r3=shape)["choices"][0]["meta_info"]
+
+
+@pytest.mark.parametrize("want_r3", [False, True])
+def test_json_bytes_path_equals_the_dict(want_r3):
+    shape = R3Shape(layers=5, top_k=3)
+    as_dict = reference_completion(list(range(40)), TOK, want_r3=want_r3, r3=shape)
+    as_bytes = json.loads(reference_completion_json(list(range(40)), TOK, want_r3=want_r3, r3=shape))
+    as_dict.pop("created"), as_bytes.pop("created")
+    assert as_bytes == as_dict
 
 
 @pytest.mark.integration
