@@ -83,8 +83,9 @@ MAX_FRAME_BYTES = 64 * 1024**3
 MAX_BODY_CHUNK = 1024 * 1024
 # Reply bodies up to this size travel inside their REPLY frame.
 INLINE_BODY_MAX = MAX_BODY_CHUNK
-# Frames the receiver buffers through its staging area (headers and small payloads). Larger
-# payloads are received straight into a buffer of exactly their size.
+# Headers and small frames pass through the receiver's reusable staging buffer (many per
+# read). A BODY payload is received as ``bytes`` pieces straight from the socket (what the HTTP
+# side writes, with no copy); other large payloads into a buffer of exactly their size.
 _STAGE_BYTES = 256 * 1024
 
 
@@ -251,6 +252,12 @@ class FrameDecoder:
     received straight into a buffer of exactly its size, allocated only after its length
     passed the per-type limit.
 
+    BODY payloads are opaque runs of bytes, so the decoder may deliver one BODY frame as
+    several consecutive ``Frame`` pieces (same request id, in order): while
+    :meth:`piece_wanted` is non-zero, receive up to that many bytes as a ``bytes`` object
+    (``sock.recv``) and pass it to :meth:`piece_received` — the kernel writes straight into the
+    object that is later written to the HTTP client.
+
     Raises:
         IpcProtocolError: from :meth:`advance`, on a corrupt length or an unknown type. The
             decoder is unusable afterwards; the channel must be torn down.
@@ -265,6 +272,18 @@ class FrameDecoder:
         self._pending: tuple[int, FrameType] | None = None  # header of the large payload in flight
         self._payload: Any = None  # bytearray (or what `allocate` returned)
         self._filled = 0
+        self._piece_id = 0  # request id of the BODY payload being received as pieces
+        self._piece_left = 0
+
+    def piece_wanted(self) -> int:
+        """Bytes of the current BODY payload still to receive with :meth:`piece_received`."""
+        return self._piece_left
+
+    def piece_received(self, piece: bytes) -> list[Frame]:
+        if not 0 < len(piece) <= self._piece_left:
+            raise ValueError(f"piece of {len(piece)} bytes, {self._piece_left} wanted")
+        self._piece_left -= len(piece)
+        return [Frame(self._piece_id, FrameType.BODY, piece)]
 
     def buffer(self) -> memoryview:
         if self._payload is not None:
@@ -287,7 +306,7 @@ class FrameDecoder:
 
     def _compact(self) -> None:
         live = self._end - self._start
-        self._stage[:live] = self._stage[self._start : self._end]
+        self._stage_view[:live] = self._stage_view[self._start : self._end]
         self._start, self._end = 0, live
 
     def _parse_staged(self) -> list[Frame]:
@@ -302,6 +321,12 @@ class FrameDecoder:
                 payload = bytes(self._stage_view[body_start : body_start + payload_len])
                 frames.append(Frame(request_id, ftype, payload))
                 self._start = body_start + payload_len
+            elif ftype is FrameType.BODY:
+                if available:
+                    frames.append(Frame(request_id, ftype, bytes(self._stage_view[body_start : self._end])))
+                self._piece_id, self._piece_left = request_id, payload_len - available
+                self._start = self._end = 0
+                return frames
             elif total <= len(self._stage):
                 break  # fits the stage: wait for the rest
             else:
@@ -337,6 +362,11 @@ def iter_frames(decoder: FrameDecoder, data: Iterable[bytes]) -> Iterator[Frame]
     for block in data:
         view = memoryview(block)
         while view:
+            wanted = decoder.piece_wanted()
+            if wanted:
+                yield from decoder.piece_received(bytes(view[:wanted]))
+                view = view[wanted:]
+                continue
             target = decoder.buffer()
             n = min(len(target), len(view))
             target[:n] = view[:n]

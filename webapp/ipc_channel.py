@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # Unconsumed bytes of one streamed body the worker may have in flight; bounds the router's
 # memory per records GET to this, whatever the HTTP client's speed.
 STREAM_WINDOW = 8 * MAX_BODY_CHUNK
+# Consumed bytes are granted back in batches this big: one CREDIT frame per chunk would wake
+# the worker a thousand times per GiB.
+_CREDIT_BATCH = STREAM_WINDOW // 4
 # A peer that accepts no bytes for this long is considered gone.
 WRITE_STALL_TIMEOUT = 120.0
 # A worker stream whose consumer grants no credit for this long gives up.
@@ -143,8 +146,13 @@ class FrameTransport:
         since_yield = 0
         try:
             while True:
+                wanted = decoder.piece_wanted()
                 try:
-                    n = sock.recv_into(decoder.buffer())
+                    if wanted:
+                        piece = sock.recv(min(wanted, MAX_BODY_CHUNK))
+                        n = len(piece)
+                    else:
+                        n = sock.recv_into(decoder.buffer())
                 except BlockingIOError:
                     since_yield = 0
                     wait_read(fd)
@@ -152,7 +160,7 @@ class FrameTransport:
                 if n == 0:
                     self.close("peer closed the channel (EOF)")
                     return
-                for frame in decoder.advance(n):
+                for frame in decoder.piece_received(piece) if wanted else decoder.advance(n):
                     self._on_frame(frame)
                 since_yield += n
                 if since_yield >= _READ_YIELD_BYTES:
@@ -230,6 +238,7 @@ class BodyStream:
         self.chunk_timeout = chunk_timeout
         self.received = 0
         self.consumed = 0
+        self._ungranted = 0
         self._queue: gevent.queue.Queue = gevent.queue.Queue()
         self._done = False
 
@@ -253,11 +262,12 @@ class BodyStream:
                     ) from None
                 if isinstance(item, IpcError):
                     raise item
-                # gunicorn writes only bytes; one chunk-sized copy, cache-hot.
-                yield item if isinstance(item, bytes) else bytes(item)
+                yield item  # bytes: the decoder hands BODY payloads over as bytes pieces
                 self.consumed += len(item)
-                if self.consumed < self.length:
-                    self._client._grant(self.request_id, len(item))
+                self._ungranted += len(item)
+                if self._ungranted >= _CREDIT_BATCH and self.consumed < self.length:
+                    self._client._grant(self.request_id, self._ungranted)
+                    self._ungranted = 0
             self._done = True
         finally:
             self.close()

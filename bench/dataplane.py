@@ -1,0 +1,442 @@
+"""Data-plane benchmark: scaling, router overhead, IPC throughput, head-of-line blocking.
+
+    python bench/dataplane.py [--quick] [--json OUT]
+
+Prints four figures against the issue's targets (speed targets live here, never in tests):
+
+1. turns/s with workers=1 vs workers=2 on a parse-heavy shape (long, growing histories)
+   -> target ratio >= 1.7
+2. router added latency, p50 per chat, workers=1 vs the single-process server (workers=0)
+   -> target <= 2 ms
+3. IPC throughput worker -> router (streamed body) and router -> worker (one REQUEST frame)
+   for 64 MiB and 1 GiB bodies, over a spawned process's socketpair -> target >= 1.5 GiB/s
+4. chat p99 on one shard with and without concurrent 1 GiB records GETs on the same shard
+   -> target: within 2x
+
+The inference backend is a stub (a subprocess of this script) replaying one canned, valid
+completion, optionally padded with a large ``routed_experts`` string, so the backend costs
+almost nothing and the session server's own work is what is measured. The load generator is
+a raw-socket HTTP/1.1 client in this (gevent-patched) process. Everything shares the same
+cores: read the figures as ratios on a loaded box, not as absolute capacity.
+"""
+
+from __future__ import annotations
+
+from gevent import monkey
+
+monkey.patch_all()
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import gevent
+import gevent.event
+import gevent.pool
+
+from webapp.ipc_channel import IpcClient, IpcServer, open_socket
+from webapp.serve import READY_URL_PATTERN, server_argv
+
+MiB = 1024**2
+GiB = 1024**3
+R3_MARKER = 424242  # a session tag: the stub pads its replies with R3
+
+
+# -- a minimal HTTP/1.1 keep-alive client (raw sockets: cheap, so the server is measured) -------
+
+class Http:
+    def __init__(self, url: str) -> None:
+        host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
+        self.addr = (host, int(port))
+        self.sock = socket.create_connection(self.addr, timeout=600)
+        self.rfile = self.sock.makefile("rb", buffering=256 * 1024)
+
+    def request(self, method: str, path: str, body: bytes = b"", sink: bool = False) -> tuple[int, bytes | int]:
+        head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {len(body)}\r\n"
+                f"Content-Type: application/json\r\n\r\n").encode()
+        self.sock.sendall(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.sock.sendall(body)
+        status = int(self.rfile.readline().split()[1])
+        length = 0
+        while True:
+            line = self.rfile.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        if not sink:
+            return status, self.rfile.read(length)
+        left = length
+        while left:  # discard without keeping: a records GET can be GiBs
+            left -= len(self.rfile.read1(min(left, 4 * MiB)))
+        return status, length
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+# -- the stub backend ----------------------------------------------------------------------------
+
+def capture_reply() -> dict:
+    """One real completion from the reference backend (self-consistent ids and content)."""
+    from webapp.reference_backend import start_reference_backend
+
+    backend = start_reference_backend()
+    try:
+        req = urllib.request.Request(
+            backend.url + "/v1/chat/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24}).encode())
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+    finally:
+        backend.close()
+
+
+def _http_reply(reply: dict) -> bytes:
+    body = json.dumps(reply).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def stub_main(reply_path: str, r3_bytes: int) -> None:
+    """Serve the canned reply to every POST; prompts naming R3_MARKER get ``r3_bytes`` of R3."""
+    from gevent.server import StreamServer
+
+    reply = json.loads(Path(reply_path).read_text())
+    plain = _http_reply(reply)
+    reply["choices"][0]["meta_info"]["routed_experts"] = "A" * r3_bytes
+    padded = _http_reply(reply)
+    marker = str(R3_MARKER).encode()
+
+    def handle(sock, _addr):
+        rfile = sock.makefile("rb")
+        try:
+            while True:
+                length = 0
+                line = rfile.readline()
+                if not line:
+                    return
+                while line not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                    line = rfile.readline()
+                request = rfile.read(length)
+                sock.sendall(padded if b"s" + marker + b" " in request else plain)
+        except OSError:
+            return
+        finally:
+            rfile.close()
+            sock.close()
+
+    server = StreamServer(("127.0.0.1", 0), handle)
+    server.start()
+    print(json.dumps({"url": f"http://127.0.0.1:{server.server_port}"}), flush=True)
+    sys.stdin.read()  # exit when the parent closes our stdin (or dies)
+
+
+class Proc:
+    """A subprocess whose stdout's first match of ``pattern`` gives its URL."""
+
+    def __init__(self, argv: list[str], pattern: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline().decode()
+            match = re.search(pattern, line)
+            if match:
+                self.url = match.group(1)
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.close()
+        raise RuntimeError(f"{argv} did not get ready")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_stub(reply_path: str, r3_bytes: int = 64 * MiB) -> Proc:
+    return Proc([sys.executable, __file__, "_stub", reply_path, str(r3_bytes)], r'"url": "(http://[^"]+)"')
+
+
+def start_server(workers: int, backend_url: str) -> Proc:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
+    return Proc(server_argv(workers, backend_url), READY_URL_PATTERN, env)
+
+
+# -- 1. scaling on a parse-heavy shape ------------------------------------------------------------
+
+def turn_bodies(assistant: dict, turns: int, user_bytes: int, tag: int) -> list[bytes]:
+    messages: list[dict] = []
+    bodies = []
+    for t in range(turns):
+        text = f"s{tag} t{t}: " + ("select the third row, then open its context menu; " * (user_bytes // 50))
+        messages.append({"role": "user", "content": text})
+        bodies.append(json.dumps({"messages": messages, "max_tokens": 32}).encode())
+        messages = [*messages, assistant]
+    return bodies
+
+
+def run_sessions(url: str, sessions: int, bodies_for, concurrency: int) -> tuple[int, float, list[float]]:
+    latencies: list[float] = []
+
+    def one(i: int) -> int:
+        http = Http(url)
+        try:
+            status, body = http.request("POST", "/sessions")
+            sid = json.loads(body)["session_id"]
+            for body in bodies_for(i):
+                start = time.perf_counter()
+                status, _ = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+                latencies.append(time.perf_counter() - start)
+                assert status == 200, status
+            http.request("DELETE", f"/sessions/{sid}")
+            return len(bodies_for(i))
+        finally:
+            http.close()
+
+    pool = gevent.pool.Pool(concurrency)
+    start = time.perf_counter()
+    done = sum(pool.map(one, range(sessions)))
+    return done, time.perf_counter() - start, latencies
+
+
+def bench_scaling(stub_url: str, assistant: dict, quick: bool) -> dict:
+    turns, user_bytes, sessions = (8, 16000, 8) if quick else (16, 24000, 16)
+    cache = {i: turn_bodies(assistant, turns, user_bytes, i) for i in range(sessions)}
+    result = {}
+    for workers in (1, 2):
+        server = start_server(workers, stub_url)
+        try:
+            run_sessions(server.url, 2, cache.__getitem__, 2)  # warm up
+            done, elapsed, _ = run_sessions(server.url, sessions, cache.__getitem__, 8)
+            result[workers] = done / elapsed
+        finally:
+            server.close()
+    avg_body = statistics.mean(len(b) for bodies in cache.values() for b in bodies)
+    return {"turns_per_s_w1": result[1], "turns_per_s_w2": result[2], "ratio": result[2] / result[1],
+            "avg_body_kib": avg_body / 1024, "sessions": sessions, "turns": turns}
+
+
+# -- 2. router added latency ----------------------------------------------------------------------
+
+def bench_router_latency(stub_url: str, assistant: dict, quick: bool) -> dict:
+    n = 200 if quick else 600
+    bodies = turn_bodies(assistant, 1, 200, 0)
+    p50 = {}
+    for workers in (0, 1):
+        server = start_server(workers, stub_url)
+        try:
+            http = Http(server.url)
+            latencies = []
+            for i in range(n):
+                _, body = http.request("POST", "/sessions")
+                sid = json.loads(body)["session_id"]
+                start = time.perf_counter()
+                status, _ = http.request("POST", f"/sessions/{sid}/v1/chat/completions", bodies[0])
+                latencies.append(time.perf_counter() - start)
+                assert status == 200
+                http.request("DELETE", f"/sessions/{sid}")
+            http.close()
+            p50[workers] = statistics.median(latencies[n // 10:])
+        finally:
+            server.close()
+    return {"p50_single_ms": p50[0] * 1e3, "p50_router_ms": p50[1] * 1e3,
+            "added_ms": (p50[1] - p50[0]) * 1e3}
+
+
+# -- 3. IPC throughput ----------------------------------------------------------------------------
+
+class _Blob:
+    def __init__(self, body) -> None:
+        self.status, self.body, self.content_type, self.headers = 200, body, "application/octet-stream", ()
+
+
+def _ipc_child(conn, size: int) -> None:
+    from gevent import monkey as child_monkey
+
+    child_monkey.patch_all()
+    fd = os.dup(conn.fileno())
+    conn.close()
+    blob = bytes(size)
+
+    def handler(meta, body):
+        return _Blob([blob] if meta["op"] == "get" else b"")
+
+    server = IpcServer(open_socket(fd), handler, name="bench-child")
+    server.wait_closed(3600)
+
+
+def bench_ipc(quick: bool) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    sizes = [64 * MiB, GiB]
+    out = {}
+    for size in sizes:
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_ipc_child, args=(child, size), daemon=True)
+        proc.start()
+        child.close()
+        client = IpcClient(open_socket(os.dup(parent.fileno())), name="bench")
+        parent.close()
+        client.request({"op": "put"}, timeout=60)  # child ready
+        reps = 3 if size < GiB else (1 if quick else 2)
+        best_down = best_up = 0.0
+        payload = bytes(size)
+        for _ in range(reps):
+            start = time.perf_counter()
+            reply = client.request({"op": "get"}, timeout=60)
+            got = sum(len(c) for c in reply.stream)
+            assert got == size
+            best_down = max(best_down, size / (time.perf_counter() - start) / GiB)
+            start = time.perf_counter()
+            client.request({"op": "put"}, payload, timeout=60)
+            best_up = max(best_up, size / (time.perf_counter() - start) / GiB)
+        del payload
+        client.close()
+        proc.join(10)
+        label = f"{size // MiB}MiB"
+        out[f"worker_to_router_{label}_gib_s"] = best_down
+        out[f"router_to_worker_{label}_gib_s"] = best_up
+    return out
+
+
+# -- 4. chat p99 under concurrent 1 GiB records GETs on the same shard ------------------------------
+
+def chat_loop(url: str, body: bytes, n: int, latencies: list[float]) -> None:
+    http = Http(url)
+    try:
+        for _ in range(n):
+            _, sbody = http.request("POST", "/sessions")
+            sid = json.loads(sbody)["session_id"]
+            start = time.perf_counter()
+            status, _ = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+            latencies.append(time.perf_counter() - start)
+            assert status == 200, status
+            http.request("DELETE", f"/sessions/{sid}")
+    finally:
+        http.close()
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def bench_head_of_line(stub_url: str, assistant: dict, quick: bool) -> dict:
+    server = start_server(1, stub_url)  # one shard: the chats and the GETs share its channel
+    try:
+        http = Http(server.url)
+        _, body = http.request("POST", "/sessions")
+        big = json.loads(body)["session_id"]
+        # the stub pads replies to marked prompts with 64 MiB of R3: 16 turns = ~1 GiB of records
+        for body in turn_bodies(assistant, 16, 100, R3_MARKER):
+            status, _ = http.request("POST", f"/sessions/{big}/v1/chat/completions", body)
+            assert status == 200, status
+        start = time.perf_counter()
+        _, size = http.request("GET", f"/sessions/{big}", sink=True)
+        get_gib_s = size / (time.perf_counter() - start) / GiB
+        http.close()
+        chat_body = turn_bodies(assistant, 1, 200, 7)[0]
+        loops, per_loop = 4, (40 if quick else 100)
+
+        def measure() -> list[float]:
+            latencies: list[float] = []
+            gevent.joinall([gevent.spawn(chat_loop, server.url, chat_body, per_loop, latencies)
+                            for _ in range(loops)], raise_error=True)
+            return latencies
+
+        idle = measure()
+        gets_done = [0]
+        stop = gevent.event.Event()
+
+        def get_loop() -> None:
+            client = Http(server.url)
+            try:
+                while not stop.is_set():
+                    status, got = client.request("GET", f"/sessions/{big}", sink=True)
+                    assert status == 200 and got == size
+                    gets_done[0] += 1
+            finally:
+                client.close()
+
+        getters = [gevent.spawn(get_loop) for _ in range(2)]
+        gevent.sleep(0.5)
+        loaded = measure()
+        stop.set()
+        gevent.joinall(getters, timeout=120, raise_error=True)
+        return {"records_bytes": size, "single_get_gib_s": get_gib_s, "concurrent_gets": 2,
+                "gets_completed": gets_done[0], "chat_p50_idle_ms": statistics.median(idle) * 1e3,
+                "chat_p99_idle_ms": p99(idle) * 1e3, "chat_p50_loaded_ms": statistics.median(loaded) * 1e3,
+                "chat_p99_loaded_ms": p99(loaded) * 1e3, "p99_ratio": p99(loaded) / p99(idle)}
+    finally:
+        server.close()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_stub":
+        stub_main(sys.argv[2], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description="session-server data-plane benchmark")
+    parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke check, noisier)")
+    parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--only", default=None, help="comma list of: scaling,latency,ipc,hol")
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else {"scaling", "latency", "ipc", "hol"}
+    reply = capture_reply()
+    assistant = {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
+    report: dict = {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(reply, f)
+        reply_path = f.name
+    try:
+        if "ipc" in only:
+            report["ipc"] = bench_ipc(args.quick)
+            print("IPC throughput (GiB/s, target >= 1.5):", json.dumps(
+                {k: round(v, 2) for k, v in report["ipc"].items()}), flush=True)
+        stub = start_stub(reply_path)
+        try:
+            if "latency" in only:
+                report["latency"] = r = bench_router_latency(stub.url, assistant, args.quick)
+                print(f"router added latency p50: {r['added_ms']:.2f} ms (single-process {r['p50_single_ms']:.2f}"
+                      f" ms, router {r['p50_router_ms']:.2f} ms; target <= 2 ms)", flush=True)
+            if "scaling" in only:
+                report["scaling"] = r = bench_scaling(stub.url, assistant, args.quick)
+                print(f"turns/s workers=1 {r['turns_per_s_w1']:.1f}, workers=2 {r['turns_per_s_w2']:.1f}: "
+                      f"x{r['ratio']:.2f} (target >= 1.7; avg body {r['avg_body_kib']:.0f} KiB)", flush=True)
+            if "hol" in only:
+                report["hol"] = r = bench_head_of_line(stub.url, assistant, args.quick)
+                print(f"chat p99 idle {r['chat_p99_idle_ms']:.1f} ms, with 2 concurrent "
+                      f"{r['records_bytes'] / GiB:.2f} GiB records GETs on the same shard "
+                      f"{r['chat_p99_loaded_ms']:.1f} ms: x{r['p99_ratio']:.2f} (target <= 2; p50 "
+                      f"{r['chat_p50_idle_ms']:.1f} -> {r['chat_p50_loaded_ms']:.1f} ms; "
+                      f"{r['gets_completed']} GETs done; one GET alone {r['single_get_gib_s']:.2f} GiB/s)",
+                      flush=True)
+        finally:
+            stub.close()
+    finally:
+        os.unlink(reply_path)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
