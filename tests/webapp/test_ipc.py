@@ -57,6 +57,23 @@ def test_envelope_roundtrip(body: bytes, piece: int) -> None:
     assert bytes(decode_envelope(second.payload)[1]) == body + b"tail"
 
 
+@pytest.mark.parametrize("piece", [7, 100_000, 10**9])
+def test_body_frames_arrive_as_ordered_pieces(piece: int) -> None:
+    chunks = {5: bytes(range(256)) * 4096, 6: b"tail-of-six", 7: b""}  # 1 MiB, small, empty
+    data = b"".join(_wire(ipc.encode_frame(rid, FrameType.BODY, [body])) for rid, body in chunks.items())
+    data += _wire(ipc.encode_frame(9, FrameType.CANCEL))
+    got: dict[int, bytes] = {}
+    frames = _roundtrip(data, piece) if piece > 7 else _roundtrip(data[: 3 * 65536], piece)
+    for frame in frames:
+        assert frame.type in (FrameType.BODY, FrameType.CANCEL)
+        assert isinstance(frame.payload, bytes)
+        got[frame.request_id] = got.get(frame.request_id, b"") + frame.payload
+    if piece > 7:
+        assert got == {**chunks, 9: b""}
+    else:  # a prefix cut anywhere yields a prefix of the body, never a wrong byte
+        assert chunks[5].startswith(got[5])
+
+
 def test_many_small_frames_in_one_read() -> None:
     data = b"".join(_wire(ipc.encode_frame(i, FrameType.CANCEL)) for i in range(1, 5001))
     frames = _roundtrip(data, len(data))
