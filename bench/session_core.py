@@ -92,8 +92,9 @@ def run_session(url: str, turns: int, latencies: list[float], gets: list[tuple[i
             return
         messages = messages + [resp.json()["choices"][0]["message"], {"role": "user", "content": f"obs {i}"}]
     t0 = time.perf_counter()
-    resp = http.get(f"{url}/sessions/{sid}", timeout=600)
-    gets.append((len(resp.content), time.perf_counter() - t0))
+    with http.get(f"{url}/sessions/{sid}", timeout=600, stream=True) as resp:
+        size = sum(len(chunk) for chunk in resp.iter_content(1 << 20))  # big reads: not client-bound
+    gets.append((size, time.perf_counter() - t0))
     http.delete(f"{url}/sessions/{sid}", timeout=30)
 
 

@@ -35,6 +35,7 @@ MAX_BACKEND_REPLY_BYTES = 4 << 30
 _READ_CHUNK = 1 << 20
 _R3_KEY = b'"routed_experts"'
 _JSON_SPACE = b" \t\r\n"
+_CHECK_SLICE = 256 << 10
 _BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 
@@ -42,6 +43,13 @@ def _skip_space(raw: bytes, i: int) -> int:
     while i < len(raw) and raw[i] in _JSON_SPACE:
         i += 1
     return i
+
+
+def _check_base64(raw: bytes, start: int, end: int) -> None:
+    # Slices that stay in cache: about twice as fast as translating one 50 MB copy.
+    for i in range(start, end, _CHECK_SLICE):
+        if raw[i:min(i + _CHECK_SLICE, end)].translate(None, _BASE64_ALPHABET):
+            raise BackendMalformed("routed_experts is not plain base64")
 
 
 def parse_backend_reply(raw: bytes) -> dict[str, Any]:
@@ -66,8 +74,7 @@ def parse_backend_reply(raw: bytes) -> dict[str, Any]:
         end = raw.find(b'"', i + 1)
         if end < 0:
             raise BackendMalformed("unterminated routed_experts string")
-        if raw[i + 1:end].translate(None, _BASE64_ALPHABET):
-            raise BackendMalformed("routed_experts is not plain base64")
+        _check_base64(raw, i + 1, end)
         pieces.append(raw[pos:i + 1])
         pos = end
     text = raw if not pieces else b"".join([*pieces, raw[pos:]])

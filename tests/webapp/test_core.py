@@ -12,6 +12,7 @@ import pytest
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import CoreConfig, SessionCore, build_session_core
 from webapp.reference_backend import R3Shape, reference_completion
+from webapp.session_errors import BackendMalformed
 from webapp.tokenizers import ByteChatTokenizer
 
 TOK = ByteChatTokenizer()
@@ -263,6 +264,14 @@ def test_stream_answers_sse():
 ])
 def test_parse_backend_reply_skips_r3_strings_only(raw, expected):
     assert parse_backend_reply(raw) == expected
+
+
+@pytest.mark.parametrize("at", [0, (256 << 10) - 1, 256 << 10, (600 << 10) - 1])
+def test_parse_backend_reply_checks_every_r3_byte(at):
+    r3 = bytearray(b"A" * (600 << 10))
+    r3[at] = ord("\\")
+    with pytest.raises(BackendMalformed, match="base64"):
+        parse_backend_reply(b'{"routed_experts": "' + bytes(r3) + b'"}')
 
 
 # --- through the real backend client --------------------------------------------------------------
