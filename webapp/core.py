@@ -283,6 +283,9 @@ def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
 
 
 class SessionCore:
+    """The five operations of the session server; each returns a ``Reply`` and never raises
+    for a client, backend or session error (those become error replies)."""
+
     def __init__(self, tokenizer: ChatTokenizer, backend: BackendClient, *,
                  registry: SessionRegistry | None = None, turn_wait_timeout: float = 630.0,
                  request_routed_experts: bool = True) -> None:

@@ -14,7 +14,7 @@
   ``handler(request_dict)`` returns ``(status, body_bytes)``, or None to never answer (until the
   module ends); for failure tests.
 
-All three are module-scoped factories: every process they started is stopped at module end.
+The three factories are module-scoped: every process or server they started is stopped at module end.
 """
 
 from __future__ import annotations
