@@ -42,6 +42,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from . import actions as build
 from . import protocol
+from .daemon.args import SPECS as ARG_SPECS
 from .errors import (
     ActionDenied,
     ActionError,
@@ -285,7 +286,8 @@ def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     if verb == "wait":
         return args.get("ms", 0) / 1000
     if verb in ("wait_stable", "wait_change", "exec"):
-        return args.get("timeout_ms", 30_000 if verb == "exec" else 10_000) / 1000
+        # The daemon's own default applies when the caller gave none.
+        return args.get("timeout_ms", ARG_SPECS[verb]["timeout_ms"].default) / 1000
     return 0.0
 
 
