@@ -10,6 +10,7 @@ Process handling (tokens, ready lines, dying with the parent) lives in
 
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,8 @@ class LocalProvider(Provider[LocalSandbox]):
         self._lock = threading.Lock()
         self._sandboxes: dict[int, LocalSandbox] = {}
         self._count = 0
+        # Sandbox ids stay unique across providers (and in the daemons' logs).
+        self._prefix = f"local-{secrets.token_hex(3)}"
 
     def create(self, **options: Any) -> LocalSandbox:
         return self.create_many(1, **options)[0]
@@ -93,7 +96,7 @@ class LocalProvider(Provider[LocalSandbox]):
         with self._lock:
             first = self._count
             self._count += n
-        names = [f"local-{first + i}" for i in range(n)]
+        names = [f"{self._prefix}-{first + i}" for i in range(n)]
         argvs = [
             _daemon_argv(opts["display"], opts["screen"], opts["rtt_ms"], [*extra, "--sandbox-id", name])
             for name in names
