@@ -16,7 +16,7 @@ hash of the input ids, then tokenized; the token ids are followed by the end-of-
 
     {"action": {"verb": "click", "x": 812, "y": 440, "button": "left"}}
     {"action": {"verb": "type", "text": "hello world"}}
-    {"action": {"verb": "key", "keys": "ctrl+s"}}
+    {"action": {"verb": "key", "combo": "ctrl+s"}}
     {"action": {"verb": "scroll", "x": 960, "y": 540, "dx": 0, "dy": -3}}
 
 Coordinates lie inside a 1920x1080 screen. Everything except ``created`` is a deterministic
@@ -93,7 +93,7 @@ def choose_action(digest: bytes) -> dict[str, Any]:
     elif verb == "type":
         action = {"verb": "type", "text": _WORDS[(n >> 40) % len(_WORDS)]}
     elif verb == "key":
-        action = {"verb": "key", "keys": _KEYS[(n >> 40) % len(_KEYS)]}
+        action = {"verb": "key", "combo": _KEYS[(n >> 40) % len(_KEYS)]}
     else:
         action = {"verb": "scroll", "x": x, "y": y, "dx": 0, "dy": (n >> 40) % 11 - 5}
     return {"action": action}

@@ -31,7 +31,7 @@ def check_action(content: str) -> dict:
     if action["verb"] == "type":
         assert isinstance(action["text"], str) and action["text"]
     if action["verb"] == "key":
-        assert isinstance(action["keys"], str) and action["keys"]
+        assert isinstance(action["combo"], str) and action["combo"]
     return action
 
 
