@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import logging
 import os
 import select
@@ -40,6 +39,7 @@ from .. import imaging
 from .base import Display, DisplayError, EncodedImage
 from .errors import DisplayUnavailable
 from .keys import parse_combo
+from .xkeymap import REBIND_SETTLE_S, SpareKeycodes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,6 +129,7 @@ class XvfbDisplay(Display):
         self._started = False
         self._closed = False
         self._sct: Any = None
+        self._keymap: SpareKeycodes | None = None
         self._last_raw: bytearray | None = None
         self._generation = 0
         self._scaled: collections.OrderedDict[imaging.Geometry, tuple[bytearray, Any]] = collections.OrderedDict()
@@ -193,6 +194,7 @@ class XvfbDisplay(Display):
         import mss
 
         self._sct = mss.MSS(display=self.display_name)
+        self._keymap = SpareKeycodes(self.display_name)
         if self.window_manager:
             self._start_window_manager()
         if self.launch:
@@ -264,6 +266,9 @@ class XvfbDisplay(Display):
         if self._sct is not None:
             self._sct.close()
             self._sct = None
+        if self._keymap is not None:
+            self._keymap.close()
+            self._keymap = None
         self._scaled.clear()
         self._last_raw = None
         for proc in reversed(self._children):
@@ -394,15 +399,19 @@ class XvfbDisplay(Display):
             await self._run(self._xdotool, *args)
 
     async def type_text(self, text: str) -> None:
-        if not text:
-            return
-        timeout = XDOTOOL_TIMEOUT_S + len(text) * TYPE_DELAY_MS / 1000 * 4
-        await self._run(
-            functools.partial(
-                self._xdotool, "type", "--delay", str(TYPE_DELAY_MS), "--file", "-",
-                stdin=text.encode(), timeout=timeout,
+        if text:
+            await self._run(self._type_sync, text)
+
+    def _type_sync(self, text: str) -> None:
+        # Characters outside the keymap are bound to spare keycodes first; see xkeymap.
+        for chunk in self._keymap.pool.plan(text):
+            if chunk.rebinds:
+                time.sleep(REBIND_SETTLE_S)
+            self._keymap.bind(chunk.bindings)
+            timeout = XDOTOOL_TIMEOUT_S + len(chunk.text) * TYPE_DELAY_MS / 1000 * 4
+            self._xdotool(
+                "type", "--delay", str(TYPE_DELAY_MS), "--file", "-", stdin=chunk.text.encode(), timeout=timeout
             )
-        )
 
     async def key(self, combo: str) -> None:
         await self._run(self._xdotool, "key", parse_combo(combo).xdotool())
