@@ -215,6 +215,20 @@ def test_turns_of_one_session_are_serialized_but_other_sessions_proceed():
     assert [r["rollback"] for r in body_of(core.get_session(a))["records"]] == [False, True]
 
 
+def test_a_turn_waiting_too_long_for_the_previous_one_is_503():
+    backend = FakeBackend(gated=True)
+    core = SessionCore(TOK, backend, turn_wait_timeout=0.1)
+    sid = new_session(core)
+    first = threading.Thread(target=chat, args=(core, sid, [{"role": "user", "content": "a"}]))
+    first.start()
+    assert backend.entered.acquire(timeout=WAIT)
+    busy = chat(core, sid, [{"role": "user", "content": "a"}])
+    assert busy.status == 503 and "previous turn" in body_of(busy)["error"]
+    backend.release.set()
+    first.join(WAIT)
+    assert len(body_of(core.get_session(sid))["records"]) == 1
+
+
 @pytest.mark.parametrize("body", [
     b"{not json", b"\xff\xfe", b"[1, 2]", b'"str"',
     json.dumps({"messages": "hi"}).encode(),
