@@ -12,7 +12,9 @@ end it fetches every session's token records and writes the trajectories.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -29,12 +31,24 @@ from typing import Any
 
 import requests
 
+from shinken_sync.errors import ShinkenError
+
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
 SYSTEM_PROMPT = (
     "You operate a 1920x1080 desktop. Each user message describes the latest screenshot. "
     'Answer with one action as JSON: {"action": {"verb": ..., ...}}.'
 )
 SERVER_START_TIMEOUT = 60.0
+# One instruction per episode (cycled), so episodes diverge: the reference model is a
+# deterministic function of the prompt, and identical prompts would give identical rollouts.
+TASKS = (
+    "Type a short note into the text field.",
+    "Turn on every checkbox.",
+    "Scroll the file list to the bottom.",
+    "Press each toolbar button once.",
+    "Drag the slider to the middle.",
+    "Open the menu and close it again.",
+)
 HTTP_TIMEOUT = (5.0, 120.0)  # (connect, read) for every call to the session server
 
 
@@ -79,7 +93,7 @@ class SessionServer:
 
     def __init__(self, workers: int, port: int, log_path: Path):
         self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (open for the child's life; closed in stop())
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", f"127.0.0.1:{port}"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -140,6 +154,13 @@ def parse_action(content: str) -> dict[str, Any]:
     return action
 
 
+def error_info(exc: BaseException | None) -> dict[str, str] | None:
+    """A step row's error as JSON: its class (what a caller branches on), kind and message."""
+    if exc is None:
+        return None
+    return {"type": type(exc).__name__, "kind": getattr(exc, "kind", ""), "message": str(exc)}
+
+
 def obs_meta(obs: Any) -> dict[str, Any]:
     return {"format": obs.format, "width": obs.width, "height": obs.height, "scale": obs.scale,
             "bytes": len(obs.data), "sha256": hashlib.sha256(obs.data).hexdigest()}
@@ -153,17 +174,22 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
     t0 = time.monotonic()
     obs = sandbox.screenshot(**OBSERVE)
     progress.observed(time.monotonic() - t0)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    task = TASKS[ep.index % len(TASKS)]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": f"{SYSTEM_PROMPT} Episode {ep.index}. Task: {task}"}
+    ]
     last: dict[str, Any] | None = None
     for turn in range(turns):
         if stop.is_set():
             return
         messages.append({"role": "user", "content": describe(obs, turn, last)})
+        t0 = time.monotonic()
         chat = http.post(f"{server}/sessions/{ep.session_id}/v1/chat/completions",
                          json={"model": "reference", "messages": messages}, timeout=HTTP_TIMEOUT)
         if chat.status_code != 200:
             raise DemoError(f"chat turn {turn} failed with {chat.status_code}: {chat.text[:300]}")
         content = chat.json()["choices"][0]["message"]["content"]
+        progress.chatted(time.monotonic() - t0)
         messages.append({"role": "assistant", "content": content})
         action = parse_action(content)
         t0 = time.monotonic()
@@ -171,7 +197,7 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
         elapsed = time.monotonic() - t0
         row = result.rows[0]
         last = {"action": action, "outcome": row.outcome}
-        step = {"turn": turn, "action": action, "outcome": row.outcome, "error": row.error,
+        step = {"turn": turn, "action": action, "outcome": row.outcome, "error": error_info(row.error),
                 "step_latency_s": round(elapsed, 4)}
         if result.observation is not None:
             obs = result.observation
@@ -191,7 +217,7 @@ def check_episode(ep: Episode) -> dict[str, Any]:
     """Do the token records agree with the steps taken? (the demo's own consistency check)"""
     acc = ep.metadata.get("accumulated_token_ids", [])
     last = ep.records[-1] if ep.records else {}
-    expected = list(last.get("prompt_ids", [])) + list(last.get("output_ids", []))
+    expected = list(last.get("prompt_token_ids", [])) + list(last.get("output_token_ids", []))
     actions_match = len(ep.records) == len(ep.steps) and all(
         parse_action(rec["response"]["choices"][0]["message"]["content"]) == step["action"]
         for rec, step in zip(ep.records, ep.steps)
@@ -211,12 +237,29 @@ class Progress:
         self.done = 0
         self.latencies: list[float] = []
         self.observes: list[float] = []
+        self.chats: list[float] = []
         self.outcomes: dict[str, int] = {}
         self.started = time.monotonic()
+        self.finished: float | None = None
         self._lock = threading.Lock()
         self._stream = stream
         self._tty = stream.isatty()
         self._last_draw = 0.0
+
+    def start(self) -> None:
+        """Start the rollout clock (process start-up is not part of steps/s)."""
+        self.started = time.monotonic()
+
+    def finish(self) -> None:
+        self.finished = time.monotonic()
+        self.draw(final=True)
+
+    def elapsed(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def chatted(self, seconds: float) -> None:
+        with self._lock:
+            self.chats.append(seconds)
 
     def observed(self, seconds: float) -> None:
         with self._lock:
@@ -248,19 +291,18 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(math.ceil(q / 100 * len(ordered))) - 1)]
+    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def contact_sheet(episodes: list[Episode], path: Path, thumb: tuple[int, int] = (480, 270)) -> None:
     from PIL import Image, ImageDraw
+
 
     shots = [ep for ep in episodes if ep.final_jpeg]
     cols = max(1, math.ceil(math.sqrt(len(shots))))
     rows = max(1, math.ceil(len(shots) / cols))
     sheet = Image.new("RGB", (cols * thumb[0], rows * (thumb[1] + 18)), "white")
     draw = ImageDraw.Draw(sheet)
-    import io
-
     for i, ep in enumerate(shots):
         img = Image.open(io.BytesIO(ep.final_jpeg)).convert("RGB")
         img.thumbnail(thumb)
@@ -303,9 +345,10 @@ def run(args: argparse.Namespace) -> int:
         def worker(ep: Episode, sb: Any) -> None:
             try:
                 run_episode(ep, sb, server.url, args.turns, http, stop, progress)
-            except Exception as exc:  # one failing episode never stops the others
+            except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
                 ep.error = f"{type(exc).__name__}: {exc}"
 
+        progress.start()
         pool = ThreadPoolExecutor(max_workers=args.sandboxes, thread_name_prefix="episode")
         futures = [pool.submit(worker, ep, sb) for ep, sb in zip(episodes, sandboxes)]
         try:
@@ -316,13 +359,11 @@ def run(args: argparse.Namespace) -> int:
             print("\nshinken demo: interrupted; finishing the turns in flight and keeping what finished",
                   file=sys.stderr)
         pool.shutdown(wait=True)
-        progress.draw(final=True)
+        progress.finish()
     finally:
         for sb in sandboxes:
-            try:
+            with contextlib.suppress(ShinkenError):  # a dead sandbox is already closed
                 sb.close()
-            except Exception:
-                pass
         if provider is not None:
             provider.close()
         server.stop()
@@ -330,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interrupted: bool) -> int:
-    elapsed = time.monotonic() - progress.started
+    elapsed = progress.elapsed()
     finished = [ep for ep in episodes if ep.finished]
     with open(out / "trajectories.jsonl", "w") as f:
         for ep in finished:
@@ -346,10 +387,12 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
         outcomes["episode_error"] = len(errors)
     summary = {
         "episodes": len(finished), "episodes_started": len(episodes), "interrupted": interrupted,
-        "steps": progress.done, "elapsed_s": round(elapsed, 3),
+        "steps": progress.done, "rollout_s": round(elapsed, 3),
         "steps_per_s": round(progress.done / max(elapsed, 1e-9), 3),
         "step_latency_p50_s": round(percentile(progress.latencies, 50), 4),
         "step_latency_p95_s": round(percentile(progress.latencies, 95), 4),
+        "chat_latency_p50_s": round(percentile(progress.chats, 50), 4),
+        "chat_latency_p95_s": round(percentile(progress.chats, 95), 4),
         "observe_latency_p50_s": round(percentile(progress.observes, 50), 4),
         "observe_latency_p95_s": round(percentile(progress.observes, 95), 4),
         "outcomes": outcomes, "episode_errors": errors,
@@ -367,6 +410,7 @@ def print_table(s: dict[str, Any], out: Path) -> None:
         ("steps", s["steps"]),
         ("steps/s", s["steps_per_s"]),
         ("step (act+observe) p50/p95", f"{s['step_latency_p50_s'] * 1e3:.1f} / {s['step_latency_p95_s'] * 1e3:.1f} ms"),
+        ("chat turn p50/p95", f"{s['chat_latency_p50_s'] * 1e3:.1f} / {s['chat_latency_p95_s'] * 1e3:.1f} ms"),
         ("first observe p50/p95", f"{s['observe_latency_p50_s'] * 1e3:.1f} / {s['observe_latency_p95_s'] * 1e3:.1f} ms"),
         ("outcomes", ", ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items())) or "-"),
         ("records consistent", "yes" if s["consistent"] else "NO"),
