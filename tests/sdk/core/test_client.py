@@ -387,3 +387,18 @@ def test_protocol_version_mismatch_is_connect_error(run, peer):
                 await aconnect(url, TOKEN)
 
     run(body())
+
+
+@pytest.mark.integration
+def test_hundreds_of_concurrent_calls_each_get_their_own_reply(run, daemon, tmp_path):
+    provider, handle = daemon
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(256)))
+
+    async def body():
+        async with await aconnect(*provider.endpoint(handle)) as sb:
+            got = await asyncio.gather(*(sb.read_file(str(path), offset=i, max_bytes=1) for i in range(256)))
+            assert got == [bytes([i]) for i in range(256)]
+            assert sb.pending_calls == 0
+
+    run(body())
