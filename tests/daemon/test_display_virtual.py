@@ -303,6 +303,20 @@ def test_scaled_frame_equals_full_frame_resized(display):
     run(main())
 
 
+@pytest.mark.parametrize("max_long_edge", [None, 640])
+def test_spliced_jpeg_equals_a_plain_encode_of_the_frame(display, max_long_edge):
+    async def main():
+        await display.type_text("splice")
+        await display.click(*center("toggle_wifi"))
+        await display.scroll(0, 2, *center("list"))
+        png = await display.screenshot("png", max_long_edge=max_long_edge)
+        jpeg = await display.screenshot("jpeg", 70, max_long_edge=max_long_edge)
+        pixels = Image.open(io.BytesIO(png.data)).convert("RGB")
+        assert jpeg.data == imaging.encode(pixels, "jpeg", 70)
+
+    run(main())
+
+
 def test_region_screenshot_is_the_same_pixels(display):
     async def main():
         await display.type_text("region")

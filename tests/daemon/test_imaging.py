@@ -198,6 +198,21 @@ def test_encoded_png_is_lossless_and_jpeg_decodes_at_size():
     assert jpeg.scale == 2.0
 
 
+@pytest.mark.parametrize("size", [(320, 240), (333, 250)])  # the second ends in partial MCUs
+def test_jpeg_rows_splice_is_byte_identical_to_a_full_encode(size):
+    before = _noise_image(size, seed=3)
+    base = imaging.JpegRows.encode(before, 75)
+    assert base.tobytes() == imaging.encode(before, "jpeg", 75)
+    after = before.copy()
+    draw = ImageDraw.Draw(after)
+    changed = [(10, 20, 50, 5), (0, 40, 8, 30), (200, size[1] - 3, 40, 3)]  # incl. the last row
+    for x, y, w, h in changed:
+        draw.rectangle((x, y, x + w - 1, y + h - 1), fill=(0, 200, 90))
+    spliced = base.patched(after, 75, changed).tobytes()
+    assert spliced == imaging.encode(after, "jpeg", 75)
+    assert Image.open(io.BytesIO(spliced)).size == size
+
+
 def test_jpeg_quality_changes_size():
     image = _noise_image((320, 200))
     low = imaging.encode(image, "jpeg", 20)

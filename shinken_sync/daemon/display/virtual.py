@@ -160,6 +160,21 @@ def _font(size: int, style: str = "") -> ImageFont.FreeTypeFont | ImageFont.Imag
         return ImageFont.load_default(size)
 
 
+@functools.lru_cache(maxsize=4096)
+def _glyph_mask(text: str, size: int, style: str) -> tuple[Image.Image, tuple[int, int]]:
+    """The anti-aliased coverage of ``text`` and its offset from the text origin.
+
+    Rasterising is most of a widget's cost (~0.3-0.7 ms a line here) and most
+    lines repeat from frame to frame ("Counter: 0"), so masks are cached
+    process-wide; drawing one is a blend through the mask, as draw.text does.
+    """
+    font = _font(size, style)
+    x0, y0, x1, y1 = font.getbbox(text)
+    mask = Image.new("L", (max(1, x1 - x0), max(1, y1 - y0)), 0)
+    ImageDraw.Draw(mask).text((-x0, -y0), text, fill=255, font=font)
+    return mask, (x0, y0)
+
+
 _WORDS = (
     "agent", "sandbox", "rollout", "screen", "token", "policy", "reward", "episode", "latency",
     "frame", "cursor", "window", "display", "buffer", "encode", "stream", "replay", "batch",
@@ -206,7 +221,8 @@ class _Canvas:
             self.draw.rectangle(box, fill=fill, outline=outline, width=width)
 
     def text(self, x: int, y: int, text: str, fill, size: int = 15, style: str = "") -> None:
-        self.draw.text((x - self.ox, y - self.oy), text, fill=fill, font=_font(size, style))
+        mask, (dx, dy) = _glyph_mask(text, size, style)
+        self.draw.bitmap((x - self.ox + dx, y - self.oy + dy), mask, fill=fill)
 
     def polygon(self, points: list[tuple[int, int]], fill, outline=None) -> None:
         self.draw.polygon([(x - self.ox, y - self.oy) for x, y in points], fill=fill, outline=outline)
@@ -418,7 +434,7 @@ class _Scene:
         self.notes_chrome, self.notes_content = _draw_notes(seed)
         self.initial = DesktopState(cursor=(width // 2, height // 2))
         self.initial_list = _display_list(self.initial, self)
-        self._scaled: collections.OrderedDict[imaging.Geometry, Image.Image] = collections.OrderedDict()
+        self._derived: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def paint(self, state: DesktopState, rect: Rect, display_list: list[_Item] | None = None) -> Image.Image:
@@ -432,39 +448,61 @@ class _Scene:
                 item.paint(canvas)
         return patch
 
-    def scaled_initial(self, geometry: imaging.Geometry) -> Image.Image:
-        """The initial frame at ``geometry``, computed once and shared (read-only)."""
+    def _cached(self, key: Hashable, build: Callable[[], object]) -> object:
         with self._lock:
-            image = self._scaled.get(geometry)
-            if image is not None:
-                self._scaled.move_to_end(geometry)
-                return image
-        full = self.paint(self.initial, (0, 0, *self.size), self.initial_list)
-        image = imaging.render(full, geometry)
+            value = self._derived.get(key)
+            if value is not None:
+                self._derived.move_to_end(key)
+                return value
+        value = build()  # outside the lock; two threads may both build, both correct
         with self._lock:
-            self._scaled[geometry] = image
-            while len(self._scaled) > _SCALED_PER_SCENE:
-                self._scaled.popitem(last=False)
-        return image
+            self._derived[key] = value
+            while len(self._derived) > _DERIVED_PER_SCENE:
+                self._derived.popitem(last=False)
+        return value
 
-    def render(self, state: DesktopState, geometry: imaging.Geometry) -> Image.Image:
-        """The frame of ``state`` cropped and scaled to ``geometry``."""
-        display_list = _display_list(state, self)
-        if not geometry.scaled:
-            return self.paint(state, (geometry.x0, geometry.y0, geometry.width, geometry.height), display_list)
-        frame = self.scaled_initial(geometry).copy()
-        imaging.rescale_rects(
-            frame,
-            geometry,
-            _dirty_rects(self.initial_list, display_list),
-            lambda rect: self.paint(state, rect, display_list),
-            self.size,
+    def initial_frame(self, geometry: imaging.Geometry) -> Image.Image:
+        """The initial state's frame at ``geometry`` (whole screen), shared and read-only."""
+
+        def build() -> Image.Image:
+            full = self.paint(self.initial, (0, 0, *self.size), self.initial_list)
+            return imaging.render(full, geometry)
+
+        return self._cached(("frame", geometry), build)  # type: ignore[return-value]
+
+    def initial_jpeg(self, geometry: imaging.Geometry, quality: int) -> imaging.JpegRows:
+        return self._cached(  # type: ignore[return-value]
+            ("jpeg", geometry, quality), lambda: imaging.JpegRows.encode(self.initial_frame(geometry), quality)
         )
-        return frame
+
+    def frame(self, state: DesktopState, geometry: imaging.Geometry) -> tuple[Image.Image, list[Rect] | None]:
+        """The frame of ``state`` at ``geometry``, and the image rectangles where
+        it may differ from the initial frame (None for a region: not tracked)."""
+        display_list = _display_list(state, self)
+        if geometry.box != (0, 0, *self.size):
+            return self.paint(state, (geometry.x0, geometry.y0, geometry.width, geometry.height), display_list), None
+        frame = self.initial_frame(geometry).copy()
+        dirty = [r for r in map(self._on_screen, _dirty_rects(self.initial_list, display_list)) if r]
+        if geometry.scaled:
+            changed = imaging.rescale_rects(
+                frame, geometry, dirty, lambda rect: self.paint(state, rect, display_list), self.size
+            )
+        else:
+            changed = dirty
+            for rect in dirty:
+                frame.paste(self.paint(state, rect, display_list), rect[:2])
+        return frame, changed
+
+    def _on_screen(self, rect: Rect) -> Rect | None:
+        x, y, w, h = rect
+        x0, y0 = max(x, 0), max(y, 0)
+        x1, y1 = min(x + w, self.size[0]), min(y + h, self.size[1])
+        return (x0, y0, x1 - x0, y1 - y0) if x0 < x1 and y0 < y1 else None
 
 
-#: Scaled initial frames kept per scene (one per distinct screenshot geometry).
-_SCALED_PER_SCENE = 4
+#: Initial frames (one per screenshot geometry) and their JPEG encodings (per
+#: geometry and quality) kept per scene.
+_DERIVED_PER_SCENE = 12
 #: Scenes kept alive; each holds ~12 MB at 1920x1080.
 _MAX_SCENES = 4
 _scenes: collections.OrderedDict[tuple[int, int, int], _Scene] = collections.OrderedDict()
@@ -742,7 +780,11 @@ class VirtualDisplay(Display):
 
     def _encode(self, state: DesktopState, params: imaging.EncodeParams) -> EncodedImage:
         scene = _scene(self.width, self.height, self.seed)
-        return imaging.encoded(scene.render(state, params.geometry), params)
+        image, changed = scene.frame(state, params.geometry)
+        if params.format == "jpeg" and changed is not None:
+            rows = scene.initial_jpeg(params.geometry, params.quality).patched(image, params.quality, changed)
+            return imaging.described(rows.tobytes(), params)
+        return imaging.encoded(image, params)
 
     async def change_token(self) -> Hashable:
         return self._state
