@@ -822,20 +822,22 @@ class AsyncSandbox:
 
     async def _read_loop(self) -> None:
         cause: BaseException | None = None
+        close_with: tuple[int, str] | None = None
         try:
             async for message in self._ws:
                 self._dispatch(message)
         except ConnectionClosed as exc:
             cause = exc
         except ProtocolViolation as exc:
-            cause = exc
+            cause, close_with = exc, (1002, "protocol error")
             log.warning("%s: %s; closing the connection", self._url, exc)
-            await self._ws.close(1002, "protocol error")
         except Exception as exc:  # a bug here must not leave calls hanging
-            cause = exc
+            cause, close_with = exc, (1011, "client error")
             log.exception("%s: reader failed; closing the connection", self._url)
-            await self._ws.close(1011, "client error")
+        # Fail what is pending first: the closing handshake may take close_timeout.
         await self._connection_gone(cause)
+        if close_with is not None:
+            await self._ws.close(*close_with)
 
     def _dispatch(self, message: str | bytes) -> None:
         try:
