@@ -35,6 +35,7 @@ setup(
             "mss>=9,<11",
             "tokenizers>=0.15",
             "Jinja2>=3.1",
+            "psutil>=5.9",
         ],
         "lint": ["ruff>=0.5"],
     },
