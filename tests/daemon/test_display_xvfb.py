@@ -144,6 +144,24 @@ def test_typing_into_a_real_xterm(tmp_path):
             reference = imaging.render(full, imaging.plan(W, H, max_long_edge=400).geometry)
             assert ImageChops.difference(scaled, reference).getbbox() is None
 
+            # JPEG rows are patched across shots, also across a PNG shot in between.
+            await display.screenshot("jpeg", 80, max_long_edge=400)
+            await display.type_text("echo one\n")
+            await _settle(display)
+            await display.screenshot("png", max_long_edge=400)
+            await display.type_text("echo two\n")
+            await _settle(display)
+            png = await display.screenshot("png", max_long_edge=400)
+            jpeg = await display.screenshot("jpeg", 80, max_long_edge=400)
+            pixels = Image.open(io.BytesIO(png.data)).convert("RGB")
+            assert jpeg.data == imaging.encode(pixels, "jpeg", 80)
+            await display.type_text("echo three\n")
+            await _settle(display)
+            jpeg = await display.screenshot("jpeg", 80, max_long_edge=400)  # patched rows
+            png = await display.screenshot("png", max_long_edge=400)
+            pixels = Image.open(io.BytesIO(png.data)).convert("RGB")
+            assert jpeg.data == imaging.encode(pixels, "jpeg", 80)
+
             jpeg = await display.screenshot("jpeg", 80, 640, region=(0, 0, 400, 300))
             assert Image.open(io.BytesIO(jpeg.data)).size == (400, 300) == (jpeg.width, jpeg.height)
 

@@ -11,8 +11,9 @@ each start in their own session under ``setpriv --pdeathsig KILL``, so a
 SIGKILLed daemon takes them with it; :meth:`XvfbDisplay.close` stops their
 process groups (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`).
 
-Screenshots keep the previous scaled frame per geometry and rescale only the
-bands that changed (see :mod:`shinken_sync.daemon.imaging`); the change token
+Screenshots keep the previous frame per geometry (scaled image and its JPEG
+rows) and redo only the bands that changed: rescale them, re-encode their MCU
+rows (see :mod:`shinken_sync.daemon.imaging`). The change token
 is a generation counter bumped whenever a capture differs from the previous one
 (a memcmp, cheaper here than a crc32 of the 8 MB buffer).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import os
 import select
@@ -31,7 +33,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from PIL import Image
 
 from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT
 
@@ -60,9 +65,9 @@ TYPE_DELAY_MS = 12
 #: Pointer motion events a drag sends between press and release, so toolkits
 #: that track motion (sliders, window moves) see a path, not a jump.
 DRAG_STEPS = 8
-#: Scaled frames kept for incremental rescaling (one per screenshot geometry;
-#: each also pins one raw capture, 8 MB at 1080p).
-SCALED_FRAMES_KEPT = 2
+#: Frames kept for incremental updates (one per screenshot geometry; each also
+#: pins one raw capture, 8 MB at 1080p).
+FRAMES_KEPT = 2
 #: Above this fraction of changed pixels a full resize beats patching.
 FULL_RESCALE_FRACTION = 0.5
 
@@ -132,7 +137,7 @@ class XvfbDisplay(Display):
         self._keymap: SpareKeycodes | None = None
         self._last_raw: bytearray | None = None
         self._generation = 0
-        self._scaled: collections.OrderedDict[imaging.Geometry, tuple[bytearray, Any]] = collections.OrderedDict()
+        self._frames: collections.OrderedDict[imaging.Geometry, _Frame] = collections.OrderedDict()
 
     @property
     def pids(self) -> list[int]:
@@ -269,7 +274,7 @@ class XvfbDisplay(Display):
         if self._keymap is not None:
             self._keymap.close()
             self._keymap = None
-        self._scaled.clear()
+        self._frames.clear()
         self._last_raw = None
         for proc in reversed(self._children):
             _signal_group(proc, signal.SIGTERM)
@@ -318,33 +323,45 @@ class XvfbDisplay(Display):
     def _screenshot_sync(self, params: imaging.EncodeParams) -> EncodedImage:
         raw = self._grab()
         geo = params.geometry
-        if geo.scaled:
-            image = self._rescaled(raw, geo)
-        elif geo.box == (0, 0, self.width, self.height):
-            image = imaging.bgrx_image(raw, self.size)
+        if geo.box != (0, 0, self.width, self.height):  # a region: not tracked between shots
+            return imaging.encoded(imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height)), params)
+        previous, changed = self._update_frame(raw, geo)
+        if params.format != "jpeg":
+            if changed:
+                previous.jpeg = {}  # the encodings describe the image before this change
+            return imaging.encoded(previous.image, params)
+        rows = previous.jpeg.get(params.quality)
+        if rows is None or changed is None:
+            rows = imaging.JpegRows.encode(previous.image, params.quality)
         else:
-            image = imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height))
-        return imaging.encoded(image, params)
+            rows = rows.patched(previous.image, params.quality, changed)
+        # Encodings at other qualities describe an older image now.
+        previous.jpeg = {params.quality: rows}
+        return imaging.described(rows.tobytes(), params)
 
-    def _rescaled(self, raw: bytearray, geo: imaging.Geometry) -> Any:
-        """The capture scaled to ``geo``, patched from the previous one when little changed."""
-        image = None
-        previous = self._scaled.pop(geo, None)
-        if previous is not None:
-            before, image = previous
-            rects = imaging.changed_rects(before, raw, self.size)
+    def _update_frame(self, raw: bytearray, geo: imaging.Geometry) -> tuple[_Frame, list[imaging.Rect] | None]:
+        """The whole-screen frame at ``geo`` for capture ``raw``, patched from the
+        previous one where little changed, and the image rectangles that changed
+        since (None: everything may have)."""
+        frame = self._frames.pop(geo, None)
+        changed = None
+        if frame is not None:
+            rects = imaging.changed_rects(frame.raw, raw, self.size)
             if sum(w * h for _, _, w, h in rects) <= FULL_RESCALE_FRACTION * self.width * self.height:
-                imaging.rescale_rects(
-                    image, geo, rects, lambda rect: imaging.bgrx_image(raw, self.size, rect), self.size
-                )
-            else:
-                image = None
-        if image is None:
-            image = imaging.render(imaging.bgrx_image(raw, self.size), geo)
-        self._scaled[geo] = (raw, image)
-        while len(self._scaled) > SCALED_FRAMES_KEPT:
-            self._scaled.popitem(last=False)
-        return image
+                patch = functools.partial(imaging.bgrx_image, raw, self.size)
+                if geo.scaled:
+                    changed = imaging.rescale_rects(frame.image, geo, rects, patch, self.size)
+                else:
+                    for rect in rects:
+                        frame.image.paste(patch(rect), rect[:2])
+                    changed = rects
+                frame.raw = raw
+        if changed is None:
+            frame = _Frame(raw, imaging.render(imaging.bgrx_image(raw, self.size), geo))
+        self._frames[geo] = frame
+        while len(self._frames) > FRAMES_KEPT:
+            self._frames.popitem(last=False)
+        return frame, changed
 
     # -- input -----------------------------------------------------------------
 
@@ -420,6 +437,16 @@ class XvfbDisplay(Display):
         out = await self._run(self._xdotool, "getmouselocation", "--shell")
         fields = dict(line.split("=", 1) for line in out.split() if "=" in line)
         return int(fields["X"]), int(fields["Y"])
+
+
+@dataclass
+class _Frame:
+    """The last whole-screen frame at one geometry: the capture it came from, its
+    image, and its JPEG encoding by MCU rows (at the last quality asked)."""
+
+    raw: bytearray
+    image: Image.Image
+    jpeg: dict[int, imaging.JpegRows] = field(default_factory=dict)
 
 
 def _exited(proc: subprocess.Popen) -> bool:
