@@ -224,6 +224,7 @@ class _LoopThread:
         self.pending: set[LoopFuture[Any]] = set()
         self.resources: weakref.WeakSet[AsyncClosable] = weakref.WeakSet()
         self.closing = False  # close() asked; the thread drains and exits
+        self.serving = False  # inside run_forever (as opposed to starting or draining)
         self.dead: BaseException | None = None  # why the thread stopped serving, once it has
 
     def start(self) -> None:
@@ -244,9 +245,11 @@ class _LoopThread:
             asyncio.set_event_loop(loop)
             self.loop, self.ident = loop, _native_get_ident()
             loop.call_soon(self.ready.set)
+            self.serving = True
             loop.run_forever()
         except BaseException as exc:  # noqa: BLE001 -- anything escaping run_forever kills the thread
             death = exc
+        self.serving = False
         # Waiters learn first; the best-effort cleanup below may take a while.
         if death is None and self.closing:
             reason: BaseException = LoopClosed(f"{self.name} closed")
@@ -259,13 +262,21 @@ class _LoopThread:
         self.ready.set(error=reason)
         try:
             if self.loop is not None:
-                self.loop.run_until_complete(self._drain())
-                self.loop.close()
+                try:
+                    self.loop.run_until_complete(self._drain())
+                finally:
+                    self.loop.close()
         except BaseException:  # noqa: BLE001, S110 -- a broken loop cannot drain; waiters already know
             pass
         finally:
             self._fail_pending(reason)
             self.exited.set()
+
+    def stop(self) -> None:
+        """Leave run_forever (and so drain). On the loop thread; a no-op once draining."""
+        if self.serving:
+            assert self.loop is not None
+            self.loop.stop()
 
     def _fail_pending(self, reason: BaseException) -> None:
         for future in list(self.pending):
@@ -487,7 +498,7 @@ class SharedLoop:
         if not thread.exited.done:
             assert thread.loop is not None
             try:
-                thread.loop.call_soon_threadsafe(thread.loop.stop)
+                thread.loop.call_soon_threadsafe(thread.stop)
             except RuntimeError:  # already closed: the thread is on its way out
                 pass
             try:
