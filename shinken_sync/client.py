@@ -677,10 +677,13 @@ class AsyncSandbox:
         actions_ = list(actions)
         calls = [_split_action(i, action) for i, action in enumerate(actions_)]
         self._check_usable()
+        # Encode everything first: a bad argument raises before anything is sent.
+        prepared = [self._prepare(verb, args, timeout) for verb, args in calls]
         gate = gateway or self._gateway
         rows: list[StepRow] = []
         failed_at: int | None = None
-        for i, (action, (verb, args)) in enumerate(zip(actions_, calls)):
+        for i, (action, call) in enumerate(zip(actions_, prepared)):
+            verb = call.verb
             if failed_at is not None:
                 error: BaseException = Skipped(f"not run: action {failed_at} failed", cause_index=failed_at)
                 rows.append(StepRow(index=i, verb=verb, outcome=protocol.SKIPPED, error=error))
@@ -691,7 +694,7 @@ class AsyncSandbox:
                 failed_at = i
                 continue
             try:
-                value = await self._call(verb, args, timeout)
+                value = _unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
                 failed_at = i
