@@ -128,6 +128,25 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def loadavg() -> float:
+    """The machine's 1-minute load average: other work competing for the 2 cores."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def freeze_heap() -> None:
+    """Collect, then move every surviving object out of the collector's reach.
+
+    After a fleet is connected its long-lived objects (connections, tasks,
+    buffers) dominate the heap; without this, every gen-2 collection walks all
+    of them and stops the loop for that long (``--gc-freeze``).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -266,6 +285,7 @@ class RoundClock:
         self.walls: list[float] = []
         self.late = 0
         self.cpu0 = self.cpu1 = (0.0, 0.0)
+        self.load: list[float] = []
         self.t_end = 0.0
         self.t0 = time.monotonic()
 
@@ -276,6 +296,7 @@ class RoundClock:
         if k == WARMUP_ROUNDS:
             self.on_measure()
             self.cpu0 = (cpu_seconds(), cpu_seconds(self.host_pid))
+            self.load = [loadavg()]
         t = time.monotonic()
         if k >= WARMUP_ROUNDS:
             self.starts.append(t)
@@ -289,6 +310,7 @@ class RoundClock:
         self.walls.append(wall)
         self.late += wall > self.period
         self.cpu1 = (cpu_seconds(), cpu_seconds(self.host_pid))
+        self.load.append(loadavg())
 
     @property
     def window(self) -> float:
@@ -384,6 +406,8 @@ def _finish_report(
         "client_cpu_pct": 100 * (clock.cpu1[0] - clock.cpu0[0]) / wall,
         "host_cpu_pct": 100 * (clock.cpu1[1] - clock.cpu0[1]) / wall,
         "host_rss_bytes": proc_status(spec["host_pid"])["VmRSS"],
+        "gc_freeze": spec["gc_freeze"],
+        "loadavg_max": max(clock.load, default=0.0),
     }
     bad = sum(v for k, v in log.outcomes.items() if k != "ok")
     report["sustained_1hz"] = bool(
@@ -475,6 +499,8 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     status = proc_status()
     rss.update(connected=status["VmRSS"], threads=status["Threads"])
     fds.sample()
+    if spec["gc_freeze"]:
+        freeze_heap()
     width, height = sandboxes[0].screen_size() if sandboxes else (1, 1)
     clicks = Clicks(spec["clicks"], width, height)
 
@@ -581,6 +607,8 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
     status = proc_status()
     rss.update(connected=status["VmRSS"], threads=status["Threads"])
     fds.sample()
+    if spec["gc_freeze"]:
+        freeze_heap()
     width, height = await sandboxes[0].screen_size() if sandboxes else (1, 1)
     clicks = Clicks(spec["clicks"], width, height)
 
@@ -1036,9 +1064,9 @@ def format_round_report(r: dict[str, Any]) -> str:
         (f"  throughput               {r['mbps']:.1f} Mbps ({r['observations']} frames, "
          f"avg {r['frame_bytes_avg'] / KB:.1f} KiB)"),
         (f"  cpu client/host          {r['client_cpu_pct']:.0f}% / {r['host_cpu_pct']:.0f}% "
-         f"(host RSS {_mb(r['host_rss_bytes'])} MiB)"),
+         f"(host RSS {_mb(r['host_rss_bytes'])} MiB); machine load avg up to {r['loadavg_max']:.1f}"),
         (f"  gc during rounds         {r['gc_collections']} collections ({r['gc_gen2_collections']} gen2), "
-         f"longest pause {_ms(r['gc_pause_max_s'])} ms"),
+         f"longest pause {_ms(r['gc_pause_max_s'])} ms{' (heap frozen after connect)' if r['gc_freeze'] else ''}"),
         f"  step outcomes            {r['step_outcomes']}",
         f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}",
     ]
@@ -1147,6 +1175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what drives the sync facade's Sandboxes")  # fmt: skip
     p.add_argument("--clicks", choices=("shared", "random"), default="shared",
                    help="shared: one spot per round for all (host encodes once); random: host encodes every frame")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.collect(); gc.freeze() once the fleet is connected (caller-side idiom)")
     p.add_argument("--drills", action="store_true", help="run the stall, storm and keepalive drills")
     p.add_argument("--drill-n", type=int, default=256, help="fleet size for the drills")
     p.add_argument("--json", dest="json_out", help="write the full report here")
@@ -1163,8 +1193,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = [int(x) for x in args.n.split(",") if x.strip()]
     faces = ["sync", "async"] if args.face == "both" else [args.face]
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms rounds={args.rounds} "
-          f"period={ROUND_PERIOD_S}s fd limit {soft}/{hard}", flush=True)  # fmt: skip
+    print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
+          f"rounds={args.rounds} period={ROUND_PERIOD_S}s gc_freeze={args.gc_freeze} "
+          f"fd limit {soft}/{hard}", flush=True)  # fmt: skip
     for n in ns:
         if soft < 4 * n:
             print(f"warning: nofile soft limit {soft} < 4 x N = {4 * n}", flush=True)
@@ -1182,7 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": "rounds", "n": n, "urls": host.urls, "token": host.token, "rtt_ms": args.rtt_ms,
                     "rounds": args.rounds, "period": ROUND_PERIOD_S, "host_pid": host.proc.pid,
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
-                    "clicks": args.clicks,
+                    "clicks": args.clicks, "gc_freeze": args.gc_freeze,
                 }  # fmt: skip
                 if n in ns:
                     for face in faces:

@@ -23,6 +23,7 @@ ROUND_FIELDS = {
     "rss_after_bytes", "marginal_rss_connect_bytes", "marginal_rss_steady_bytes", "threads",
     "fd_high_water", "frames_dropped", "frames_evicted", "budget_limit_bytes", "bytes_received",
     "mbps", "late_rounds", "sustained_1hz", "step_outcomes", "client_cpu_pct", "host_cpu_pct",
+    "gc_pause_max_s", "achieved_hz",
 }  # fmt: skip
 
 
