@@ -67,7 +67,8 @@ WIDGETS: dict[str, Rect] = {
     "text_field": (64, 292, 640, 40),
     "history": (64, 340, 640, 100),
     "list": (64, 456, 400, 264),
-    "details": (480, 456, 256, 264),
+    "details": (480, 456, 256, 232),
+    "status": (480, 696, 256, 24),
 }
 TOGGLES = ("toggle_wifi", "toggle_bluetooth", "toggle_dark")
 TOGGLE_LABELS = ("Wi-Fi", "Bluetooth", "Dark mode")
@@ -87,6 +88,8 @@ SLIDER_HANDLE = 24
 #: the overflow is dropped, as a real field would).
 MAX_TEXT_CHARS = 512
 CURSOR_SIZE = (14, 22)
+#: Characters of the last event the status strip shows.
+STATUS_CHARS = 34
 ICON_ROWS = 3
 
 # ---------------------------------------------------------------------------
@@ -339,11 +342,18 @@ def _paint_details(c: _Canvas, state: DesktopState, items: tuple[str, ...]) -> N
         (f"Counter: {state.count}", ""),
         (f"Slider: {state.slider}%", ""),
         (f"Sync: {'on' if state.checked else 'off'}", ""),
-        ("Last event:", "bold"),
-        (state.last_event[:30], "mono"),
+        (f"Focus: {state.focus.replace('_', ' ')}", ""),
     ]
     for i, (line, style) in enumerate(lines):
         c.text(x + 12, y + 10 + 26 * i, line, _INK, 14, style)
+
+
+def _paint_status(c: _Canvas, state: DesktopState) -> None:
+    # Its own strip (not a details line), so the feedback every action gives
+    # dirties two JPEG MCU rows, not the whole panel.
+    rect = WIDGETS["status"]
+    c.rect(rect, fill=(236, 239, 245), outline=_BORDER)
+    c.text(rect[0] + 8, rect[1] + 5, state.last_event[:STATUS_CHARS], _MUTED, 12, "mono")
 
 
 def _paint_notes(c: _Canvas, state: DesktopState, scene: _Scene) -> None:
@@ -397,9 +407,10 @@ def _display_list(state: DesktopState, scene: _Scene) -> list[_Item]:
         _Item(
             "details",
             WIDGETS["details"],
-            (s.list_selected, s.count, s.slider, s.checked, s.focus, s.last_event[:30]),
+            (s.list_selected, s.count, s.slider, s.checked, s.focus),
             functools.partial(_paint_details, state=s, items=items),
         ),
+        _Item("status", WIDGETS["status"], s.last_event[:STATUS_CHARS], functools.partial(_paint_status, state=s)),
     ]
     return [
         *widget_items,
