@@ -5,12 +5,14 @@ A screenshot is planned once (:func:`plan`: region clipping and the
 ``Image.resize(box=...)`` call straight from the full screen image (no crop
 copy), then the result is encoded (:func:`encode`).
 
-Downscaling is the expensive step (a 1920x1080 -> 1280 bilinear resize costs
-~11-17 ms here, the 1280x720 JPEG encode ~4 ms), so backends keep the previous
-scaled frame and call :func:`rescale_rects` to recompute only the output
-pixels a change can reach. Because every partial resize reads the full-size
-source with the same filter and scale, the patched frame equals a full resize.
-See docs/displays.md for the measured costs behind these choices.
+Downscaling and encoding are the expensive steps (a 1920x1080 -> 1280
+bilinear resize costs ~11-17 ms here, the 1280x720 JPEG encode ~4 ms), so
+backends keep the previous frame and redo only what a change can reach:
+:func:`rescale_rects` recomputes the output pixels of changed screen
+rectangles (equal to a full resize), and :class:`JpegRows` re-encodes only the
+JPEG MCU rows they touch (byte-identical to a full encode). Xvfb finds its
+changed rectangles with :func:`changed_rects`. Measured costs and the reasons
+behind each choice: docs/displays.md.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ _FILTER_SUPPORT = 1.0
 MIN_QUALITY = 1
 MAX_QUALITY = 100
 MIN_LONG_EDGE = 8
-#: zlib level 1: a 1280x720 desktop PNG is ~10% bigger than at the default
-#: level 6 and encodes 3-4x faster.
+#: zlib level 1: a 1280x720 desktop PNG is ~15% bigger than at the default
+#: level 6 and encodes ~3x faster.
 PNG_COMPRESS_LEVEL = 1
 
 Rect = tuple[int, int, int, int]  # x, y, w, h
@@ -254,10 +256,10 @@ def changed_rects(before: bytes | bytearray, after: bytes | bytearray, size: tup
 
 
 def encode(image: Image.Image, format: str, quality: int) -> bytes:
-    """Encode an RGB image. JPEG: baseline, 4:2:0, no optimize pass (the Huffman
-    optimisation saves ~5% bytes for ~30% more encode time), a restart marker
-    after every MCU row (+0.25% bytes) so :class:`JpegRows` can splice frames;
-    PNG: zlib level 1."""
+    """Encode an RGB image. JPEG: baseline, 4:2:0, standard Huffman tables (the
+    optimize pass saves ~11% bytes but doubles the encode time, and per-frame
+    tables would rule out splicing), a restart marker after every MCU row
+    (+0.25% bytes) so :class:`JpegRows` can splice frames; PNG: zlib level 1."""
     buf = io.BytesIO()
     if format == "jpeg":
         image.save(buf, "JPEG", quality=quality, subsampling="4:2:0", optimize=False, restart_marker_rows=1)
