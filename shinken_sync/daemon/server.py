@@ -12,7 +12,8 @@ for scale tests). One bearer token, read from ``--token-file``, guards them
 all. docs/protocol.md is the reference.
 
 Exit codes: 0 after a clean shutdown, 2 for bad command-line options or an
-unreadable token file, 3 when a display could not be started.
+unreadable token file, 3 when a display could not be started or the address
+could not be bound.
 """
 
 from __future__ import annotations
@@ -167,16 +168,20 @@ async def run(args: argparse.Namespace, token: str) -> int:
     daemon = Daemon(sandboxes, token, args.rtt_ms)
     server: Server | None = None
     try:
-        server = await serve(
-            daemon.handle,
-            args.host,
-            args.port,
-            process_request=daemon.process_request,
-            compression=None,
-            max_size=MAX_MESSAGE_SIZE,
-            max_queue=WS_MAX_QUEUE,
-            logger=logging.getLogger("shinkend.ws"),
-        )
+        try:
+            server = await serve(
+                daemon.handle,
+                args.host,
+                args.port,
+                process_request=daemon.process_request,
+                compression=None,
+                max_size=MAX_MESSAGE_SIZE,
+                max_queue=WS_MAX_QUEUE,
+                logger=logging.getLogger("shinkend.ws"),
+            )
+        except OSError as exc:
+            log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+            return EXIT_BOOT_ERROR
         port = server.sockets[0].getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]

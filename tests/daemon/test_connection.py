@@ -163,3 +163,17 @@ def test_a_display_that_cannot_start_exits_with_3(tmp_path):
                           capture_output=True, timeout=30, check=False, env=env)  # fmt: skip
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == b"" and b"Xvfb" in proc.stderr
+
+
+def test_a_port_in_use_exits_with_3(vdaemon, tmp_path):
+    import subprocess
+    import sys
+
+    token = tmp_path / "t.token"
+    token.write_text("t")
+    port = str(urllib.parse.urlsplit(vdaemon.url).port)
+    proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(token),
+                           "--port", port, "--screen", "1024x768"],
+                          capture_output=True, timeout=30, check=False)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == b"" and b"cannot listen" in proc.stderr
