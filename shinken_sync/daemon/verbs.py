@@ -80,7 +80,8 @@ async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     return encode_reply(call.call_id, result=result)
 
 
-async def _on_display(action: Awaitable[Any], what: str, timeout: float = DISPLAY_CALL_TIMEOUT_S) -> Any:
+async def _on_display(action: Awaitable[Any], what: str, timeout: float | None = None) -> Any:
+    timeout = DISPLAY_CALL_TIMEOUT_S if timeout is None else timeout
     try:
         return await asyncio.wait_for(action, timeout)
     except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
