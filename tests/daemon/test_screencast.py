@@ -79,7 +79,7 @@ def test_resume_on_another_connection_continues_seq_across_the_gap(vdaemon, aci)
     second = aci(vdaemon.url, vdaemon.token)
     for i in range(3):  # changes while nobody watches, several ticks apart
         second.ok("move", x=200 + i, y=200)
-        time.sleep(0.2)
+        time.sleep(0.3)
     reply, early = _call_collecting(second, "resume_screencast", stream_id=stream_id, params={"quality": 40})
     result = reply.result
     assert result["stream_id"] == stream_id and result["quality"] == 40 and result["fps"] == FPS

@@ -100,10 +100,15 @@ def test_screen_size_and_wait(client):
 def test_wait_change_sees_a_change_from_another_connection(vdaemon, aci, client):
     other = aci(vdaemon.url, vdaemon.token)
     call_id = client.send("wait_change", timeout_ms=10_000)
-    time.sleep(0.2)
-    other.ok("move", x=5, y=5)
-    other.ok("move", x=6, y=6)
-    reply = client.recv_reply()
+    reply = None
+    for i in range(50):  # keep changing the screen until the waiter has seen it
+        other.ok("move", x=5 + i, y=5)
+        try:
+            reply = client.recv(0.1)
+            break
+        except TimeoutError:
+            continue
+    assert isinstance(reply, protocol.Reply), reply
     assert reply.call_id == call_id and reply.outcome == protocol.OK, reply
     assert reply.result["changed"] is True
 
