@@ -4,6 +4,10 @@ The blocking :class:`Sandbox` (``connect``) is the default API; it is a facade
 over the asyncio core :class:`AsyncSandbox` (``aconnect``), and every
 ``Sandbox`` of a process shares one background :class:`SharedLoop` thread.
 
+The frame budget knob is deliberately not re-exported: set
+``shinken_sync.client.GLOBAL_FRAME_BUDGET_BYTES`` (a package-level copy would
+silently do nothing).
+
 Names are imported lazily so ``import shinken_sync`` stays cheap (the daemon
 and the providers do not pay for the client stack, and vice versa).
 """
@@ -26,6 +30,9 @@ _EXPORTS = {
     "ExecResult": "shinken_sync.results",
     "StepResult": "shinken_sync.results",
     "StepRow": "shinken_sync.results",
+    "Frame": "shinken_sync.results",
+    "ScreencastStream": "shinken_sync.client",
+    "loop_frame_budget": "shinken_sync.client",
     "ShinkenError": "shinken_sync.errors",
     "ConnectError": "shinken_sync.errors",
     "AuthRefused": "shinken_sync.errors",
@@ -33,6 +40,11 @@ _EXPORTS = {
     "SandboxDied": "shinken_sync.errors",
     "RPCTimeout": "shinken_sync.errors",
     "ActionError": "shinken_sync.errors",
+    "ActionTimeout": "shinken_sync.errors",
+    "ActionDenied": "shinken_sync.errors",
+    "FrameTimeout": "shinken_sync.errors",
+    "MessageTooBig": "shinken_sync.errors",
+    "Skipped": "shinken_sync.errors",
     "ProtocolViolation": "shinken_sync.errors",
     "StreamLost": "shinken_sync.errors",
     "SandboxClosed": "shinken_sync.errors",
