@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import shutil
 import signal
 import subprocess
@@ -16,10 +17,10 @@ import pytest
 from PIL import Image, ImageChops
 
 from shinken_sync.daemon import imaging
-from shinken_sync.daemon.display import DisplayUnavailable, make_display
+from shinken_sync.daemon.display import DisplayError, DisplayUnavailable, make_display
 from shinken_sync.daemon.display import xvfb as xvfb_module
 from shinken_sync.daemon.display.xkeymap import KeycodePool, keysym_for
-from shinken_sync.protocol import ERR_UNSUPPORTED
+from shinken_sync.protocol import ERR_FAILED, ERR_UNSUPPORTED
 
 MISSING = [name for name in ("Xvfb", "xdotool", "xterm") if shutil.which(name) is None]
 needs_x = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} installed (apt-get install xvfb "
@@ -214,3 +215,23 @@ def test_xvfb_dies_with_a_killed_owner():
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids), "Xvfb outlived its owner"
+
+
+@pytest.mark.integration
+@pytest.mark.xvfb
+@needs_x
+def test_a_dead_xvfb_is_a_display_error_and_close_still_works():
+    async def main():
+        display = make_display("xvfb", 320, 240, window_manager=False)
+        await display.start()
+        assert (await display.screenshot("png")).width == 320
+        os.kill(display.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _alive(display.pids[0]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with pytest.raises(DisplayError) as info:
+            await display.screenshot("png")
+        assert info.value.kind == ERR_FAILED and "signal 9" in str(info.value)
+        await display.close()
+
+    asyncio.run(main())

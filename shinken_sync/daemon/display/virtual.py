@@ -681,14 +681,6 @@ class SharedFrameCache:
     def __len__(self) -> int:
         return len(self._frames)
 
-    def get(self, key: Hashable) -> EncodedImage | None:
-        with self._lock:
-            frame = self._frames.get(key)
-            if frame is not None:
-                self._frames.move_to_end(key)
-                self.hits += 1
-            return frame
-
     async def get_or_encode(self, key: Hashable, encode: Callable[[], EncodedImage]) -> EncodedImage:
         """The cached frame for ``key``, or ``encode()`` run once in a thread.
 
@@ -784,9 +776,6 @@ class VirtualDisplay(Display):
         params = imaging.plan(self.width, self.height, format, quality, max_long_edge, region)
         state = self._state
         key = (self.width, self.height, self.seed, state, params)
-        frame = self._cache.get(key)
-        if frame is not None:
-            return frame
         return await self._cache.get_or_encode(key, functools.partial(self._encode, state, params))
 
     def _encode(self, state: DesktopState, params: imaging.EncodeParams) -> EncodedImage:

@@ -13,8 +13,9 @@ used first; :meth:`SpareKeycodes.plan` splits a text where reuse would hit a
 keycode typed in the same chunk, and the caller lets the client catch up
 (:data:`REBIND_SETTLE_S`) before rebinding.
 
-libX11 through ctypes: it is present wherever Xvfb and xdotool are, and this
-needs five calls, not a dependency.
+libxcb through ctypes: mss already loads it, and this needs a handful of
+calls, not a dependency. Not libX11: its default I/O error handler calls
+exit() when the server dies, which would take the whole daemon down.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ REBIND_SETTLE_S = 0.15
 #: Spare keycodes left to xdotool's own scratch binding.
 _KEEP_FREE = 1
 
-_KeySym = ctypes.c_ulong
+_KeySym = ctypes.c_uint32
 
 
 def keysym_for(char: str) -> int:
@@ -45,23 +46,40 @@ def keysym_for(char: str) -> int:
     return 0x01000000 + code
 
 
-def _load_x11() -> ctypes.CDLL:
-    path = ctypes.util.find_library("X11")
+class _Cookie(ctypes.Structure):
+    _fields_ = [("sequence", ctypes.c_uint)]
+
+
+def _load_xcb() -> ctypes.CDLL:
+    path = ctypes.util.find_library("xcb")
     if path is None:
-        raise DisplayError("libX11 not found (apt-get install libx11-6)", ERR_FAILED)
-    x11 = ctypes.CDLL(path)
-    x11.XOpenDisplay.restype = ctypes.c_void_p
-    x11.XOpenDisplay.argtypes = [ctypes.c_char_p]
-    x11.XCloseDisplay.argtypes = [ctypes.c_void_p]
-    x11.XDisplayKeycodes.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
-    x11.XGetKeyboardMapping.restype = ctypes.POINTER(_KeySym)
-    x11.XGetKeyboardMapping.argtypes = [ctypes.c_void_p, ctypes.c_ubyte, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-    x11.XChangeKeyboardMapping.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_KeySym), ctypes.c_int
+        raise DisplayError("libxcb not found (apt-get install libxcb1)", ERR_FAILED)
+    xcb = ctypes.CDLL(path)
+    xcb.xcb_connect.restype = ctypes.c_void_p
+    xcb.xcb_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+    xcb.xcb_connection_has_error.argtypes = [ctypes.c_void_p]
+    xcb.xcb_disconnect.argtypes = [ctypes.c_void_p]
+    xcb.xcb_get_setup.restype = ctypes.POINTER(ctypes.c_uint8)
+    xcb.xcb_get_setup.argtypes = [ctypes.c_void_p]
+    xcb.xcb_get_keyboard_mapping.restype = _Cookie
+    xcb.xcb_get_keyboard_mapping.argtypes = [ctypes.c_void_p, ctypes.c_uint8, ctypes.c_uint8]
+    xcb.xcb_get_keyboard_mapping_reply.restype = ctypes.POINTER(ctypes.c_uint8)
+    xcb.xcb_get_keyboard_mapping_reply.argtypes = [ctypes.c_void_p, _Cookie, ctypes.c_void_p]
+    xcb.xcb_change_keyboard_mapping_checked.restype = _Cookie
+    xcb.xcb_change_keyboard_mapping_checked.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint8, ctypes.c_uint8, ctypes.c_uint8, ctypes.POINTER(_KeySym)
     ]
-    x11.XSync.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    x11.XFree.argtypes = [ctypes.c_void_p]
-    return x11
+    xcb.xcb_request_check.restype = ctypes.c_void_p
+    xcb.xcb_request_check.argtypes = [ctypes.c_void_p, _Cookie]
+    return xcb
+
+
+_libc = ctypes.CDLL(None)
+_libc.free.argtypes = [ctypes.c_void_p]
+#: Offsets in xcb_setup_t and xcb_get_keyboard_mapping_reply_t (X protocol layout).
+_SETUP_MIN_KEYCODE = 34
+_REPLY_KEYSYMS_PER_KEYCODE = 1
+_REPLY_HEADER = 32
 
 
 @dataclass(frozen=True)
@@ -125,31 +143,41 @@ class SpareKeycodes:
     """
 
     def __init__(self, display_name: str):
-        self._x11 = _load_x11()
-        self._dpy = self._x11.XOpenDisplay(display_name.encode())
-        if not self._dpy:
-            raise DisplayError(f"cannot open X display {display_name}", ERR_FAILED)
-        low, high = ctypes.c_int(), ctypes.c_int()
-        self._x11.XDisplayKeycodes(self._dpy, ctypes.byref(low), ctypes.byref(high))
-        count = high.value - low.value + 1
-        per = ctypes.c_int()
-        table = self._x11.XGetKeyboardMapping(self._dpy, low.value, count, ctypes.byref(per))
+        self._xcb = _load_xcb()
+        self._conn = self._xcb.xcb_connect(display_name.encode(), None)
+        if self._xcb.xcb_connection_has_error(self._conn):
+            self.close()
+            raise DisplayError(f"cannot connect to X display {display_name}", ERR_FAILED)
+        setup = self._xcb.xcb_get_setup(self._conn)
+        low, high = setup[_SETUP_MIN_KEYCODE], setup[_SETUP_MIN_KEYCODE + 1]
+        count = high - low + 1
+        cookie = self._xcb.xcb_get_keyboard_mapping(self._conn, low, count)
+        reply = self._xcb.xcb_get_keyboard_mapping_reply(self._conn, cookie, None)
+        if not reply:
+            self.close()
+            raise DisplayError(f"cannot read the keymap of {display_name}", ERR_FAILED)
         try:
-            syms = [table[i] for i in range(count * per.value)]
+            per = reply[_REPLY_KEYSYMS_PER_KEYCODE]
+            table = ctypes.cast(ctypes.addressof(reply.contents) + _REPLY_HEADER, ctypes.POINTER(ctypes.c_uint32))
+            syms = [table[i] for i in range(count * per)]
         finally:
-            self._x11.XFree(table)
-        spare = [low.value + i for i in range(count) if not any(syms[i * per.value : (i + 1) * per.value])]
+            _libc.free(reply)
+        spare = [low + i for i in range(count) if not any(syms[i * per : (i + 1) * per])]
         self.pool = KeycodePool({s for s in syms if s}, spare)
 
     def bind(self, bindings: dict[int, int]) -> None:
-        """Bind keycode -> keysym on the server and wait until it took effect."""
+        """Bind keycode -> keysym on the server; returns once the server did it."""
         for keycode, keysym in bindings.items():
             sym = _KeySym(keysym)
-            self._x11.XChangeKeyboardMapping(self._dpy, keycode, 1, ctypes.byref(sym), 1)
-        if bindings:
-            self._x11.XSync(self._dpy, 0)
+            cookie = self._xcb.xcb_change_keyboard_mapping_checked(self._conn, 1, keycode, 1, ctypes.byref(sym))
+            error = self._xcb.xcb_request_check(self._conn, cookie)
+            if error:
+                _libc.free(error)
+                raise DisplayError(f"binding keycode {keycode} failed", ERR_FAILED)
+        if self._xcb.xcb_connection_has_error(self._conn):
+            raise DisplayError("the X connection broke while binding keycodes", ERR_FAILED)
 
     def close(self) -> None:
-        if self._dpy:
-            self._x11.XCloseDisplay(self._dpy)
-            self._dpy = None
+        if self._conn:
+            self._xcb.xcb_disconnect(self._conn)
+            self._conn = None

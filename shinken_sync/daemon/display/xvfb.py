@@ -59,9 +59,10 @@ LAUNCH_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 3.0
 #: One xdotool invocation; typing adds TYPE_DELAY_MS per character.
 XDOTOOL_TIMEOUT_S = 10.0
-#: Between typed characters (xdotool's default). At 1 ms, characters outside
-#: the keymap, which xdotool types by remapping a spare keycode, got lost in xterm.
-TYPE_DELAY_MS = 12
+#: Between typed characters (xdotool's default is 12). The characters xdotool
+#: lost at short delays were those it typed through its scratch keycode; with
+#: them pre-bound (xkeymap), 3 ms delivered every character in every run.
+TYPE_DELAY_MS = 3
 #: Pointer motion events a drag sends between press and release, so toolkits
 #: that track motion (sliders, window moves) see a path, not a jump.
 DRAG_STEPS = 8
@@ -147,7 +148,19 @@ class XvfbDisplay(Display):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if not self._started or self._closed:
             raise DisplayError("the xvfb display is not running", ERR_FAILED)
-        return await asyncio.get_running_loop().run_in_executor(self._x, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._x, self._guarded, fn, *args)
+
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the X thread; a dead Xvfb or a failed capture is a DisplayError."""
+        status = _exit_status(self._children[0])
+        if status is not None:
+            raise DisplayError(f"Xvfb {self.display_name} exited ({status})", ERR_FAILED)
+        import mss.exception
+
+        try:
+            return fn(*args)
+        except mss.exception.ScreenShotError as exc:
+            raise DisplayError(f"capture of {self.display_name} failed: {exc}", ERR_FAILED) from None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -279,7 +292,7 @@ class XvfbDisplay(Display):
         for proc in reversed(self._children):
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and not all(_exited(p) for p in self._children):
+        while time.monotonic() < deadline and not all(_exit_status(p) for p in self._children):
             time.sleep(0.02)
         # Exited leaders stay unreaped zombies until here, so their group ids
         # cannot be reused: this SIGKILL reaches only stragglers (a child that
@@ -449,12 +462,17 @@ class _Frame:
     jpeg: dict[int, imaging.JpegRows] = field(default_factory=dict)
 
 
-def _exited(proc: subprocess.Popen) -> bool:
-    """Whether ``proc`` exited, without reaping it."""
+def _exit_status(proc: subprocess.Popen) -> str | None:
+    """How ``proc`` ended ("exit 1", "signal 9"), or None while it runs; never reaps it."""
+    if proc.returncode is not None:
+        return f"exit {proc.returncode}"
     try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped
-        return True
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return "exited"
+    if info is None:
+        return None
+    return f"exit {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
