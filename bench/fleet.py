@@ -10,6 +10,11 @@ loop: every round, every sandbox runs one pipelined
   headline idiom) or OS threads (``--callers threads``);
 * ``async`` -- ``AsyncSandbox`` and ``asyncio.gather`` on one loop.
 
+``--clicks shared`` (default) has every sandbox click the same empty spot,
+moving each round, so the host's shared encode cache renders each round's
+screen once and the client, not the one-process host emulator, is what is
+measured; ``--clicks random`` makes the host encode every observation.
+
 Each (N, face) measurement runs in a fresh client interpreter (this file with
 ``--child``): gevent's monkey-patching must precede every other import, and a
 fresh process gives clean RSS, thread and fd baselines. The client of a
@@ -20,7 +25,7 @@ Drills (``--drills``, async core, on ``--drill-n``, default 256):
 * stall: screencasts on every sandbox with the 256 MiB frame budget on; the
   consumers of 10% stop reading. Checks used <= budget, evictions confined to
   the stalled sandboxes, the others' round times unaffected. Because 10% of
-  N=256 x 32-frame queues cannot fill 256 MiB, a second pass shrinks the
+  N=256 x 32-frame queues cannot fill 256 MiB, a third phase shrinks the
   budget until it bites, so confinement is tested with real evictions.
 * storm: abort the TCP transports of 25% of the connections, reconnect them
   with full-jitter exponential backoff and ``resume_screencast``; convergence
@@ -61,7 +66,6 @@ DIAL_JITTER_S = 0.25
 PING_JITTER_S = 10.0  # seed section 3.2, for N >= 256
 RPC_TIMEOUT_S = 30.0
 LAG_PROBE_S = 0.010  # the loop-lag probe sleeps this long and records the overshoot
-FD_SAMPLE_S = 0.25
 STALL_FRACTION = 0.10
 STORM_FRACTION = 0.25
 #: Empty wallpaper right of the virtual desktop's windows, below its icons
@@ -246,6 +250,9 @@ class StepLog:
     """Per-step samples of one run, shared by both faces."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.latencies: list[float] = []
         self.bytes = 0
         self.frames = 0
@@ -511,7 +518,7 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     gc_pauses = GcPauses()
 
     def measure() -> None:
-        log.__init__()
+        log.reset()
         lag.clear()
         hub_lag.clear()
         gc_pauses.clear()
@@ -619,7 +626,7 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
     gc_pauses = GcPauses()
 
     def measure() -> None:
-        log.__init__()
+        log.reset()
         lag.clear()
         gc_pauses.clear()
 
