@@ -14,6 +14,7 @@ from shinken_sync.daemon.display import DisplayError, make_display
 from shinken_sync.daemon.display.keys import parse_combo
 from shinken_sync.daemon.display.virtual import (
     LIST_VISIBLE_ROWS,
+    MAX_TEXT_CHARS,
     MIN_SIZE,
     NOTES_DEFAULT_POS,
     SCROLL_ROWS_PER_CLICK,
@@ -182,6 +183,17 @@ def test_select_all_replace_backspace_and_enter(display):
         assert display.state.text == ""
         await display.type_text("line one\nline two\n")
         assert display.state.history == ("second", "line one", "line two")
+
+    run(main())
+
+
+def test_text_field_keeps_at_most_max_chars_and_drops_control_characters(display):
+    async def main():
+        await display.type_text("a\x07b")
+        assert display.state.text == "ab"
+        await display.type_text("x" * (MAX_TEXT_CHARS + 100) + "\nafter")
+        assert display.state.history == ("ab" + "x" * (MAX_TEXT_CHARS - 2),)
+        assert display.state.text == "after"
 
     run(main())
 
