@@ -56,7 +56,7 @@ _EXPORTS = {
     "StaticProvider": "shinken_sync.providers.static",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__"]  # noqa: PLE0604 (built from the lazy table above)
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 PROTOCOL_VERSION = 1
 
@@ -102,7 +102,7 @@ VERBS = frozenset(
 
 IMAGE_FORMATS = frozenset({"png", "jpeg"})
 
-CallId = Union[int, str]
+CallId = int | str
 
 
 class ProtocolError(ValueError):
@@ -179,7 +179,7 @@ class StreamEnd:
     last_seq: int
 
 
-ServerMessage = Union[Hello, Reply, Frame, StreamEnd]
+ServerMessage = Hello | Reply | Frame | StreamEnd
 
 
 # ---------------------------------------------------------------------------

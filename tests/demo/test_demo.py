@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shinken_sync.cli", "demo", *args],
+    return subprocess.run([sys.executable, "-m", "shinken_sync.cli", "demo", *args], check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -22,7 +22,7 @@ def test_demo_writes_consistent_trajectories(tmp_path):
     out = tmp_path / "out"
     proc = _demo("--sandboxes", "2", "--turns", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^records consistent +yes$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^records consistent +yes$", proc.stdout, re.MULTILINE), proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] == 2 and summary["steps"] == 4

@@ -13,8 +13,8 @@ backend must never block the event loop for longer than one encode.
 from __future__ import annotations
 
 import abc
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 from shinken_sync.protocol import ERR_FAILED
 
