@@ -37,7 +37,7 @@ setup(
             "Jinja2>=3.1",
             "psutil>=5.9",
         ],
-        "lint": ["ruff>=0.5"],
+        "lint": ["ruff==0.17.6"],
     },
     entry_points={
         "console_scripts": [
