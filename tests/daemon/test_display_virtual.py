@@ -316,7 +316,7 @@ def test_scaled_frame_equals_full_frame_resized(display):
 
 
 @pytest.mark.parametrize("max_long_edge", [None, 640])
-def test_spliced_jpeg_equals_a_plain_encode_of_the_frame(display, max_long_edge):
+def test_spliced_encodings_equal_a_plain_encode_of_the_frame(display, max_long_edge):
     async def main():
         await display.type_text("splice")
         await display.click(*center("toggle_wifi"))
@@ -325,6 +325,7 @@ def test_spliced_jpeg_equals_a_plain_encode_of_the_frame(display, max_long_edge)
         jpeg = await display.screenshot("jpeg", 70, max_long_edge=max_long_edge)
         pixels = Image.open(io.BytesIO(png.data)).convert("RGB")
         assert jpeg.data == imaging.encode(pixels, "jpeg", 70)
+        assert png.data == imaging.encode(pixels, "png", 0)
 
     run(main())
 

@@ -158,10 +158,11 @@ def test_typing_into_a_real_xterm(tmp_path):
             assert jpeg.data == imaging.encode(pixels, "jpeg", 80)
             await display.type_text("echo three\n")
             await _settle(display)
-            jpeg = await display.screenshot("jpeg", 80, max_long_edge=400)  # patched rows
-            png = await display.screenshot("png", max_long_edge=400)
+            jpeg = await display.screenshot("jpeg", 80, max_long_edge=400)  # patched bands
+            png = await display.screenshot("png", max_long_edge=400)  # patched bands too
             pixels = Image.open(io.BytesIO(png.data)).convert("RGB")
             assert jpeg.data == imaging.encode(pixels, "jpeg", 80)
+            assert png.data == imaging.encode(pixels, "png", 0)
 
             jpeg = await display.screenshot("jpeg", 80, 640, region=(0, 0, 400, 300))
             assert Image.open(io.BytesIO(jpeg.data)).size == (400, 300) == (jpeg.width, jpeg.height)

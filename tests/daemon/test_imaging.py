@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+import zlib
 
 import pytest
 from PIL import Image, ImageChops, ImageDraw
@@ -198,19 +199,30 @@ def test_encoded_png_is_lossless_and_jpeg_decodes_at_size():
     assert jpeg.scale == 2.0
 
 
-@pytest.mark.parametrize("size", [(320, 240), (333, 250)])  # the second ends in partial MCUs
-def test_jpeg_rows_splice_is_byte_identical_to_a_full_encode(size):
+@pytest.mark.parametrize("format", ["jpeg", "png"])
+@pytest.mark.parametrize("size", [(320, 240), (333, 250)])  # the second ends in partial bands
+def test_banded_splice_is_byte_identical_to_a_full_encode(format, size):
     before = _noise_image(size, seed=3)
-    base = imaging.JpegRows.encode(before, 75)
-    assert base.tobytes() == imaging.encode(before, "jpeg", 75)
+    base = imaging.BANDED[format].encode(before, 75)
+    assert base.tobytes() == imaging.encode(before, format, 75)
     after = before.copy()
     draw = ImageDraw.Draw(after)
-    changed = [(10, 20, 50, 5), (0, 40, 8, 30), (200, size[1] - 3, 40, 3)]  # incl. the last row
+    changed = [(10, 20, 50, 5), (0, 40, 8, 30), (200, size[1] - 3, 40, 3)]  # incl. the last band
     for x, y, w, h in changed:
         draw.rectangle((x, y, x + w - 1, y + h - 1), fill=(0, 200, 90))
     spliced = base.patched(after, 75, changed).tobytes()
-    assert spliced == imaging.encode(after, "jpeg", 75)
-    assert Image.open(io.BytesIO(spliced)).size == size
+    assert spliced == imaging.encode(after, format, 75)
+    decoded = Image.open(io.BytesIO(spliced))
+    assert decoded.size == size
+    if format == "png":
+        assert decoded.convert("RGB").tobytes() == after.tobytes()
+
+
+def test_png_is_standard_enough_for_pillow_to_verify():
+    data = imaging.encode(_noise_image((50, 40)), "png", 0)
+    Image.open(io.BytesIO(data)).verify()  # checks every chunk CRC
+    idat_len = int.from_bytes(data[33:37], "big")
+    zlib.decompress(data[41 : 41 + idat_len])  # the zlib stream, adler32 included
 
 
 def test_jpeg_quality_changes_size():

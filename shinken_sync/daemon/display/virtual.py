@@ -482,9 +482,11 @@ class _Scene:
 
         return self._cached(("frame", geometry), build)  # type: ignore[return-value]
 
-    def initial_jpeg(self, geometry: imaging.Geometry, quality: int) -> imaging.JpegRows:
+    def initial_encoding(self, params: imaging.EncodeParams) -> imaging.BandedEncoding:
+        """The initial frame encoded as ``params`` ask, in bands, shared."""
         return self._cached(  # type: ignore[return-value]
-            ("jpeg", geometry, quality), lambda: imaging.JpegRows.encode(self.initial_frame(geometry), quality)
+            ("encoding", params),
+            lambda: imaging.BANDED[params.format].encode(self.initial_frame(params.geometry), params.quality),
         )
 
     def frame(self, state: DesktopState, geometry: imaging.Geometry) -> tuple[Image.Image, list[Rect] | None]:
@@ -512,8 +514,8 @@ class _Scene:
         return (x0, y0, x1 - x0, y1 - y0) if x0 < x1 and y0 < y1 else None
 
 
-#: Initial frames (one per screenshot geometry) and their JPEG encodings (per
-#: geometry and quality) kept per scene.
+#: Initial frames (one per screenshot geometry) and their encodings (per
+#: geometry, format and quality) kept per scene.
 _DERIVED_PER_SCENE = 12
 #: Scenes kept alive; each holds ~12 MB at 1920x1080.
 _MAX_SCENES = 4
@@ -782,10 +784,10 @@ class VirtualDisplay(Display):
     def _encode(self, state: DesktopState, params: imaging.EncodeParams) -> EncodedImage:
         scene = _scene(self.width, self.height, self.seed)
         image, changed = scene.frame(state, params.geometry)
-        if params.format == "jpeg" and changed is not None:
-            rows = scene.initial_jpeg(params.geometry, params.quality).patched(image, params.quality, changed)
-            return imaging.described(rows.tobytes(), params)
-        return imaging.encoded(image, params)
+        if changed is None:
+            return imaging.encoded(image, params)
+        encoding = scene.initial_encoding(params).patched(image, params.quality, changed)
+        return imaging.described(encoding.tobytes(), params)
 
     async def change_token(self) -> Hashable:
         return self._state

@@ -11,9 +11,9 @@ each start in their own session under ``setpriv --pdeathsig KILL``, so a
 SIGKILLed daemon takes them with it; :meth:`XvfbDisplay.close` stops their
 process groups (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`).
 
-Screenshots keep the previous frame per geometry (scaled image and its JPEG
-rows) and redo only the bands that changed: rescale them, re-encode their MCU
-rows (see :mod:`shinken_sync.daemon.imaging`). The change token
+Screenshots keep the previous frame per geometry (scaled image and its banded
+JPEG/PNG encodings) and redo only what changed: rescale the changed areas,
+re-encode the 16-row bands they touch (see :mod:`shinken_sync.daemon.imaging`). The change token
 is a generation counter bumped whenever a capture differs from the previous one
 (a memcmp, cheaper here than a crc32 of the 8 MB buffer).
 """
@@ -69,6 +69,10 @@ DRAG_STEPS = 8
 #: Frames kept for incremental updates (one per screenshot geometry; each also
 #: pins one raw capture, 8 MB at 1080p).
 FRAMES_KEPT = 2
+#: Encodings kept per frame (e.g. an agent's PNG beside a screencast's JPEG).
+ENCODINGS_KEPT = 2
+#: Changed rectangles an encoding tracks before it is simply redone.
+MAX_STALE_RECTS = 256
 #: Above this fraction of changed pixels a full resize beats patching.
 FULL_RESCALE_FRACTION = 0.5
 
@@ -338,24 +342,21 @@ class XvfbDisplay(Display):
         geo = params.geometry
         if geo.box != (0, 0, self.width, self.height):  # a region: not tracked between shots
             return imaging.encoded(imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height)), params)
-        previous, changed = self._update_frame(raw, geo)
-        if params.format != "jpeg":
-            if changed:
-                previous.jpeg = {}  # the encodings describe the image before this change
-            return imaging.encoded(previous.image, params)
-        rows = previous.jpeg.get(params.quality)
-        if rows is None or changed is None:
-            rows = imaging.JpegRows.encode(previous.image, params.quality)
+        frame = self._update_frame(raw, geo)
+        key = (params.format, params.quality)
+        previous = frame.encodings.pop(key, None)
+        if previous is None or previous.stale is None:
+            encoding = imaging.BANDED[params.format].encode(frame.image, params.quality)
         else:
-            rows = rows.patched(previous.image, params.quality, changed)
-        # Encodings at other qualities describe an older image now.
-        previous.jpeg = {params.quality: rows}
-        return imaging.described(rows.tobytes(), params)
+            encoding = previous.encoding.patched(frame.image, params.quality, previous.stale)
+        frame.encodings[key] = _Encoding(encoding, [])
+        while len(frame.encodings) > ENCODINGS_KEPT:
+            frame.encodings.pop(next(iter(frame.encodings)))
+        return imaging.described(encoding.tobytes(), params)
 
-    def _update_frame(self, raw: bytearray, geo: imaging.Geometry) -> tuple[_Frame, list[imaging.Rect] | None]:
+    def _update_frame(self, raw: bytearray, geo: imaging.Geometry) -> _Frame:
         """The whole-screen frame at ``geo`` for capture ``raw``, patched from the
-        previous one where little changed, and the image rectangles that changed
-        since (None: everything may have)."""
+        previous one where little changed (its encodings learn what changed)."""
         frame = self._frames.pop(geo, None)
         changed = None
         if frame is not None:
@@ -369,12 +370,14 @@ class XvfbDisplay(Display):
                         frame.image.paste(patch(rect), rect[:2])
                     changed = rects
                 frame.raw = raw
+                for encoding in frame.encodings.values():
+                    encoding.invalidate(changed)
         if changed is None:
             frame = _Frame(raw, imaging.render(imaging.bgrx_image(raw, self.size), geo))
         self._frames[geo] = frame
         while len(self._frames) > FRAMES_KEPT:
             self._frames.popitem(last=False)
-        return frame, changed
+        return frame
 
     # -- input -----------------------------------------------------------------
 
@@ -453,13 +456,28 @@ class XvfbDisplay(Display):
 
 
 @dataclass
+class _Encoding:
+    """A banded encoding of a frame's image and the image rectangles changed
+    since it was made (None: too many to track, encode afresh)."""
+
+    encoding: imaging.BandedEncoding
+    stale: list[imaging.Rect] | None
+
+    def invalidate(self, rects: list[imaging.Rect]) -> None:
+        if self.stale is not None:
+            self.stale.extend(rects)
+            if len(self.stale) > MAX_STALE_RECTS:
+                self.stale = None
+
+
+@dataclass
 class _Frame:
-    """The last whole-screen frame at one geometry: the capture it came from, its
-    image, and its JPEG encoding by MCU rows (at the last quality asked)."""
+    """The last whole-screen frame at one geometry: the capture it came from,
+    its image, and its encodings by (format, quality)."""
 
     raw: bytearray
     image: Image.Image
-    jpeg: dict[int, imaging.JpegRows] = field(default_factory=dict)
+    encodings: dict[tuple[str, int], _Encoding] = field(default_factory=dict)
 
 
 def _exit_status(proc: subprocess.Popen) -> str | None:
