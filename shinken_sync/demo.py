@@ -67,6 +67,7 @@ class Episode:
     final_jpeg: bytes = b""
     error: str | None = None
     finished: bool = False
+    interrupted: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -180,8 +181,9 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
     ]
     last: dict[str, Any] | None = None
     for turn in range(turns):
-        if stop.is_set():
-            return
+        if stop.is_set():  # Ctrl-C: keep the turns taken so far, records included
+            ep.interrupted = True
+            break
         messages.append({"role": "user", "content": describe(obs, turn, last)})
         t0 = time.monotonic()
         chat = http.post(f"{server}/sessions/{ep.session_id}/v1/chat/completions",
@@ -356,8 +358,8 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
         except KeyboardInterrupt:
             stop.set()
-            print("\nshinken demo: interrupted; finishing the turns in flight and keeping what finished",
-                  file=sys.stderr)
+            print("\nshinken demo: interrupted; finishing the turns in flight and keeping every episode's "
+                  "records so far", file=sys.stderr)
         pool.shutdown(wait=True)
         progress.finish()
     finally:
@@ -376,7 +378,7 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
     with open(out / "trajectories.jsonl", "w") as f:
         for ep in finished:
             line = {"episode": ep.index, "sandbox": ep.sandbox_id, "session_id": ep.session_id,
-                    "steps": ep.steps, "records": ep.records, "metadata": ep.metadata,
+                    "interrupted": ep.interrupted, "steps": ep.steps, "records": ep.records, "metadata": ep.metadata,
                     "check": check_episode(ep)}
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
     if finished:
@@ -401,7 +403,9 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary, out)
-    return 0 if not errors and not interrupted and summary["consistent"] else 1
+    if interrupted:
+        return 130
+    return 0 if not errors and summary["consistent"] else 1
 
 
 def print_table(s: dict[str, Any], out: Path) -> None:

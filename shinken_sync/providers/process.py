@@ -15,8 +15,11 @@ Children die with their parent three ways:
   short-lived thread;
 * :meth:`DaemonProcess.terminate` from ``Provider.close()`` / ``destroy()``;
 * an ``atexit`` hook terminating whatever is still running (Ctrl-C included:
-  KeyboardInterrupt unwinds through it; children in the terminal's process
-  group get the SIGINT themselves too).
+  KeyboardInterrupt unwinds through it).
+
+Children run in their own session, so a terminal's Ctrl-C reaches only the
+parent: it decides when its sandboxes stop (``shinken demo`` lets the turns in
+flight finish first), instead of every daemon vanishing under a running call.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class DaemonProcess:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             close_fds=True,
+            start_new_session=True,
             preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
 

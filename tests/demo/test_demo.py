@@ -1,10 +1,13 @@
 """`shinken demo` end to end: real session server, real shinkend sandboxes, real files."""
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from PIL import Image
@@ -61,3 +64,29 @@ def test_demo_refuses_a_taken_port(tmp_path):
         proc = _demo("--sandboxes", "1", "--turns", "1", "--port", str(port), "--out", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert f"127.0.0.1:{port}" in proc.stderr and "--port" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_keeps_every_episodes_records_so_far(tmp_path):
+    out, log = tmp_path / "out", tmp_path / "demo.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shinken_sync.cli", "demo", "--sandboxes", "2", "--turns", "500",
+             "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while not re.search(r"\] [1-9]\d*/1000 steps", log.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+            assert proc.wait(timeout=60) == 130, log.read_text()[-2000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(ep["interrupted"] for ep in lines)
+    for ep in lines:
+        assert 0 < len(ep["steps"]) < 500
+        assert len(ep["records"]) == len(ep["steps"])
+        assert ep["check"]["accumulated_matches_last_record"] and ep["check"]["actions_match_records"]
+    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
