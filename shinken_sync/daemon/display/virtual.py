@@ -8,10 +8,12 @@ display costs a few hundred bytes and 1024 of them fit one process.
 
 Pixels come from a :class:`_Scene`, shared by every display of the same
 (size, seed): the static desktop (wallpaper, photo viewer, icons, panel
-chrome) drawn once, and the initial frame scaled once per screenshot geometry.
-A screenshot starts from that shared scaled frame and redraws only the widgets
-whose state differs from the initial state (see :mod:`shinken_sync.daemon.imaging`),
-so typing a character costs a 640x40 patch, not a 1920x1080 resize.
+chrome) drawn once, and the initial frame and its encoding made once per
+screenshot geometry and format. A screenshot starts from those and redoes
+only the widgets whose state differs from the initial state: repaint, rescale,
+re-encode the 16-row bands they touch (see :mod:`shinken_sync.daemon.imaging`).
+Typing a character costs a 640x40 patch and a few bands, not a 1920x1080
+resize and a full encode.
 
 Layout: module constant :data:`WIDGETS` and ``docs/displays.md``.
 """
@@ -80,7 +82,7 @@ LIST_VISIBLE_ROWS = WIDGETS["list"][3] // LIST_ROW_HEIGHT  # 11
 HISTORY_LINES = 4
 NOTES_LINES = 80
 NOTES_LINE_HEIGHT = 22
-NOTES_VISIBLE_LINES = (NOTES_SIZE[1] - TITLE_HEIGHT - 16) // NOTES_LINE_HEIGHT  # 19
+NOTES_VISIBLE_LINES = (NOTES_SIZE[1] - TITLE_HEIGHT - 16) // NOTES_LINE_HEIGHT  # 16
 #: Wheel clicks move the list and the notes this many rows, like X toolkits.
 SCROLL_ROWS_PER_CLICK = 3
 SLIDER_STEP_PER_CLICK = 5
