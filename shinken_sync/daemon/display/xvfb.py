@@ -46,7 +46,14 @@ from .errors import DisplayUnavailable
 from .keys import parse_combo
 from .xkeymap import REBIND_SETTLE_S, SpareKeycodes
 
+try:  # the [xvfb] extra; make_display reports it missing as DisplayUnavailable
+    import mss
+    import mss.exception
+except ImportError:  # pragma: no cover - depends on the installation
+    mss = None
+
 log = logging.getLogger(__name__)
+_SETPRIV = shutil.which("setpriv")
 T = TypeVar("T")
 
 MIN_SIZE = (64, 64)
@@ -95,10 +102,10 @@ def _require_programs() -> dict[str, str]:
         raise DisplayUnavailable(
             f"the xvfb display needs {' and '.join(missing)} on PATH: apt-get install {packages}"
         )
-    try:
-        import mss  # noqa: F401
-    except ImportError:
-        raise DisplayUnavailable("the xvfb display needs the mss package: pip install 'shinken[xvfb]'") from None
+    if mss is None:
+        raise DisplayUnavailable("the xvfb display needs the mss package: pip install 'shinken[xvfb]'")
+    if _SETPRIV is None:
+        log.warning("setpriv (util-linux) not found: Xvfb will outlive a SIGKILLed daemon")
     return found  # type: ignore[return-value]
 
 
@@ -159,8 +166,6 @@ class XvfbDisplay(Display):
         status = _exit_status(self._children[0])
         if status is not None:
             raise DisplayError(f"Xvfb {self.display_name} exited ({status})", ERR_FAILED)
-        import mss.exception
-
         try:
             return fn(*args)
         except mss.exception.ScreenShotError as exc:
@@ -184,7 +189,7 @@ class XvfbDisplay(Display):
     def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
         # setpriv (util-linux) sets PR_SET_PDEATHSIG between fork and exec without a
         # preexec_fn, which is unsafe in a threaded process.
-        prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        prefix = [_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []
         kwargs.setdefault("stdout", subprocess.DEVNULL)
         kwargs.setdefault("stderr", subprocess.DEVNULL)
         proc = subprocess.Popen(
@@ -213,8 +218,6 @@ class XvfbDisplay(Display):
             stderr.close()
         self.display_name = f":{number}"
         self._env = {**os.environ, "DISPLAY": self.display_name}
-        import mss
-
         self._sct = mss.MSS(display=self.display_name)
         self._keymap = SpareKeycodes(self.display_name)
         if self.window_manager:
