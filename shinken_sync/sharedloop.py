@@ -14,10 +14,10 @@ How the pieces fit, and why (measured facts in ``docs/sync.md``):
   then binds gevent's selector to that thread's own hub, which DNS and
   ``run_in_executor`` need.
 - A waiter is woken through a mechanism that matches *its* context: a greenlet
-  waits on a ``gevent.event.AsyncResult`` that the loop thread sets through the
-  waiter hub's ``run_callback_threadsafe`` (the supported cross-thread entry;
-  only the hub's own thread touches the gevent object), so the hub keeps
-  running other greenlets; a plain thread waits on a native lock. Either way
+  parks on a ``gevent.hub.Waiter`` that the loop thread switches to through
+  the waiter hub's ``run_callback_threadsafe`` (the supported cross-thread
+  entry; only the hub's own thread touches the gevent object), so the hub
+  keeps running other greenlets; a plain thread waits on a native lock. Either way
   the wait is sliced, so a dead loop thread or a fork is noticed within
   :data:`LIVENESS_POLL` seconds even if nobody told the waiter.
 - The loop thread fails every waiter at once when it dies; after ``fork()`` the
@@ -39,8 +39,10 @@ Errors raised here (all under :class:`shinken_sync.errors.ShinkenError`)::
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import concurrent.futures.thread  # see _register_exit_hook
+import contextlib
 import encodings.idna  # noqa: F401  -- see _prepare_caller
 import importlib
 import os
@@ -143,24 +145,38 @@ class _LockWaiter:
 
 
 class _GreenletWaiter:
-    """A greenlet waits on an AsyncResult; other threads reach it only via the hub."""
+    """A greenlet parks on a gevent ``Waiter``; another thread reaches it only
+    through the hub's thread-safe callback queue (the hub then switches to it).
 
-    __slots__ = ("_result", "_wake_threadsafe")
+    Cheaper than an ``AsyncResult`` (no link list): ~20% less CPU per call.
+    """
+
+    __slots__ = ("_timeout_class", "_waiter", "_wake_threadsafe")
 
     def __init__(self, hub: Any) -> None:
-        from gevent.event import AsyncResult
+        from gevent.hub import Waiter
+        from gevent.timeout import Timeout
 
-        self._result = AsyncResult()
+        self._timeout_class = Timeout
+        self._waiter = Waiter(hub)
         run_callback_threadsafe = hub.loop.run_callback_threadsafe
-        set_result = self._result.set
-        self._wake_threadsafe = lambda: run_callback_threadsafe(set_result)
+        switch = self._waiter.switch
+        self._wake_threadsafe = lambda: run_callback_threadsafe(switch, None)
 
     def wake(self) -> None:
         self._wake_threadsafe()
 
     def wait(self, timeout: float) -> bool:
-        self._result.wait(timeout)
-        return self._result.ready()
+        timer = self._timeout_class.start_new(timeout)
+        try:
+            self._waiter.get()  # returns at once if the switch came first
+            return True
+        except self._timeout_class as exc:
+            if exc is not timer:
+                raise  # someone else's gevent.Timeout around the caller
+            return False
+        finally:
+            timer.close()
 
 
 class _Outcome:
@@ -222,6 +238,10 @@ class _LoopThread:
         self.ready = _Outcome()
         self.exited = _Outcome()
         self.pending: set[LoopFuture[Any]] = set()
+        # Submissions wait here; one scheduled drain starts them all, so a burst
+        # of calls costs one self-pipe write and one loop wake-up, not one each.
+        self.inbox: collections.deque[tuple[LoopFuture[Any], Coroutine[Any, Any, Any]]] = collections.deque()
+        self.inbox_scheduled = False
         self.resources: weakref.WeakSet[AsyncClosable] = weakref.WeakSet()
         self.closing = False  # close() asked; the thread drains and exits
         self.serving = False  # inside run_forever (as opposed to starting or draining)
@@ -269,8 +289,28 @@ class _LoopThread:
         except BaseException:  # noqa: BLE001, S110 -- a broken loop cannot drain; waiters already know
             pass
         finally:
+            while self.inbox:  # posted after the loop closed: never started
+                future, coro = self.inbox.popleft()
+                coro.close()
+                future._settle(error=reason)
             self._fail_pending(reason)
             self.exited.set()
+
+    def post(self, future: LoopFuture[Any], coro: Coroutine[Any, Any, Any]) -> None:
+        """Hand ``coro`` to the loop (any thread). Append first, then check the
+        flag; the drain clears the flag before popping: nothing is stranded."""
+        self.inbox.append((future, coro))
+        if not self.inbox_scheduled:
+            self.inbox_scheduled = True
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._drain_inbox)
+
+    def _drain_inbox(self) -> None:
+        self.inbox_scheduled = False
+        inbox = self.inbox
+        while inbox:
+            future, coro = inbox.popleft()
+            future._start(coro)
 
     def stop(self) -> None:
         """Leave run_forever (and so drain). On the loop thread; a no-op once draining."""
@@ -341,8 +381,8 @@ class LoopFuture(Generic[T]):
         except RuntimeError:  # loop already closed: the exiting thread settles every pending future
             pass
 
-    # Loop-thread side. submit() schedules _start before it returns the future,
-    # so _cancel_in_loop always runs after _start.
+    # Loop-thread side. submit() posts _start before it returns the future, and
+    # cancel() schedules after that, so _cancel_in_loop always runs after _start.
 
     def _start(self, coro: Coroutine[Any, Any, T]) -> None:
         if self._thread.closing:
@@ -447,13 +487,16 @@ class SharedLoop:
             thread = self._running()
             if thread.ident == _native_get_ident():
                 raise RuntimeError(f"{self.name}: a blocking call from the loop thread itself would deadlock")
+            if thread.closing:
+                raise thread.dead or LoopClosed(f"{self.name} is closing")
             future: LoopFuture[T] = LoopFuture(thread)
             thread.pending.add(future)
-            assert thread.loop is not None
             try:
-                thread.loop.call_soon_threadsafe(future._start, coro)
+                thread.post(future, coro)
             except RuntimeError:  # the loop closed under us
                 thread.pending.discard(future)
+                with contextlib.suppress(ValueError):
+                    thread.inbox.remove((future, coro))
                 raise thread.dead or LoopClosed(f"{self.name} closed") from None
         except BaseException:
             coro.close()  # never leave a "coroutine was never awaited" behind

@@ -46,11 +46,11 @@ CALLER_MARGIN = 5.0
 CLOSE_DEADLINE = 30.0
 """Bound on ``close()``: the closing handshake plus the reader winding down."""
 
-# A deadline rule maps (async object, bound arguments) to the seconds the async
-# core may legitimately take, or None for "as long as the caller asked".
-# It may normalise arguments in place (an actions iterator becomes a list, so
-# the rule and the call both see every action).
-DeadlineRule = Callable[[Any, dict[str, Any]], "float | None"]
+# A deadline rule maps (the connection's rpc_timeout, bound arguments) to the
+# seconds the async core may legitimately take, or None for "as long as the
+# caller asked". It may normalise arguments in place (an actions iterator
+# becomes a list, so the rule and the call both see every action).
+DeadlineRule = Callable[[float, dict[str, Any]], "float | None"]
 
 
 def _call_deadline(rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None) -> float:
@@ -62,53 +62,54 @@ def _call_deadline(rpc_timeout: float, verb: str, args: Mapping[str, Any], timeo
 
 
 def _one_call(verb: str) -> DeadlineRule:
-    def rule(target: Any, args: dict[str, Any]) -> float:
-        sandbox = target if isinstance(target, AsyncSandbox) else target._sandbox
-        return _call_deadline(sandbox.rpc_timeout, verb, args, args.get("timeout"))
+    def rule(rpc_timeout: float, args: dict[str, Any]) -> float:
+        return _call_deadline(rpc_timeout, verb, args, args.get("timeout"))
 
     return rule
 
 
-def _action_deadlines(target: AsyncSandbox, args: dict[str, Any]) -> list[float]:
-    args["actions"] = actions = list(args["actions"])
+def _action_deadlines(rpc_timeout: float, args: dict[str, Any]) -> list[float]:
+    actions = args.get("actions")
+    if actions is None:
+        return []  # missing: calling the async method raises the TypeError
+    args["actions"] = actions = list(actions)
     deadlines = []
     for action in actions:
         # A malformed action gets the plain rpc deadline here; the core rejects it.
         call = {k: v for k, v in action.items() if k != "verb"} if isinstance(action, Mapping) else {}
         verb = action.get("verb", "") if isinstance(action, Mapping) else ""
-        deadlines.append(_call_deadline(target.rpc_timeout, verb, call, args.get("timeout")))
+        deadlines.append(_call_deadline(rpc_timeout, verb, call, args.get("timeout")))
     if args.get("observe") is not None:
-        deadlines.append(_call_deadline(target.rpc_timeout, "screenshot", {}, args.get("timeout")))
+        deadlines.append(_call_deadline(rpc_timeout, "screenshot", {}, args.get("timeout")))
     return deadlines
 
 
-def _act_batch_deadline(target: AsyncSandbox, args: dict[str, Any]) -> float:
-    return sum(_action_deadlines(target, args))  # one action after another
+def _act_batch_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
+    return sum(_action_deadlines(rpc_timeout, args))  # one action after another
 
 
-def _step_deadline(target: AsyncSandbox, args: dict[str, Any]) -> float:
-    return max(_action_deadlines(target, args), default=target.rpc_timeout)  # all in flight at once
+def _step_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
+    return max(_action_deadlines(rpc_timeout, args), default=rpc_timeout)  # all in flight at once
 
 
-def _read_file_deadline(target: AsyncSandbox, args: dict[str, Any]) -> float | None:
+def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
     max_bytes = args.get("max_bytes")
     if max_bytes is None:
         return None  # chunk count unknown; each chunk call is bounded on the loop
     chunks = max(1, math.ceil(max_bytes / client.READ_FILE_CHUNK))
-    return chunks * _call_deadline(target.rpc_timeout, "read_file", args, args.get("timeout"))
+    return chunks * _call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
 
 
-def _next_frame_deadline(target: Any, args: dict[str, Any]) -> float | None:
+def _next_frame_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
     return args.get("timeout")
 
 
 def _fixed(seconds: float) -> DeadlineRule:
-    return lambda target, args: seconds
+    return lambda rpc_timeout, args: seconds
 
 
-def _rpc(target: Any, args: dict[str, Any]) -> float:
-    sandbox = target if isinstance(target, AsyncSandbox) else target._sandbox
-    return sandbox.rpc_timeout
+def _rpc(rpc_timeout: float, args: dict[str, Any]) -> float:
+    return rpc_timeout
 
 
 _SANDBOX_RULES: dict[str, DeadlineRule] = {
@@ -135,13 +136,15 @@ _FACADES: dict[type, type[_Facade]] = {}
 
 
 class _Facade:
-    """What every derived facade holds: the async object and the loop that owns it."""
+    """What every derived facade holds: the async object, the loop that owns it
+    and the connection's ``rpc_timeout`` (a stream inherits its sandbox's)."""
 
-    __slots__ = ("__weakref__", "_async", "_pid", "_shared")
+    __slots__ = ("__weakref__", "_async", "_pid", "_rpc_timeout", "_shared")
 
-    def __init__(self, target: Any, loop: SharedLoop) -> None:
+    def __init__(self, target: Any, loop: SharedLoop, rpc_timeout: float | None = None) -> None:
         self._async = target
         self._shared = loop
+        self._rpc_timeout = target.rpc_timeout if rpc_timeout is None else rpc_timeout
         self._pid = os.getpid()
 
     def _target(self) -> Any:
@@ -163,21 +166,36 @@ class _Facade:
         if result is self._async:
             return self
         facade = _FACADES.get(type(result))
-        return facade(result, self._shared) if facade is not None else result
+        return facade(result, self._shared, self._rpc_timeout) if facade is not None else result
 
 
 def _blocking(name: str, function: Callable[..., Any], rule: DeadlineRule | None) -> Callable[..., Any]:
     signature = inspect.signature(function)
     is_coroutine = inspect.iscoroutinefunction(function)
+    deadline_of = rule or _rpc
+    params = list(signature.parameters.values())[1:]  # after self
+    # For signatures made only of named parameters, naming the positional
+    # arguments is all the deadline rules need: a fraction of Signature.bind's
+    # cost on the hot path. Calling the async method then checks the arguments.
+    simple = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
 
     def method(self: _Facade, *args: Any, **kwargs: Any) -> Any:
         target = self._target()
-        bound = signature.bind(target, *args, **kwargs)
-        deadline = rule(target, bound.arguments) if rule is not None else _rpc(target, bound.arguments)
+        if simple and len(args) <= len(positional) and not kwargs.keys() & positional[: len(args)]:
+            arguments = dict(zip(positional, args))
+            arguments.update(kwargs)
+            deadline = deadline_of(self._rpc_timeout, arguments)
+            call_args: tuple[Any, ...] = (target,)
+            call_kwargs = arguments
+        else:  # unusual: let bind raise the TypeError the async method would
+            bound = signature.bind(target, *args, **kwargs)
+            deadline = deadline_of(self._rpc_timeout, bound.arguments)
+            call_args, call_kwargs = bound.args, bound.kwargs
         if is_coroutine:
-            coro = function(*bound.args, **bound.kwargs)
+            coro = function(*call_args, **call_kwargs)
         else:
-            coro = _on_loop(function, bound.args, bound.kwargs)
+            coro = _on_loop(function, call_args, call_kwargs)
         return self._wait(name, coro, deadline)
 
     method.__signature__ = signature  # type: ignore[attr-defined]

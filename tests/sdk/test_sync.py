@@ -95,6 +95,37 @@ def test_a_deadline_rule_for_a_missing_method_is_refused():
         sync._derive(Facade, AsyncSandbox, {"renamed": sync._fixed(1.0)})
 
 
+def test_derived_methods_take_and_check_arguments_like_the_async_ones():
+    class Source:
+        rpc_timeout = 1.0
+
+        async def click(self, x, y, button="left", *, timeout=None):
+            return (x, y, button, timeout)
+
+        async def step(self, actions, observe=None, *, timeout=None):
+            return actions
+
+    class Facade(sync._Facade):
+        __slots__ = ()
+
+    sync._derive(Facade, Source, {"step": sync._step_deadline})
+    with SharedLoop("args-loop") as shared:
+        facade = Facade(Source(), shared)
+        assert facade.click(1, 2) == (1, 2, "left", None)
+        assert facade.click(1, y=3, button="right", timeout=2) == (1, 3, "right", 2)
+        for bad in (
+            lambda: facade.click(1),
+            lambda: facade.click(1, 2, "left", 4),
+            lambda: facade.click(1, x=2, y=3),
+            lambda: facade.click(1, 2, bogus=1),
+            lambda: facade.step(),
+        ):
+            with pytest.raises(TypeError):
+                bad()
+        # An iterator of actions is read once, for the deadline and the call alike.
+        assert facade.step(iter([{"verb": "click"}])) == [{"verb": "click"}]
+
+
 def test_deadlines_follow_the_async_cores_own():
     target = 30.0  # the connection's rpc_timeout
     rules = sync._SANDBOX_RULES
