@@ -485,8 +485,9 @@ class _Frame:
 
 def _exit_status(proc: subprocess.Popen) -> str | None:
     """How ``proc`` ended ("exit 1", "signal 9"), or None while it runs; never reaps it."""
-    if proc.returncode is not None:
-        return f"exit {proc.returncode}"
+    if proc.returncode is not None:  # reaped already (gevent's child watcher does)
+        code = proc.returncode
+        return f"signal {-code}" if code < 0 else f"exit {code}"
     try:
         info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped elsewhere
