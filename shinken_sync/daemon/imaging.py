@@ -9,7 +9,7 @@ Downscaling and encoding are the expensive steps (a 1920x1080 -> 1280
 bilinear resize costs ~11-17 ms here, the 1280x720 JPEG encode ~4 ms), so
 backends keep the previous frame and redo only what a change can reach:
 :func:`rescale_rects` recomputes the output pixels of changed screen
-rectangles (equal to a full resize), and :class:`BandedEncoding` re-encodes
+rectangles (what a full resize gives, up to float rounding), and :class:`BandedEncoding` re-encodes
 only the 16-row bands they touch, JPEG and PNG alike (byte-identical to a full
 encode). Xvfb finds its
 changed rectangles with :func:`changed_rects`. Measured costs and the reasons
@@ -187,10 +187,11 @@ def rescale_rects(
 
     ``paint(rect)`` returns the current screen pixels of ``rect`` (a crop of a
     capture, or a freshly drawn patch). Each patch carries the filter's full
-    reach around its box and is resized with a fractional ``box``, so
-    the output pixels are those a full-frame resize would give; only where the
-    patch stops at the screen edge does Pillow clip the kernel, as it does for
-    the full frame.
+    reach around its box and is resized with a fractional ``box``, so Pillow
+    computes the same kernels as for the whole frame: the pixels equal a full
+    resize exactly at scales like 1.5, 2 or 3, and within 1/255 on a few pixels
+    at others (the kernel centres are then computed along another float path).
+    Each patch is recomputed from the source, so nothing accumulates.
     """
     sx = geometry.width / geometry.out_width
     sy = geometry.height / geometry.out_height
