@@ -25,7 +25,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
-from webapp.ipc_channel import IpcReply
+from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
 
@@ -109,7 +109,9 @@ def _stream_body(reply: IpcReply) -> Iterator[bytes]:
     stream = reply.stream
     assert stream is not None
     try:
-        yield from stream
+        for piece in stream:
+            bulk_turn()  # chats in this process go first; see docs/ipc.md
+            yield piece
     except IpcError as exc:
         # Headers are gone: the short body (Content-Length) tells the client it failed.
         log.error("streamed body of %d bytes cut after %d: %s", reply.length, stream.consumed, exc)

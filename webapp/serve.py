@@ -14,7 +14,7 @@ until ``/health`` answers 200, then prints one JSON line on stdout::
 
     {"ready": true, "url": "http://127.0.0.1:PORT", "workers": N, "backend_url": "...", "pid": ...}
 
-SIGTERM/SIGINT are forwarded to gunicorn; when it exits, the embedded backend is stopped and
+SIGTERM, SIGINT and SIGHUP become a graceful SIGTERM to gunicorn; when it exits, the embedded backend is stopped and
 this process exits with gunicorn's exit code (see docs/session-server-ops.md).
 """
 
@@ -127,8 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     listener.close()
 
     def forward(signum: int, _frame: object) -> None:
+        # Every stop signal becomes gunicorn's graceful SIGTERM: its SIGHUP would reload, which
+        # replaces the router and so every session worker (all sessions lost).
         if gunicorn.poll() is None:
-            gunicorn.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+            gunicorn.send_signal(signal.SIGTERM)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)

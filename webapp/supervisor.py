@@ -134,12 +134,12 @@ class Supervisor:
         if self._stopping:
             return
         self._stopping = True
-        for glet in self._greenlets:
-            glet.kill(block=False)
         for slot in self._slots:
             slot.state, slot.reason = "stopped", "server shutting down"
             if slot.client is not None:
                 slot.client.close("server shutting down")
+        # Each slot greenlet reaps its own worker on the way out; then sweep up the rest.
+        gevent.killall(self._greenlets, block=True, timeout=_STOP_GRACE + 1.0)
         for slot in self._slots:
             if slot.process is not None:
                 _reap(slot.process, _STOP_GRACE)
@@ -231,7 +231,10 @@ def _watch_child(pid: int) -> None:
 
 
 def _reap(process: Any, grace: float) -> None:
-    """Wait up to ``grace`` s for ``process`` to exit, then SIGKILL it; never blocks the hub."""
+    """Wait up to ``grace`` s for ``process`` to exit, then SIGKILL it; never blocks the hub.
+
+    Idempotent: a slot greenlet and :meth:`Supervisor.stop` may both reap the same worker.
+    """
     if grace > 0:
         try:
             wait_read(process.sentinel, timeout=grace)
@@ -244,6 +247,4 @@ def _reap(process: Any, grace: float) -> None:
         except TimeoutError:
             log.error("session worker pid %d survived SIGKILL for %s s", process.pid, _STOP_GRACE)
             return
-    process.join(0)
-    if process.exitcode is not None:
-        process.close()
+    process.join(0)  # idempotent; the sentinel fd is released when the Process is collected
