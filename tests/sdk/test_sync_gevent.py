@@ -154,3 +154,16 @@ def test_gevent_pool_fan_out_in_this_process(fleet):
         tick.kill()
     assert results == [(11, 12)] * 64
     assert gaps and sorted(gaps)[len(gaps) * 99 // 100] * 1000 < MAX_HUB_GAP_MS
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not monkey.is_module_patched("socket"), reason="needs a gevent-patched process")
+def test_a_callers_own_gevent_timeout_interrupts_a_blocking_call(fleet):
+    with connect(fleet.urls[-1], token=fleet.token) as sb:
+        with pytest.raises(gevent.Timeout), gevent.Timeout(0.2):
+            sb.wait(10_000)  # the daemon would answer in 10 s
+        # The daemon still runs that wait (calls on one connection run in
+        # order), but this greenlet is free and the loop serves other sandboxes.
+        with connect(fleet.urls[-2], token=fleet.token) as other:
+            other.move(3, 4)
+            assert other.cursor() == (3, 4)
