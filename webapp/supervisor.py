@@ -83,7 +83,6 @@ class Supervisor:
         self._greenlets: list[gevent.Greenlet] = []
         self._stopping = False
         self._started = False
-        self._pid = os.getpid()
 
     @property
     def workers(self) -> int:
@@ -93,8 +92,11 @@ class Supervisor:
         """Spawn every worker; returns at once (see :meth:`wait_ready`). Idempotent."""
         if self._started:
             return
-        if os.getpid() != self._pid:
-            raise RuntimeError("a Supervisor cannot be used across fork; create it in the serving process")
+        if not monkey.is_module_patched("socket"):
+            # e.g. gunicorn's master at --preload: the workers and their sockets would belong to a
+            # process that never drives them (and forks would inherit them)
+            raise RuntimeError("start the session workers in the gevent-patched serving process "
+                               "(gunicorn's post_worker_init), not before patching")
         self._started = True
         self._greenlets = [gevent.spawn(self._run_slot, slot) for slot in self._slots]
 

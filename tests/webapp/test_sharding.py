@@ -50,6 +50,7 @@ def test_minted_ids_are_uuid4_hex() -> None:
     assert all(len(i) == 32 and int(i, 16) >= 0 and i == i.lower() for i in ids)
 
 
+@pytest.mark.integration
 def test_stable_across_processes_and_hash_seeds() -> None:
     script = ("import json, sys; from webapp.sharding import shard_for; "
               "print(json.dumps([shard_for(s, 5) for s in json.loads(sys.stdin.read())]))")

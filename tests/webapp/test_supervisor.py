@@ -14,8 +14,7 @@ import requests
 
 from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.sharding import shard_for
-
-pytestmark = pytest.mark.integration
+from webapp.supervisor import Supervisor, SupervisorConfig
 
 WORKERS = 3
 RECOVERY_LIMIT = 30.0  # generous bound for a restart on a loaded 2-core machine (not a speed target)
@@ -63,10 +62,21 @@ def server(reference_backend_factory, session_server_factory):
                                   ready_pattern=READY_URL_PATTERN)
 
 
+def test_refuses_zero_workers_and_an_unpatched_process() -> None:
+    with pytest.raises(ValueError):
+        SupervisorConfig(workers=0, core={})
+    supervisor = Supervisor(SupervisorConfig(workers=1, core={"backend_url": "http://127.0.0.1:9"}))
+    with pytest.raises(RuntimeError):  # this pytest process is not gevent-patched
+        supervisor.start()
+    assert supervisor.status()[0]["pid"] is None  # nothing was spawned
+
+
+@pytest.mark.integration
 def test_process_titles_name_their_shard(server) -> None:
     assert sorted(worker_procs(server)) == list(range(WORKERS))
 
 
+@pytest.mark.integration
 def test_killed_worker_fails_only_its_shard_and_is_restarted(server) -> None:
     base = server.url
     owned = sessions_by_shard(base)
@@ -89,6 +99,7 @@ def test_killed_worker_fails_only_its_shard_and_is_restarted(server) -> None:
     assert chat(base, fresh).status_code == 200
 
 
+@pytest.mark.integration
 def test_hung_worker_is_detected_killed_and_restarted(server) -> None:
     base = server.url
     wait_healthy(base)
@@ -110,6 +121,7 @@ def test_hung_worker_is_detected_killed_and_restarted(server) -> None:
             victim.kill()
 
 
+@pytest.mark.integration
 def test_router_death_takes_its_workers_and_sigterm_leaves_nothing(reference_backend_factory,
                                                                     session_server_factory) -> None:
     backend = reference_backend_factory()
