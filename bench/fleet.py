@@ -412,8 +412,12 @@ def _finish_report(
         "achieved_hz": clock.achieved_hz,
         "client_cpu_pct": 100 * (clock.cpu1[0] - clock.cpu0[0]) / wall,
         "host_cpu_pct": 100 * (clock.cpu1[1] - clock.cpu0[1]) / wall,
+        # CPU per step does not depend on how much of the machine the run got
+        "client_cpu_ms_per_step": 1000 * (clock.cpu1[0] - clock.cpu0[0]) / max(1, log.frames),
+        "host_cpu_ms_per_step": 1000 * (clock.cpu1[1] - clock.cpu0[1]) / max(1, log.frames),
         "host_rss_bytes": proc_status(spec["host_pid"])["VmRSS"],
         "gc_freeze": spec["gc_freeze"],
+        "spread_ms": spec["spread_ms"],
         "loadavg_max": max(clock.load, default=0.0),
     }
     bad = sum(v for k, v in log.outcomes.items() if k != "ok")
@@ -525,7 +529,12 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
 
     clock = RoundClock(spec["period"], spec["host_pid"], measure)
 
-    def one_step(sb: Any) -> None:
+    spread = spec["spread_ms"] / 1000 / max(1, len(sandboxes))
+
+    def one_step(indexed: tuple[int, Any]) -> None:
+        i, sb = indexed
+        if spread:
+            callers.sleep(i * spread)
         t = time.monotonic()
         try:
             result = sb.step([clicks.action()], observe=OBSERVE)
@@ -538,7 +547,7 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
         callers.sleep(clock.delay(k))
         started = clock.begin(k)
         clicks.next_round()
-        callers.map(one_step, sandboxes)
+        callers.map(one_step, list(enumerate(sandboxes)))
         clock.end(k, started)
         fds.sample()
     frames = _frame_counters(loop)
@@ -584,9 +593,14 @@ async def _dial_all(urls: list[str], token: str, **options: Any):
     return sandboxes, errors
 
 
-async def _timed_step(sb: Any, clicks: Clicks, log: StepLog) -> float:
+async def _timed_step(sb: Any, clicks: Clicks, log: StepLog, delay: float = 0.0) -> float:
+    """One step; ``delay`` first (its start within a spread round), not timed."""
+    import asyncio
+
     from shinken_sync.errors import ShinkenError
 
+    if delay:
+        await asyncio.sleep(delay)
     t = time.monotonic()
     try:
         result = await sb.step([clicks.action()], observe=OBSERVE)
@@ -635,7 +649,8 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(clock.delay(k))
         started = clock.begin(k)
         clicks.next_round()
-        await asyncio.gather(*(_timed_step(sb, clicks, log) for sb in sandboxes))
+        spread = spec["spread_ms"] / 1000 / max(1, len(sandboxes))
+        await asyncio.gather(*(_timed_step(sb, clicks, log, i * spread) for i, sb in enumerate(sandboxes)))
         clock.end(k, started)
         fds.sample()
     probe.cancel()
@@ -872,7 +887,8 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
         "recovered": len(recovered_at), "convergence_s": max(recovered_at.values()) if converged else None,
         "recovery_s": summary(list(recovered_at.values())),
         "reconnect_attempts": summary([float(a) for a in attempts.values()], (50, 99)),
-        "reconnect_failures": failures, "resumed_seq_gap": summary([float(g) for g in seq_gaps.values()], (50,)),
+        "reconnect_failures": failures,
+        "resumed_seq_gap": summary([float(g) for g in seq_gaps.values()], (50,)),
         "survivors_round_wall_before_s": base, "survivors_round_wall_during_s": storm,
         "survivors_round_p50_ratio": _ratio(storm["p50"], base["p50"]),
         "step_outcomes": log.outcomes, "fd_high_water": fds.value,
@@ -1032,7 +1048,8 @@ def run_child(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     elapsed = time.monotonic() - t
     if proc.returncode != 0:
         tail = proc.stderr.decode(errors="replace")[-3000:]
-        return {"mode": spec["mode"], "n": spec["n"], "face": spec["face"], "error": tail, "elapsed_s": elapsed}
+        return {"mode": spec["mode"], "n": spec["n"], "face": spec["face"], "error": tail,
+                "elapsed_s": elapsed}  # fmt: skip
     report = json.loads(Path(spec["out"]).read_text())
     report["elapsed_s"] = elapsed
     return report
@@ -1055,8 +1072,9 @@ def format_round_report(r: dict[str, Any]) -> str:
         return f"N={r['n']} {r['face']}: FAILED TO RUN\n{r['error']}"
     rw, ol, lag = r["round_wall_s"], r["observe_latency_s"], r["loop_lag_s"]
     lines = [
-        (f"N={r['n']} face={r['face']}({r['callers']}) clicks={r['clicks']} rtt={r['rtt_ms']:g}ms rounds={r['rounds']} "
-         f"connected={r['connected']} in {r['connect_s']:.1f}s errors={r['connect_errors'] or 0}"),
+        (f"N={r['n']} face={r['face']}({r['callers']}) clicks={r['clicks']} rtt={r['rtt_ms']:g}ms "
+         f"rounds={r['rounds']} connected={r['connected']} in {r['connect_s']:.1f}s "
+         f"errors={r['connect_errors'] or 0}"),
         (f"  round wall p50/p95       {_ms(rw['p50'])} / {_ms(rw['p95'])} ms  (max {_ms(rw['max'])}, "
          f"late {r['late_rounds']}/{r['rounds']}, {r['achieved_hz']:.2f} Hz)"),
         f"  observe p50/p95/p99      {_ms(ol['p50'])} / {_ms(ol['p95'])} / {_ms(ol['p99'])} ms",
@@ -1070,12 +1088,15 @@ def format_round_report(r: dict[str, Any]) -> str:
          f"(budget {_mb(r['budget_limit_bytes'])} MiB, used at end {r['budget_used_bytes']} B)"),
         (f"  throughput               {r['mbps']:.1f} Mbps ({r['observations']} frames, "
          f"avg {r['frame_bytes_avg'] / KB:.1f} KiB)"),
-        (f"  cpu client/host          {r['client_cpu_pct']:.0f}% / {r['host_cpu_pct']:.0f}% "
+        (f"  cpu client/host          {r['client_cpu_pct']:.0f}% / {r['host_cpu_pct']:.0f}% of a core, "
+         f"{r['client_cpu_ms_per_step']:.2f} / {r['host_cpu_ms_per_step']:.2f} ms per step "
          f"(host RSS {_mb(r['host_rss_bytes'])} MiB); machine load avg up to {r['loadavg_max']:.1f}"),
         (f"  gc during rounds         {r['gc_collections']} collections ({r['gc_gen2_collections']} gen2), "
-         f"longest pause {_ms(r['gc_pause_max_s'])} ms{' (heap frozen after connect)' if r['gc_freeze'] else ''}"),
+         f"longest pause {_ms(r['gc_pause_max_s'])} ms"
+         + (" (heap frozen after connect)" if r["gc_freeze"] else "")),
         f"  step outcomes            {r['step_outcomes']}",
-        f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}",
+        (f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}"
+         + (f" (steps spread over {r['spread_ms']:g} ms of each round)" if r["spread_ms"] else "")),
     ]
     return "\n".join(lines)
 
@@ -1104,7 +1125,8 @@ def evaluate_gates(runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: f
                  f"<= {target * 1000:.0f} ms")  # fmt: skip
         marginal = max(r["marginal_rss_connect_bytes"], r["marginal_rss_steady_bytes"])
         gate("marginal RSS <= 1 MiB/sandbox", where, marginal <= GATE_MARGINAL_RSS_BYTES,
-             f"{marginal / KB:.0f} KiB (goal 200 KiB: {'met' if marginal <= GOAL_MARGINAL_RSS_BYTES else 'missed'})",
+             f"{marginal / KB:.0f} KiB (goal 200 KiB: "
+             f"{'met' if marginal <= GOAL_MARGINAL_RSS_BYTES else 'missed'})",
              "<= 1024 KiB")  # fmt: skip
         gate("zero evictions under pull", where, r["frames_evicted"] == 0, str(r["frames_evicted"]), "0")
         if r["n"] >= 1024:
@@ -1124,7 +1146,8 @@ def evaluate_gates(runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: f
                 if name == "baseline":
                     continue
                 gate(f"stall[{name}]: used <= budget", where, ph["used_within_budget"],
-                     f"{ph['budget_used_max_bytes'] / MB:.1f} MiB", f"<= {ph['budget_limit_bytes'] / MB:.1f} MiB")
+                     f"{ph['budget_used_max_bytes'] / MB:.1f} MiB",
+                     f"<= {ph['budget_limit_bytes'] / MB:.1f} MiB")
                 confined = ph["evicted_others"] == 0
                 gate(f"stall[{name}]: evictions confined to stalled", where,
                      confined if ph["evicted_stalled"] or not confined else None,
@@ -1181,7 +1204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--callers", choices=("gevent", "threads"), default="gevent",
                    help="what drives the sync facade's Sandboxes")  # fmt: skip
     p.add_argument("--clicks", choices=("shared", "random"), default="shared",
-                   help="shared: one spot per round for all (host encodes once); random: host encodes every frame")
+                   help="shared: one spot per round for all (the host encodes once); "
+                   "random: the host encodes every observation")
+    p.add_argument("--spread-ms", type=float, default=0.0,
+                   help="start each round's steps evenly over this window instead of all at once")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.collect(); gc.freeze() once the fleet is connected (caller-side idiom)")
     p.add_argument("--drills", action="store_true", help="run the stall, storm and keepalive drills")
@@ -1202,6 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
           f"rounds={args.rounds} period={ROUND_PERIOD_S}s gc_freeze={args.gc_freeze} "
+          f"spread={args.spread_ms:g}ms "
           f"fd limit {soft}/{hard}", flush=True)  # fmt: skip
     for n in ns:
         if soft < 4 * n:
@@ -1220,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": "rounds", "n": n, "urls": host.urls, "token": host.token, "rtt_ms": args.rtt_ms,
                     "rounds": args.rounds, "period": ROUND_PERIOD_S, "host_pid": host.proc.pid,
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
-                    "clicks": args.clicks, "gc_freeze": args.gc_freeze,
+                    "clicks": args.clicks, "gc_freeze": args.gc_freeze, "spread_ms": args.spread_ms,
                 }  # fmt: skip
                 if n in ns:
                     for face in faces:
