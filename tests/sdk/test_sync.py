@@ -386,3 +386,13 @@ def test_interpreter_exit_with_open_sandboxes_is_clean(fleet, urls, patching):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["exiting", "blocked call released"]
     assert result.stderr == ""
+
+
+@pytest.mark.integration
+def test_providers_connect_from_sync_code():
+    from shinken_sync.providers.local import LocalFleetProvider
+
+    with LocalFleetProvider(2, screen=SCREEN) as provider, provider.connect(provider.create()) as sb:
+        assert isinstance(sb, Sandbox)
+        sb.move(9, 8)
+        assert sb.cursor() == (9, 8)

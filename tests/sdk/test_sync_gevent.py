@@ -167,3 +167,70 @@ def test_a_callers_own_gevent_timeout_interrupts_a_blocking_call(fleet):
         with connect(fleet.urls[-2], token=fleet.token) as other:
             other.move(3, 4)
             assert other.cursor() == (3, 4)
+
+
+GUNICORN_APP = """
+import os
+
+import shinken_sync
+
+URLS = os.environ["SHINKEN_TEST_URLS"].split()
+TOKEN = os.environ["SHINKEN_TEST_TOKEN"]
+
+
+def app(environ, start_response):
+    n = int(environ["PATH_INFO"].strip("/"))
+    with shinken_sync.connect(URLS[n % len(URLS)], token=TOKEN) as sb:
+        sb.move(n, n + 1)
+        x, y = sb.cursor()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [f"{x},{y}".encode()]
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_inside_a_gunicorn_gevent_worker_with_preload(fleet, tmp_path):
+    """``--preload`` imports the SDK in the unpatched master; the worker forks,
+    patches, and starts its own loop thread on the first request."""
+    import concurrent.futures
+    import os
+    import signal
+    import time
+
+    import requests
+
+    (tmp_path / "sbapp.py").write_text(GUNICORN_APP)
+    port = free_port()
+    env = {**os.environ, "SHINKEN_TEST_URLS": " ".join(fleet.urls[:32]), "SHINKEN_TEST_TOKEN": fleet.token}
+    log = tmp_path / "gunicorn.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "--preload", "--no-control-socket",
+             "--bind", f"127.0.0.1:{port}", "--chdir", str(tmp_path), "sbapp:app"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/0", timeout=10)
+                break
+            except requests.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda n: requests.get(f"http://127.0.0.1:{port}/{n}", timeout=30), range(64)))
+        assert [r.status_code for r in replies] == [200] * 64
+        assert [r.text for r in replies] == [f"{n},{n + 1}" for n in range(64)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
