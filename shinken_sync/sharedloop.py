@@ -429,6 +429,9 @@ class LoopFuture(Generic[T]):
 # -- the public handle --------------------------------------------------------
 
 _INSTANCES: weakref.WeakSet[SharedLoop] = weakref.WeakSet()
+# Loops with a running thread are held strongly until closed: one the program
+# dropped still has a thread, and exit must still stop it.
+_STARTED: set[SharedLoop] = set()
 _FORK_ORPHANS: list[_LoopThread] = []
 _exit_hook_registered = False
 
@@ -543,6 +546,7 @@ class SharedLoop:
                 return
             self._closed = True
             thread = self._thread
+            _STARTED.discard(self)
         if thread is None or thread.pid != os.getpid():
             return
         if thread.ident == _native_get_ident():
@@ -589,6 +593,7 @@ class SharedLoop:
                 _prepare_caller()
                 thread = self._thread = _LoopThread(self)
                 thread.start()
+                _STARTED.add(self)
                 _register_exit_hook()
         thread.ready.wait(START_TIMEOUT, thread.check_alive)
         thread.check_alive()
@@ -631,7 +636,7 @@ def _register_exit_hook() -> None:
 
 
 def _close_all() -> None:
-    for shared in list(_INSTANCES):
+    for shared in list(_STARTED):
         try:
             shared.close()
         except ShinkenError:  # a wedged loop at exit: nothing better to do than move on

@@ -256,6 +256,7 @@ EXIT_WITH_WORK_IN_FLIGHT = """
             await asyncio.sleep(0.01)
             print("resource closed")
 
+    SharedLoop("dropped").run(asyncio.sleep(0))  # started, never closed, no reference kept
     shared = SharedLoop.default()
     resource = Resource()                   # tracked weakly: the program holds it
     shared.track(resource)
@@ -285,6 +286,22 @@ def test_interpreter_exit_with_work_in_flight_is_clean(patching):
     assert lines[0] == "exiting"
     assert sorted(lines[1:]) == ["blocked call released", "resource closed"]
     assert result.stderr == ""
+
+
+def test_a_dropped_loop_keeps_running_until_closed_at_exit():
+    dropped = SharedLoop("dropped")
+    dropped.run(echo(None))
+    thread = dropped._thread
+    del dropped
+    import gc
+
+    gc.collect()
+    assert not thread.exited.done  # still serving: nothing closed it behind the program's back
+    from shinken_sync import sharedloop
+
+    (survivor,) = [loop for loop in sharedloop._STARTED if loop._thread is thread]
+    survivor.close()
+    assert thread.exited.done
 
 
 def test_greenlets_wait_cooperatively_and_the_hub_keeps_running():
