@@ -124,19 +124,35 @@ class FrameTransport:
         self._control: deque[list[Buffer]] = deque()
         self._bulk: deque[list[Buffer]] = deque()
         self._wake = gevent.event.Event()
+        self._writing = False  # the writer is inside a frame (it may be waiting to write more)
         self.closed: IpcChannelClosed | None = None
         self._reader = gevent.spawn(self._read_loop)
         self._writer = gevent.spawn(self._write_loop)
 
     def send(self, frame: list[Buffer], *, bulk: bool = False) -> None:
-        """Queue one whole frame; control frames overtake queued bulk frames."""
+        """Queue one whole frame; control frames overtake queued bulk frames.
+
+        A control frame finding the writer idle and nothing queued is written at once from
+        the caller (one non-blocking ``sendmsg``), saving a greenlet hop per message; whatever
+        the socket did not take is left to the writer, ahead of anything queued later.
+        """
         if self.closed is not None:
             raise IpcChannelClosed(self.closed.reason) from self.closed
-        (self._bulk if bulk else self._control).append(frame)
+        if bulk:
+            self._bulk.append(frame)
+        elif self._writing or self._control or self._bulk:
+            self._control.append(frame)
+        else:
+            views = _views(frame)
+            try:
+                first = _send_some(self._sock, views, 0)
+            except OSError as exc:
+                self.close(f"write failed: {exc!r}", exc)
+                raise IpcChannelClosed(self.closed.reason) from exc
+            if first == len(views):
+                return
+            self._control.append(views[first:])
         self._wake.set()
-
-    def bulk_backlog(self) -> int:
-        return len(self._bulk)
 
     def close(self, reason: str = "closed locally", cause: BaseException | None = None) -> None:
         if self.closed is not None:
@@ -145,9 +161,8 @@ class FrameTransport:
         exc.__cause__ = cause
         self.closed = exc
         current = gevent.getcurrent()
-        for glet in (self._reader, self._writer):
-            if glet is not current:
-                glet.kill(block=False)
+        # Wait for them to die before closing the fd: a watcher must not outlive its fd.
+        gevent.killall([g for g in (self._reader, self._writer) if g is not current], timeout=1.0)
         self._control.clear()
         self._bulk.clear()
         try:
@@ -198,14 +213,16 @@ class FrameTransport:
                     frame = self._control.popleft()
                 elif self._bulk:
                     bulk_turn()
-                    if self._control:  # something small arrived meanwhile: it goes first
+                    if self._control or not self._bulk:  # something small arrived meanwhile: it goes first
                         continue
                     frame = self._bulk.popleft()
                 else:
                     self._wake.clear()
                     self._wake.wait()
                     continue
+                self._writing = True
                 self._write_frame(frame)
+                self._writing = False
         except OSError as exc:
             self.close(f"write failed: {exc!r}", exc)
         except gevent.GreenletExit:
@@ -215,23 +232,36 @@ class FrameTransport:
             raise
 
     def _write_frame(self, buffers: list[Buffer]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        views = _views(buffers)
         first = 0
-        while first < len(views):
-            try:
-                sent = self._sock.sendmsg(views[first : first + _IOV_MAX])
-            except BlockingIOError:
-                # socket.timeout is an OSError: a peer that stopped reading closes the channel
-                wait_write(self._fd, timeout=WRITE_STALL_TIMEOUT)
-                continue
-            while sent:
-                size = len(views[first])
-                if sent >= size:
-                    sent -= size
-                    first += 1
-                else:
-                    views[first] = views[first][sent:]
-                    sent = 0
+        while True:
+            first = _send_some(self._sock, views, first)
+            if first == len(views):
+                return
+            # socket.timeout is an OSError: a peer that stopped reading closes the channel
+            wait_write(self._fd, timeout=WRITE_STALL_TIMEOUT)
+
+
+def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers if len(b)]
+
+
+def _send_some(sock: _socket.socket, views: list[memoryview], first: int) -> int:
+    """One non-blocking scatter send from ``views[first]`` on; returns the new ``first``
+    (``len(views)`` when everything went). A partly sent view is replaced by its rest."""
+    try:
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+    except BlockingIOError:
+        return first
+    while sent:
+        size = len(views[first])
+        if sent >= size:
+            sent -= size
+            first += 1
+        else:
+            views[first] = views[first][sent:]
+            sent = 0
+    return first
 
 
 @dataclass
