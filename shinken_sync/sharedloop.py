@@ -229,7 +229,7 @@ class _Outcome:
                     if budget <= 0:
                         raise LoopTimeout(f"no result within {timeout} s", timeout=timeout)
                 if waiter.wait(budget):
-                    break
+                    continue  # woken: `done` is set (a spurious wake-up just waits on)
                 check_alive()
         if self._error is not None:
             raise self._error
