@@ -204,14 +204,17 @@ def turn_bodies(assistant: dict, turns: int, user_bytes: int, tag: int) -> list[
     return bodies
 
 
-def run_sessions(url: str, sessions: int, bodies_for, concurrency: int) -> tuple[int, float, list[float]]:
+def run_sessions(url: str, sessions: int, bodies_for, concurrency: int,
+                 shards: int = 1) -> tuple[int, float, list[float]]:
+    """Run ``sessions`` sessions, ``concurrency`` at a time, spread evenly over ``shards`` (a
+    handful of random ids would leave one shard with most of the work)."""
     latencies: list[float] = []
+    sids = [sid for shard in range(shards) for sid in sessions_on(url, shard, shards, sessions // shards)]
 
     def one(i: int) -> int:
         http = Http(url)
         try:
-            status, body = http.request("POST", "/sessions")
-            sid = json.loads(body)["session_id"]
+            sid = sids[i]
             for body in bodies_for(i):
                 start = time.perf_counter()
                 status, _ = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
@@ -224,7 +227,7 @@ def run_sessions(url: str, sessions: int, bodies_for, concurrency: int) -> tuple
 
     pool = gevent.pool.Pool(concurrency)
     start = time.perf_counter()
-    done = sum(pool.map(one, range(sessions)))
+    done = sum(pool.map(one, range(len(sids))))
     return done, time.perf_counter() - start, latencies
 
 
@@ -243,7 +246,7 @@ def bench_scaling(stub_url: str, assistant: dict, quick: bool) -> dict:
                 workers_ps = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                               if "shinken-session-worker" in " ".join(p.cmdline())]
                 cpu0 = sum(sum(p.cpu_times()[:2]) for p in workers_ps)
-                done, elapsed, _ = run_sessions(server.url, sessions, cache.__getitem__, sessions)
+                done, elapsed, _ = run_sessions(server.url, sessions, cache.__getitem__, sessions, workers)
                 if done / elapsed > best[workers]:
                     best[workers] = done / elapsed
                     worker_cpu[workers] = (sum(sum(p.cpu_times()[:2]) for p in workers_ps) - cpu0) / elapsed
