@@ -70,7 +70,7 @@ def test_run_returns_the_result_and_raises_the_coroutines_own_error(shared):
 
 def test_the_loop_runs_in_its_own_native_thread(shared):
     async def where():
-        return threading.get_native_id() if hasattr(threading, "get_native_id") else None
+        return threading.get_native_id()
 
     assert shared.run(where()) != threading.get_native_id()
     assert shared.loop.is_running()

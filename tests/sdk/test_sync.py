@@ -126,6 +126,15 @@ def test_derived_methods_take_and_check_arguments_like_the_async_ones():
         assert facade.step(iter([{"verb": "click"}])) == [{"verb": "click"}]
 
 
+def test_sandboxes_on_one_shared_loop_share_its_frame_budget():
+    async def budget():
+        return client.loop_frame_budget()
+
+    with SharedLoop("budget-a") as a, SharedLoop("budget-b") as b:
+        assert a.run(budget()) is a.run(budget())
+        assert a.run(budget()) is not b.run(budget())
+
+
 def test_deadlines_follow_the_async_cores_own():
     target = 30.0  # the connection's rpc_timeout
     rules = sync._SANDBOX_RULES
