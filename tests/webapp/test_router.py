@@ -81,8 +81,9 @@ def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_
 
 @pytest.fixture(scope="module")
 def keyed(reference_backend_factory, session_server_factory):
-    """workers=2, an API key by flag, a 1 s deadline on control ops, slow hang detection."""
-    backend = reference_backend_factory()
+    """workers=2, an API key by flag, a 1 s deadline on control ops, slow hang detection; a
+    backend with R3, so a few turns make a records body that crosses the IPC as a stream."""
+    backend = reference_backend_factory(r3_layers=16, r3_topk=8)
     return session_server_factory(
         server_argv(2, backend.url, "127.0.0.1:0", "--api-key", KEY, "--heartbeat-timeout", "60"),
         env={"SHINKEN_CONTROL_TIMEOUT": "1"}, ready_pattern=READY_URL_PATTERN)
@@ -136,6 +137,10 @@ def test_one_server_and_one_date_header_and_json_errors(keyed) -> None:
     for method, path, hdrs, expected in cases:
         status, headers, body = raw_request(keyed.url, method, path, hdrs)
         assert status == expected, (method, path, body)
+        if path == f"/sessions/{sid}" and method == "GET":  # the streamed relay (> 1 MiB)
+            assert len(body) > 1024 * 1024 and json.loads(body)["session_id"] == sid
+        if status != 204:
+            assert int({k.lower(): v for k, v in headers}["content-length"]) == len(body)
         assert header_count(headers, "server") == 1 and header_count(headers, "date") == 1, headers
         if status >= 400:
             assert set(json.loads(body)) >= {"error"}
