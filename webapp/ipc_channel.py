@@ -387,6 +387,9 @@ class IpcClient:
                 reply = pending.result.get(timeout=timeout)
             except gevent.Timeout:
                 raise IpcTimeout(f"no reply to {meta.get('op')!r} within {timeout} s") from None
+            except IpcRemoteError:
+                answered = True  # the worker is done with it: nothing to cancel
+                raise
             answered = True
             return reply
         finally:
