@@ -18,7 +18,12 @@ asks anyone to match message strings. The tree::
     ├── ProtocolViolation          the peer broke the ACI protocol; the SDK closed the connection
     ├── StreamLost                 a screencast's connection dropped; resume the stream elsewhere
     ├── Skipped                    marker in an act_batch row that never ran (never raised)
-    └── SandboxClosed (RuntimeError)  misuse: a call on a sandbox the caller already closed
+    ├── SandboxClosed (RuntimeError)  misuse: a call on a sandbox the caller already closed
+    │
+    │   defined in shinken_sync.sharedloop (the blocking face's loop thread):
+    ├── LoopThreadDied             the SharedLoop's thread is gone; every waiter fails with it
+    ├── LoopClosed (RuntimeError)  the SharedLoop was closed before or during the call
+    └── LoopTimeout (TimeoutError)  a blocking wait on the loop ran out; the coroutine was cancelled
 
 Errors raised where a lower layer failed (websockets, OS sockets) are raised
 ``from`` the original exception, so ``__cause__`` keeps the detail.

@@ -53,17 +53,9 @@ CLOSE_DEADLINE = 30.0
 DeadlineRule = Callable[[float, dict[str, Any]], "float | None"]
 
 
-def _call_deadline(rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None) -> float:
-    """One call's deadline exactly as the async core computes it."""
-    if timeout is not None:
-        return timeout
-    waiting = client._waiting_time(verb, {k: v for k, v in args.items() if v is not None})
-    return rpc_timeout + (waiting + client.WAITING_VERB_SLACK if waiting else 0.0)
-
-
 def _one_call(verb: str) -> DeadlineRule:
     def rule(rpc_timeout: float, args: dict[str, Any]) -> float:
-        return _call_deadline(rpc_timeout, verb, args, args.get("timeout"))
+        return client.call_deadline(rpc_timeout, verb, args, args.get("timeout"))
 
     return rule
 
@@ -78,9 +70,9 @@ def _action_deadlines(rpc_timeout: float, args: dict[str, Any]) -> list[float]:
         # A malformed action gets the plain rpc deadline here; the core rejects it.
         call = {k: v for k, v in action.items() if k != "verb"} if isinstance(action, Mapping) else {}
         verb = action.get("verb", "") if isinstance(action, Mapping) else ""
-        deadlines.append(_call_deadline(rpc_timeout, verb, call, args.get("timeout")))
+        deadlines.append(client.call_deadline(rpc_timeout, verb, call, args.get("timeout")))
     if args.get("observe") is not None:
-        deadlines.append(_call_deadline(rpc_timeout, "screenshot", {}, args.get("timeout")))
+        deadlines.append(client.call_deadline(rpc_timeout, "screenshot", {}, args.get("timeout")))
     return deadlines
 
 
@@ -97,7 +89,7 @@ def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | Non
     if max_bytes is None:
         return None  # chunk count unknown; each chunk call is bounded on the loop
     chunks = max(1, math.ceil(max_bytes / client.READ_FILE_CHUNK))
-    return chunks * _call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
+    return chunks * client.call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
 
 
 def _next_frame_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
