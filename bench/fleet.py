@@ -74,6 +74,7 @@ SHARED_CLICK_SPOTS = ((1500, 600), (1650, 700), (1800, 800), (1550, 900))
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 PING_TICK_S = 0.100
+DRILL_MODES = ("stall", "storm", "keepalive")
 KEEPALIVE_WINDOW_PERIODS = 2  # observe this many of the longest keepalive periods per phase
 # Screencasts of the drills: idle-suppressed, so a sandbox pushes a frame when
 # its screen changes -- once per round, after its click.
@@ -765,13 +766,19 @@ async def _drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
         sample_budget()
         evicted0 = {i: streams[i].counters.frames_evicted for i in sandboxes}
         per_round: list[dict[int, float]] = []
+        cpu0, steps0, load = cpu_seconds(), log.frames, [loadavg()]
 
         async def body() -> None:
             per_round.append(await _drill_round(sandboxes, clicks, log))
+            load.append(loadavg())
 
         await _paced_rounds(rounds, spec["period"], body)
         evicted = {i: streams[i].counters.frames_evicted - evicted0[i] for i in sandboxes}
         phases[name] = {
+            # the loop's whole cost (steps, frames consumed, evictions) per step:
+            # unlike wall-clock, it does not move with the machine's other load
+            "client_cpu_ms_per_step": 1000 * (cpu_seconds() - cpu0) / max(1, log.frames - steps0),
+            "loadavg_max": max(load),
             "budget_limit_bytes": client_mod.GLOBAL_FRAME_BUDGET_BYTES,
             "budget_used_max_bytes": used_max,
             "used_within_budget": budget.limit is None or used_max <= budget.limit,
@@ -866,7 +873,9 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
     async def round_into(rows: list[dict[int, float]]) -> None:
         rows.append(await _drill_round(dict(up), clicks, log))
 
+    cpu = [(cpu_seconds(), log.frames)]
     await _paced_rounds(max(5, spec["rounds"] // 2), spec["period"], lambda: round_into(before))
+    cpu.append((cpu_seconds(), log.frames))
     t_kill = time.monotonic()
     for i in victims:
         # Abrupt loss without a closing handshake, as a network blip looks: the
@@ -877,8 +886,11 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
         int(GATE_STORM_CONVERGENCE_S * 1.5 / spec["period"]), spec["period"], lambda: round_into(during),
         until=lambda: len(recovered_at) == len(victims) and len(during) >= max(5, spec["rounds"] // 2),
     )  # fmt: skip
+    cpu.append((cpu_seconds(), log.frames))
     for task in consumers:
         task.cancel()
+    (c0, f0), (c1, f1), (c2, f2) = cpu
+    cpu_ms = [1000 * (c1 - c0) / max(1, f1 - f0), 1000 * (c2 - c1) / max(1, f2 - f1)]
     base = summary(_group_wall(before, survivors), (50, 95))
     storm = summary(_group_wall(during, survivors), (50, 95))
     converged = len(recovered_at) == len(victims)
@@ -891,6 +903,7 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
         "resumed_seq_gap": summary([float(g) for g in seq_gaps.values()], (50,)),
         "survivors_round_wall_before_s": base, "survivors_round_wall_during_s": storm,
         "survivors_round_p50_ratio": _ratio(storm["p50"], base["p50"]),
+        "client_cpu_ms_per_step_before": cpu_ms[0], "client_cpu_ms_per_step_during": cpu_ms[1],
         "step_outcomes": log.outcomes, "fd_high_water": fds.value,
     }  # fmt: skip
     await asyncio.gather(*(sb.close() for sb in sandboxes.values()), return_exceptions=True)
@@ -1210,7 +1223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start each round's steps evenly over this window instead of all at once")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.collect(); gc.freeze() once the fleet is connected (caller-side idiom)")
-    p.add_argument("--drills", action="store_true", help="run the stall, storm and keepalive drills")
+    p.add_argument("--drills", nargs="?", const=",".join(DRILL_MODES), default="",
+                   help=f"run drills: all, or a comma-separated subset of {','.join(DRILL_MODES)}")
     p.add_argument("--drill-n", type=int, default=256, help="fleet size for the drills")
     p.add_argument("--json", dest="json_out", help="write the full report here")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -1224,6 +1238,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     soft, hard = raise_fd_limit()
     ns = [int(x) for x in args.n.split(",") if x.strip()]
+    drill_modes = [m for m in args.drills.split(",") if m]
+    unknown = set(drill_modes) - set(DRILL_MODES)
+    if unknown:
+        raise SystemExit(f"unknown drill(s) {sorted(unknown)}; choose from {', '.join(DRILL_MODES)}")
     faces = ["sync", "async"] if args.face == "both" else [args.face]
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
@@ -1237,9 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
     drills: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
         workdir = Path(tmp)
-        drill_ns = set()
-        if args.drills:
-            drill_ns.add(args.drill_n)
+        drill_ns = {args.drill_n} if drill_modes else set()
         for n in sorted(set(ns) | drill_ns):
             with FleetHost(n, args.rtt_ms, workdir) as host:
                 print(f"\nfleet host N={n} ready in {host.ready_s:.1f}s (pid {host.proc.pid})", flush=True)
@@ -1255,7 +1271,7 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(report)
                         print(format_round_report(report), flush=True)
                 if n in drill_ns:
-                    for mode in ("stall", "storm", "keepalive"):
+                    for mode in drill_modes:
                         report = run_child({**base, "mode": mode, "face": "async"}, workdir)
                         drills[mode] = report
                         print(format_drill(mode, report), flush=True)
@@ -1283,6 +1299,7 @@ def format_drill(mode: str, r: dict[str, Any]) -> str:
                 f"{ph['budget_used_max_bytes'] / MB:6.1f} MiB; evicted stalled/others "
                 f"{ph['evicted_stalled']}/{ph['evicted_others']}; others' round p50/p95 "
                 f"{_ms(rw['p50'])}/{_ms(rw['p95'])} ms" + (f" ({ratio:.2f}x baseline)" if ratio else "")
+                + f"; client cpu {ph['client_cpu_ms_per_step']:.2f} ms/step, load {ph['loadavg_max']:.1f}"
             )
         lines.append(f"  frames dropped by the 32-frame bound: {r['frames_dropped_total']}; "
                      f"step outcomes {r['step_outcomes']}")  # fmt: skip
@@ -1299,7 +1316,9 @@ def format_drill(mode: str, r: dict[str, Any]) -> str:
              f"{r['reconnect_failures'] or 0}; resumed seq gap p50/max {r['resumed_seq_gap']['p50']}/"
              f"{r['resumed_seq_gap']['max']}"),
             (f"  survivors' round p50/p95 before {_ms(b['p50'])}/{_ms(b['p95'])} ms, during "
-             f"{_ms(d['p50'])}/{_ms(d['p95'])} ms" + (f" ({ratio:.2f}x)" if ratio else "")),
+             f"{_ms(d['p50'])}/{_ms(d['p95'])} ms" + (f" ({ratio:.2f}x)" if ratio else "")
+             + f"; client cpu {r['client_cpu_ms_per_step_before']:.2f} / "
+             f"{r['client_cpu_ms_per_step_during']:.2f} ms/step (incl. reconnects)"),
             f"  step outcomes {r['step_outcomes']}",
         ])  # fmt: skip
     lines = [(f"keepalive drill N={r['n']}: base ping interval {r['ping_interval_s']:g} s, pings per "
