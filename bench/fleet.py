@@ -1170,6 +1170,11 @@ def evaluate_gates(runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: f
                 gate(f"stall[{name}]: others' round unaffected", where,
                      ratio is not None and ratio <= UNAFFECTED_RATIO,
                      "-" if ratio is None else f"p50 {ratio:.2f}x baseline", f"<= {UNAFFECTED_RATIO}x")
+                # the same question asked of CPU per step, which the machine's load does not move
+                base_cpu = stall["phases"]["baseline"]["client_cpu_ms_per_step"]
+                cpu = ph["client_cpu_ms_per_step"] / max(1e-9, base_cpu)
+                gate(f"stall[{name}]: no extra client CPU per step", where, cpu <= UNAFFECTED_RATIO,
+                     f"{cpu:.2f}x baseline", f"<= {UNAFFECTED_RATIO}x")
     storm = drills.get("storm")
     if storm is not None:
         where = f"N={storm['n']} drill"
