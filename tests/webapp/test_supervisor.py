@@ -58,7 +58,7 @@ def chat(base: str, sid: str) -> requests.Response:
 @pytest.fixture(scope="module")
 def server(reference_backend_factory, session_server_factory):
     backend = reference_backend_factory()
-    return session_server_factory(server_argv(WORKERS, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "2"),
+    return session_server_factory(server_argv(WORKERS, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "3"),
                                   ready_pattern=READY_URL_PATTERN)
 
 
