@@ -165,3 +165,15 @@ def test_records_body_over_4gib_crosses(reference_backend_factory, session_serve
             tail = (tail + chunk)[-4096:]
     assert length > 4 * 1024**3 and received == length
     assert tail.endswith(b"}") and b'"num_records"' in tail
+
+
+def test_workers_0_serves_the_single_process_app(reference_backend_factory, session_server_factory) -> None:
+    backend = reference_backend_factory()
+    server = session_server_factory(server_argv(0, backend.url), ready_pattern=READY_URL_PATTERN)
+    sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
+    chat = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=30,
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "shinken-session-worker" in " ".join(p.cmdline())]
+    assert workers == []  # no session worker processes in this mode
