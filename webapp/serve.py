@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on all routes but /health "
                              "(default: $SHINKEN_API_KEY; router mode only)")
+    parser.add_argument("--reference-r3-layers", type=int, default=4,
+                        help="routed-expert layers the embedded reference backend returns per token "
+                             "(0: none; ignored with --backend-url)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
                         help="seconds a session worker may miss heartbeats before it is restarted")
     parser.add_argument("--read-timeout", type=float, default=None, help="backend read timeout per turn")
@@ -109,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
-        backend = start_reference_backend(tokenizer=args.tokenizer)
+        # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
+        backend = start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers)
         backend_url = backend.url
     listener = _listen(host, port)
     port = listener.getsockname()[1]

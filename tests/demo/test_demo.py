@@ -41,6 +41,7 @@ def test_demo_writes_consistent_trajectories(tmp_path):
         for step, record in zip(steps, records):
             content = record["response"]["choices"][0]["message"]["content"]
             assert json.loads(content)["action"] == step["action"]
+            assert record["response"]["choices"][0]["meta_info"]["routed_experts"]  # R3 kept for training
             assert step["outcome"] in {"ok", "error"}
             assert step["observation"]["format"] == "jpeg"
             assert record["output_token_ids"] and len(record["output_token_logprobs"]) == len(
