@@ -128,13 +128,12 @@ def test_parity_workers_1_and_3(session_server_factory, backend_url) -> None:
     assert len({shard_for(sid, 3) for sid in ids_three}) >= 2
 
 
-HUGE = os.environ.get("SHINKEN_TEST_HUGE_RECORDS") == "1"
-
-
-@pytest.mark.skipif(not HUGE, reason="opt-in (SHINKEN_TEST_HUGE_RECORDS=1): builds a >4 GiB session "
-                                     "in ~1 min (54 s here) and needs ~14 GiB free; the u64 length path is covered "
-                                     "without allocation in test_ipc")
+@pytest.mark.skipif(os.environ.get("SHINKEN_SKIP_HUGE_RECORDS") == "1",
+                    reason="SHINKEN_SKIP_HUGE_RECORDS=1: the >4 GiB records test builds a session in ~1 min")
+@pytest.mark.timeout(600)
 def test_records_body_over_4gib_crosses(reference_backend_factory, session_server_factory) -> None:
+    # Runs wherever the memory is there (CI's machines have 24 GiB); the u64 length path is also
+    # covered without allocation in test_ipc, for machines where this one skips.
     if psutil.virtual_memory().available < 14 * 1024**3:
         pytest.skip("needs ~14 GiB of free memory (worker records + backend reply + client)")
     layers, topk = 64, 8
