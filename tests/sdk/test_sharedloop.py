@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 
 import pytest
 
 from shinken_sync.errors import ShinkenError
 from shinken_sync.sharedloop import LoopClosed, LoopThreadDied, LoopTimeout, SharedLoop
+from tests.support import native_thread_count, run_script
 
 
 @pytest.fixture
@@ -30,26 +26,6 @@ def shared():
     loop.close()
 
 
-def native_thread_count(settle_to: int | None = None) -> int:
-    """Threads of this process; with ``settle_to``, give exiting threads up to
-    5 s to be reaped by the OS (a joined thread may linger for a moment)."""
-    deadline = time.monotonic() + 5
-    count = len(os.listdir("/proc/self/task"))
-    while settle_to is not None and count != settle_to and time.monotonic() < deadline:
-        time.sleep(0.01)
-        count = len(os.listdir("/proc/self/task"))
-    return count
-
-
-def run_script(source: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``source`` in a fresh interpreter where any warning is an error."""
-    return subprocess.run(
-        [sys.executable, "-W", "error", "-c", textwrap.dedent(source), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 async def echo(value, delay: float = 0.0):

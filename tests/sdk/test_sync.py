@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 
 import pytest
 
@@ -24,6 +19,7 @@ from shinken_sync.errors import ActionError, AuthRefused, RPCTimeout, SandboxClo
 from shinken_sync.results import ExecResult, Frame, Screenshot, StepResult
 from shinken_sync.sharedloop import LoopThreadDied, LoopTimeout, SharedLoop, _native_allocate_lock
 from shinken_sync.sync import Sandbox, connect
+from tests.support import native_thread_count, run_script
 
 FLEET = 256
 SCREEN = (1024, 768)
@@ -33,25 +29,6 @@ def public(cls: type) -> set[str]:
     return {name for name in dir(cls) if not name.startswith("_")}
 
 
-def native_thread_count(settle_to: int | None = None) -> int:
-    """Threads of this process; with ``settle_to``, give exiting threads up to
-    5 s to be reaped by the OS (a joined thread may linger for a moment)."""
-    deadline = time.monotonic() + 5
-    count = len(os.listdir("/proc/self/task"))
-    while settle_to is not None and count != settle_to and time.monotonic() < deadline:
-        time.sleep(0.01)
-        count = len(os.listdir("/proc/self/task"))
-    return count
-
-
-def run_script(source: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-W", "error", "-c", textwrap.dedent(source), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 # -- parity (no daemon) --------------------------------------------------------

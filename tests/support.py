@@ -1,0 +1,31 @@
+"""Small helpers shared by test modules (importable as ``tests.support``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+
+def native_thread_count(settle_to: int | None = None) -> int:
+    """Threads of this process; with ``settle_to``, give exiting threads up to
+    5 s to be reaped by the OS (a joined thread may linger for a moment)."""
+    deadline = time.monotonic() + 5
+    count = len(os.listdir("/proc/self/task"))
+    while settle_to is not None and count != settle_to and time.monotonic() < deadline:
+        time.sleep(0.01)
+        count = len(os.listdir("/proc/self/task"))
+    return count
+
+
+def run_script(source: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` in a fresh interpreter where any warning is an error."""
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(source), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
