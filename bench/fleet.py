@@ -560,9 +560,12 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     report = _finish_report(
         spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses, extra
     )
-    callers.map(lambda sb: sb.close(), sandboxes)
-    callers.close()
-    shared.close()
+    try:
+        callers.map(lambda sb: sb.close(), sandboxes)
+        callers.close()
+        shared.close()
+    except Exception as exc:  # noqa: BLE001 - the measurement stands; the failed teardown is reported
+        report["teardown_error"] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
     return report
 
 
@@ -1108,6 +1111,7 @@ def format_round_report(r: dict[str, Any]) -> str:
          f"longest pause {_ms(r['gc_pause_max_s'])} ms"
          + (" (heap frozen after connect)" if r["gc_freeze"] else "")),
         f"  step outcomes            {r['step_outcomes']}",
+        *([f"  TEARDOWN FAILED          {r['teardown_error']}"] if "teardown_error" in r else []),
         (f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}"
          + (f" (steps spread over {r['spread_ms']:g} ms of each round)" if r["spread_ms"] else "")),
     ]
@@ -1213,6 +1217,20 @@ def format_gates(gates: list[dict[str, Any]]) -> str:
 # Main
 
 
+def git_revision() -> str:
+    """The commit the measured code is at, "+dirty" when the tree differs (the
+    SDK changes between runs; results are only comparable at one revision)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "shinken_sync"],
+                               cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty.strip() else "")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", default=",".join(map(str, DEFAULT_NS)), help="fleet sizes, comma-separated")
@@ -1249,10 +1267,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown drill(s) {sorted(unknown)}; choose from {', '.join(DRILL_MODES)}")
     faces = ["sync", "async"] if args.face == "both" else [args.face]
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    revision = git_revision()
     print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
           f"rounds={args.rounds} period={ROUND_PERIOD_S}s gc_freeze={args.gc_freeze} "
-          f"spread={args.spread_ms:g}ms "
-          f"fd limit {soft}/{hard}", flush=True)  # fmt: skip
+          f"spread={args.spread_ms:g}ms fd limit {soft}/{hard} code {revision}", flush=True)  # fmt: skip
     for n in ns:
         if soft < 4 * n:
             print(f"warning: nofile soft limit {soft} < 4 x N = {4 * n}", flush=True)
@@ -1284,8 +1302,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ngates (seed section 7 targets):")
     print(format_gates(gates))
     if args.json_out:
-        out = {"started": started, "argv": sys.argv, "rtt_ms": args.rtt_ms, "runs": runs, "drills": drills,
-               "gates": gates}  # fmt: skip
+        out = {"started": started, "revision": revision, "argv": sys.argv, "rtt_ms": args.rtt_ms, "runs": runs,
+               "drills": drills, "gates": gates}  # fmt: skip
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0
 
