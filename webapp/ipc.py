@@ -30,13 +30,20 @@ Exception tree::
     ├── IpcTimeout              a deadline passed (also a TimeoutError); the channel stays up
     └── IpcRemoteError          the peer answered with an ERROR frame (its handler failed);
                                 ``remote_type`` names the peer's exception class
+
+A large REQUEST payload is received into a buffer lent by a :class:`ReceiveBufferPool`:
+memory that is already mapped and faulted in receives ~2-3x faster than fresh memory, whose
+page faults bound one-way throughput near 1 GiB/s here.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import mmap
 import struct
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +54,8 @@ __all__ = [
     "INLINE_BODY_MAX",
     "MAX_BODY_CHUNK",
     "MAX_FRAME_BYTES",
+    "RECEIVE_POOL_IDLE_SECONDS",
+    "RECEIVE_POOL_MAX_BYTES",
     "Buffer",
     "Frame",
     "FrameDecoder",
@@ -57,6 +66,7 @@ __all__ = [
     "IpcProtocolError",
     "IpcRemoteError",
     "IpcTimeout",
+    "ReceiveBufferPool",
     "body_length",
     "decode_credit",
     "decode_envelope",
@@ -87,6 +97,17 @@ INLINE_BODY_MAX = MAX_BODY_CHUNK
 # read). A BODY payload is received as ``bytes`` pieces straight from the socket (what the HTTP
 # side writes, with no copy); other large payloads into a buffer of exactly their size.
 _STAGE_BYTES = 256 * 1024
+# Idle receive buffers a pool keeps warm for the next large payloads. Chat bodies are at most
+# 256 MiB (the router's limit), so this holds several of them at once; a payload too big for
+# it gets a buffer of its own, freed when its request ends.
+RECEIVE_POOL_MAX_BYTES = 2 * 1024**3
+# An idle pooled buffer is unmapped after this long, so a burst of large bodies does not pin
+# memory in an idle worker.
+RECEIVE_POOL_IDLE_SECONDS = 30.0
+# Pooled buffers come in size classes (multiples of this, or of 1/8 of the size's power of
+# two, whichever is larger) so a body a little bigger than the last one still fits its
+# buffer. Mapped lazily: the rounding costs address space, not memory.
+_POOL_GRAIN = 1024 * 1024
 
 
 class FrameType(enum.IntEnum):
@@ -249,8 +270,9 @@ class FrameDecoder:
     Call :meth:`buffer` for the region to receive into, then :meth:`advance` with the
     number of bytes received; it returns the frames completed so far. Headers and small
     frames go through one staging buffer (many per ``recv_into``); a large payload is
-    received straight into a buffer of exactly its size, allocated only after its length
-    passed the per-type limit.
+    received straight into a buffer from ``allocate(size)`` (at least ``size`` bytes: a
+    :meth:`ReceiveBufferPool.acquire` fits), asked for only after its length passed the
+    per-type limit, and handed out as a ``memoryview`` of exactly the payload.
 
     BODY payloads are opaque runs of bytes, so the decoder may deliver one BODY frame as
     several consecutive ``Frame`` pieces (same request id, in order): while
@@ -270,7 +292,8 @@ class FrameDecoder:
         self._start = 0  # unconsumed staged bytes are _stage[_start:_end]
         self._end = 0
         self._pending: tuple[int, FrameType] | None = None  # header of the large payload in flight
-        self._payload: Any = None  # bytearray (or what `allocate` returned)
+        self._payload: Any = None  # what `allocate` returned, at least _payload_len bytes
+        self._payload_len = 0
         self._filled = 0
         self._piece_id = 0  # request id of the BODY payload being received as pieces
         self._piece_left = 0
@@ -287,7 +310,7 @@ class FrameDecoder:
 
     def buffer(self) -> memoryview:
         if self._payload is not None:
-            return memoryview(self._payload)[self._filled :]
+            return memoryview(self._payload)[self._filled : self._payload_len]
         if self._end == len(self._stage):
             self._compact()
         return self._stage_view[self._end :]
@@ -295,10 +318,10 @@ class FrameDecoder:
     def advance(self, nbytes: int) -> list[Frame]:
         if self._payload is not None:
             self._filled += nbytes
-            if self._filled < len(self._payload):
+            if self._filled < self._payload_len:
                 return []
             assert self._pending is not None
-            frame = Frame(self._pending[0], self._pending[1], self._payload)
+            frame = Frame(self._pending[0], self._pending[1], memoryview(self._payload)[: self._payload_len])
             self._payload = self._pending = None
             return [frame]
         self._end += nbytes
@@ -331,6 +354,7 @@ class FrameDecoder:
                 break  # fits the stage: wait for the rest
             else:
                 self._payload = self._allocate(payload_len)
+                self._payload_len = payload_len
                 self._payload[:available] = self._stage_view[body_start : self._end]
                 self._filled = available
                 self._pending = (request_id, ftype)
@@ -341,6 +365,94 @@ class FrameDecoder:
         elif self._start and self._end - self._start < FRAME_HEADER.size:
             self._compact()
         return frames
+
+
+class ReceiveBufferPool:
+    """Reusable receive buffers for large payloads, lent to one request at a time.
+
+    :meth:`acquire` lends the smallest idle buffer that fits (or maps a new one);
+    :meth:`release` takes it back once the request is over. A buffer is reused only when no
+    view of it is left alive: :meth:`release` first releases the views it is given, then keeps
+    the buffer only if nothing else still exports it (a handler that kept a slice of its body
+    makes the pool drop that buffer, never overwrite it). Idle buffers are bounded by
+    ``max_bytes`` (smallest evicted first) and unmapped after ``idle_seconds``. Buffers that
+    are lent out are not counted: they are bounded by the requests in flight.
+
+    Not thread-safe; within one gevent hub nothing here yields.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int = RECEIVE_POOL_MAX_BYTES,
+        idle_seconds: float = RECEIVE_POOL_IDLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._idle: list[tuple[mmap.mmap, float]] = []  # (buffer, released at), sorted by size
+        self._lent: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(len(buffer) for buffer, _ in self._idle)
+
+    @property
+    def lent(self) -> int:
+        return len(self._lent)
+
+    def acquire(self, size: int) -> mmap.mmap:
+        """A buffer of at least ``size`` bytes, for this caller alone until :meth:`release`."""
+        self.trim()
+        for i, (buffer, _) in enumerate(self._idle):
+            if len(buffer) >= size:
+                del self._idle[i]
+                break
+        else:
+            rounded = _size_class(size)
+            buffer = mmap.mmap(-1, rounded if rounded <= self.max_bytes else size)
+        self._lent.add(buffer)
+        return buffer
+
+    def release(self, payload: Buffer, *views: memoryview) -> bool:
+        """Take back the buffer behind ``payload`` (a view from the decoder), releasing
+        ``payload`` and ``views`` first. Returns True if the buffer will be reused.
+
+        A payload that is not a view of a buffer lent by this pool is left alone.
+        """
+        buffer = payload.obj if isinstance(payload, memoryview) else payload
+        if buffer not in self._lent:
+            return False
+        self._lent.discard(buffer)
+        try:
+            for view in (payload, *views):
+                if isinstance(view, memoryview):
+                    view.release()
+            buffer.resize(len(buffer))  # BufferError while any view of it is still alive
+        except BufferError:
+            return False  # someone can still see it: let it die with its last view
+        if len(buffer) > self.max_bytes:
+            buffer.close()
+            return False
+        self._idle.append((buffer, self._clock()))
+        self._idle.sort(key=lambda item: len(item[0]))
+        while self.idle_bytes > self.max_bytes:
+            self._idle.pop(0)[0].close()
+        self.trim()
+        return not buffer.closed
+
+    def trim(self) -> None:
+        """Unmap the buffers idle for longer than ``idle_seconds``."""
+        deadline = self._clock() - self.idle_seconds
+        for buffer, released_at in self._idle:
+            if released_at < deadline:
+                buffer.close()
+        self._idle = [item for item in self._idle if not item[0].closed]
+
+
+def _size_class(size: int) -> int:
+    step = max(_POOL_GRAIN, 1 << max(size.bit_length() - 4, 0))
+    return -(-size // step) * step
 
 
 def _check_header(total: int, raw_type: int) -> FrameType:

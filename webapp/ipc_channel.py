@@ -42,6 +42,7 @@ from webapp.ipc import (
     IpcProtocolError,
     IpcRemoteError,
     IpcTimeout,
+    ReceiveBufferPool,
     body_length,
     decode_credit,
     decode_envelope,
@@ -107,6 +108,8 @@ class FrameTransport:
 
     ``on_frame`` runs in the reader greenlet for every decoded frame and must not block.
     ``on_close`` runs once, with the :class:`IpcChannelClosed` that ended the channel.
+    ``allocate(size)`` gives the buffer a large payload is received into (see
+    :class:`~webapp.ipc.FrameDecoder`).
     """
 
     def __init__(
@@ -115,8 +118,10 @@ class FrameTransport:
         on_frame: Callable[[Frame], None],
         on_close: Callable[[IpcChannelClosed], None],
         name: str = "ipc",
+        allocate: Callable[[int], Any] = bytearray,
     ) -> None:
         self.name = name
+        self._allocate = allocate
         self._sock = sock
         self._fd = sock.fileno()
         self._on_frame = on_frame
@@ -171,7 +176,7 @@ class FrameTransport:
             self._on_close(exc)
 
     def _read_loop(self) -> None:
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(allocate=self._allocate)
         sock, fd = self._sock, self._fd
         since_yield = 0
         try:
@@ -494,15 +499,25 @@ class IpcServer:
     A handler exception becomes an ERROR frame for that request only. A CANCEL stops a
     streamed body and drops a reply not yet sent; the handler itself runs to completion so
     the session state it touches stays consistent.
+
+    ``body`` is valid only while the handler runs: a large one lives in a buffer of
+    ``receive_pool`` that later requests reuse, so a handler copies what it keeps. The view it
+    got is released when it returns; a buffer some view of which is still alive then is never
+    reused (see :class:`~webapp.ipc.ReceiveBufferPool`).
     """
 
     def __init__(
-        self, sock: _socket.socket, handler: Callable[[dict[str, Any], memoryview], ReplyLike], name: str = "ipc"
+        self,
+        sock: _socket.socket,
+        handler: Callable[[dict[str, Any], memoryview], ReplyLike],
+        name: str = "ipc",
+        receive_pool: ReceiveBufferPool | None = None,
     ) -> None:
         self._handler = handler
         self._inflight: dict[int, _OutStream] = {}
         self._stopped = gevent.event.Event()
-        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name)
+        self.receive_pool = receive_pool if receive_pool is not None else ReceiveBufferPool()
+        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name, self.receive_pool.acquire)
 
     @property
     def closed(self) -> IpcChannelClosed | None:
@@ -519,13 +534,14 @@ class IpcServer:
         rid = frame.request_id
         if frame.type is FrameType.REQUEST:
             if len(self._inflight) >= MAX_INFLIGHT_REQUESTS:
+                self.receive_pool.release(frame.payload)
                 self._transport.send(
                     encode_error_frame(rid, IpcRemoteError("WorkerBusy", f"{len(self._inflight)} requests running"))
                 )
                 return
             meta, body = decode_envelope(frame.payload)
             self._inflight[rid] = _OutStream()
-            gevent.spawn(self._serve, rid, meta, body)
+            gevent.spawn(self._serve, rid, meta, frame.payload, body)
         elif frame.type is FrameType.CREDIT:
             out = self._inflight.get(rid)
             if out is not None:
@@ -539,7 +555,7 @@ class IpcServer:
         else:
             raise IpcProtocolError(f"unexpected {frame.type.name} frame from the router")
 
-    def _serve(self, rid: int, meta: dict[str, Any], body: memoryview) -> None:
+    def _serve(self, rid: int, meta: dict[str, Any], payload: Buffer, body: memoryview) -> None:
         out = self._inflight[rid]
         try:
             try:
@@ -554,6 +570,8 @@ class IpcServer:
             pass
         finally:
             self._inflight.pop(rid, None)
+            if isinstance(payload, memoryview) and not self.receive_pool.release(payload, body):
+                log.debug("%s: receive buffer of op %r not reused", self._transport.name, meta.get("op"))
 
     def _send_reply(self, rid: int, reply: ReplyLike, out: _OutStream) -> None:
         length = body_length(reply.body)

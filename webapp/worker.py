@@ -76,6 +76,7 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
     try:
         while server.wait_closed(_PARENT_CHECK_INTERVAL) is None:
+            server.receive_pool.trim()  # an idle worker gives its large receive buffers back
             if os.getppid() != parent_pid:
                 log.warning("parent %d is gone; exiting", parent_pid)
                 return 1

@@ -281,3 +281,180 @@ def test_corrupt_frame_tears_the_channel_down() -> None:
     assert isinstance(pending.exception, IpcChannelClosed)
     assert isinstance(client.closed.__cause__, IpcProtocolError)
     b.close()
+
+
+# -- receive buffer pool ----------------------------------------------------------------------
+
+MiB = 1024 * 1024
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pool_reuses_a_released_buffer_of_a_fitting_size_class() -> None:
+    pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
+    first = pool.acquire(5 * MiB + 1)
+    assert len(first) >= 5 * MiB + 1 and pool.lent == 1
+    assert pool.release(memoryview(first)[: 5 * MiB + 1]) is True
+    assert (pool.lent, pool.idle_bytes) == (0, len(first))
+    again = pool.acquire(5 * MiB + 100)  # a slightly bigger body still fits the size class
+    assert again is first and pool.idle_bytes == 0
+    other = pool.acquire(5 * MiB)  # the only idle buffer is lent: a new one
+    assert other is not first and pool.lent == 2
+
+
+def test_pool_never_reuses_a_buffer_someone_still_sees() -> None:
+    pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
+    buffer = pool.acquire(MiB)
+    payload = memoryview(buffer)[:MiB]
+    payload[:4] = b"keep"
+    body = payload[1:]
+    kept = body[:3]  # a handler holding on to a slice of its body
+    assert pool.release(payload, body) is False
+    assert pool.idle_bytes == 0 and pool.lent == 0
+    fresh = pool.acquire(MiB)
+    assert fresh is not buffer
+    fresh[:4] = b"XXXX"
+    assert bytes(kept) == b"eep"
+    with pytest.raises(ValueError):  # the views the pool was given are released
+        bytes(body)
+
+
+def test_pool_idle_memory_is_bounded_and_trimmed() -> None:
+    clock = FakeClock()
+    pool = ipc.ReceiveBufferPool(max_bytes=8 * MiB, idle_seconds=30.0, clock=clock)
+    lent = [pool.acquire(n * MiB) for n in (1, 2, 3, 4)]
+    kept = [pool.release(memoryview(b)) for b in lent]
+    assert pool.idle_bytes <= 8 * MiB
+    assert kept == [True] * 4 and sorted(len(b) for b in lent if not b.closed) == [3 * MiB, 4 * MiB]
+    assert pool.release(memoryview(pool.acquire(9 * MiB))) is False  # over the budget on its own
+    assert pool.idle_bytes == 7 * MiB
+    clock.now = 31.0
+    pool.trim()
+    assert pool.idle_bytes == 0 and all(b.closed for b in lent)
+
+
+def test_pool_leaves_foreign_payloads_alone() -> None:
+    pool = ipc.ReceiveBufferPool()
+    foreign = bytearray(10)
+    view = memoryview(foreign)
+    assert pool.release(view) is False and pool.release(b"small") is False
+    view[0] = 1  # not released by the pool
+    assert pool.idle_bytes == 0
+
+
+def test_decoder_receives_large_payloads_into_pooled_buffers() -> None:
+    pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
+    body = bytes(range(256)) * 4096 * 2  # 2 MiB: over the staging buffer
+    data = _wire(encode_envelope_frame(3, FrameType.REQUEST, {"op": "x"}, body)) * 2
+    decoder = FrameDecoder(allocate=pool.acquire)
+    first, second = iter_frames(decoder, [data])
+    assert pool.lent == 2
+    bodies = []
+    for frame in (first, second):
+        assert isinstance(frame.payload, memoryview) and frame.payload.nbytes < len(frame.payload.obj)
+        meta, got = decode_envelope(frame.payload)
+        assert meta == {"op": "x"} and got == body
+        bodies.append(got)
+    del got
+    assert pool.release(first.payload, bodies[0]) is True
+    assert pool.release(second.payload) is False  # its body view is still alive
+
+
+# -- the pool in the channel: concurrent requests, cancel, errors ----------------------------------
+
+kept_bodies: list[memoryview] = []
+
+
+def pool_handler(meta, body):
+    if meta["op"] == "keep":
+        kept_bodies.append(body[:])
+        return Reply(b"kept")
+    return toy_handler(meta, body)
+
+
+@pytest.fixture
+def pooled_pair():
+    a, b = socket.socketpair()
+    pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
+    lent_buffers: list[int] = []  # ids of every buffer lent (kept alive below, so ids stay unique)
+    alive = []
+    acquire = pool.acquire
+
+    def recording_acquire(size: int):
+        buffer = acquire(size)
+        alive.append(buffer)
+        lent_buffers.append(id(buffer))
+        return buffer
+
+    pool.acquire = recording_acquire
+    server = IpcServer(open_socket(b.detach()), pool_handler, name="pool-server", receive_pool=pool)
+    client = IpcClient(open_socket(a.detach()), name="pool-client")
+    yield client, server, lent_buffers
+    client.close()
+    server.close()
+    kept_bodies.clear()
+
+
+def _body(i: int, size: int = 600 * 1024) -> bytes:
+    return bytes([i % 251]) * (size - 8) + i.to_bytes(8, "big")
+
+
+def test_concurrent_large_bodies_each_see_only_their_own_bytes(pooled_pair) -> None:
+    client, server, lent_buffers = pooled_pair
+
+    def wave(base: int) -> None:
+        jobs = [gevent.spawn(client.request, {"op": "echo", "delay": 0.02 * ((5 * i) % 7)}, _body(base + i),
+                             timeout=10) for i in range(8)]
+        gevent.joinall(jobs, timeout=10, raise_error=True)
+        assert [j.value.body for j in jobs] == [_body(base + i) for i in range(8)]
+
+    wave(0)
+    first_wave = set(lent_buffers)
+    assert len(first_wave) > 1  # the requests overlapped, each in a buffer of its own
+    wave(100)
+    assert set(lent_buffers[len(first_wave):]) & first_wave  # the second wave reused them
+    assert server.receive_pool.lent == 0
+
+
+def test_a_kept_body_is_never_overwritten(pooled_pair) -> None:
+    client, server, _ = pooled_pair
+    assert client.request({"op": "keep"}, _body(1), timeout=5).body == b"kept"
+    for i in range(2, 5):
+        assert client.request({"op": "echo"}, _body(i), timeout=5).body == _body(i)
+    assert bytes(kept_bodies[0]) == _body(1)
+    assert server.receive_pool.lent == 0
+
+
+def test_timed_out_and_failed_requests_give_their_buffers_back(pooled_pair) -> None:
+    client, server, lent_buffers = pooled_pair
+    with pytest.raises(IpcTimeout):
+        client.request({"op": "echo", "delay": 0.3}, _body(1), timeout=0.05)
+    assert server.receive_pool.lent == 1  # the handler still runs: its body stays lent
+    with pytest.raises(IpcRemoteError):
+        client.request({"op": "fail"}, _body(2), timeout=5)
+    killed = gevent.spawn(client.request, {"op": "echo", "delay": 0.2}, _body(3), timeout=5)
+    gevent.sleep(0.05)
+    killed.kill()
+    gevent.sleep(0.5)
+    assert server.receive_pool.lent == 0 and server.receive_pool.idle_bytes > 0
+    assert client.request({"op": "echo"}, _body(4), timeout=5).body == _body(4)
+    assert len(set(lent_buffers)) < len(lent_buffers)  # buffers given back were lent again
+
+
+def test_busy_worker_gives_the_refused_body_back(pooled_pair, monkeypatch) -> None:
+    client, server, _ = pooled_pair
+    monkeypatch.setattr("webapp.ipc_channel.MAX_INFLIGHT_REQUESTS", 1)
+    slow = gevent.spawn(client.request, {"op": "echo", "delay": 0.3}, _body(1), timeout=5)
+    gevent.sleep(0.05)
+    with pytest.raises(IpcRemoteError) as info:
+        client.request({"op": "echo"}, _body(2), timeout=5)
+    assert info.value.remote_type == "WorkerBusy"
+    assert server.receive_pool.lent == 1
+    slow.join(timeout=5)
+    assert slow.value.body == _body(1) and server.receive_pool.lent == 0
