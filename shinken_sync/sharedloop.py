@@ -14,10 +14,14 @@ How the pieces fit, and why (measured facts in ``docs/sync.md``):
   then binds gevent's selector to that thread's own hub, which DNS and
   ``run_in_executor`` need.
 - A waiter is woken through a mechanism that matches *its* context: a greenlet
-  parks on a ``gevent.hub.Waiter`` that the loop thread switches to through
-  the waiter hub's ``run_callback_threadsafe`` (the supported cross-thread
-  entry; only the hub's own thread touches the gevent object), so the hub
-  keeps running other greenlets; a plain thread waits on a native lock. Either way
+  parks on a ``gevent.hub.Waiter``; the loop thread queues it on its hub's
+  :class:`_HubWaker` and fires one libev async watcher, the only operation
+  made from the foreign thread (``ev_async_send`` is thread-safe by design),
+  and the hub thread itself switches to the waiter. Not
+  ``loop.run_callback_threadsafe``: it also updates the hub loop's reference
+  count and callback timer from the calling thread, which races with the hub
+  (gevent#2212) and, at 1024 greenlets, drove the count negative so a waiting
+  greenlet got ``LoopExit``. A plain thread waits on a native lock. Either way
   the wait is sliced, so a dead loop thread or a fork is noticed within
   :data:`LIVENESS_POLL` seconds even if nobody told the waiter.
 - The loop thread fails every waiter at once when it dies; after ``fork()`` the
@@ -161,9 +165,43 @@ class _LockWaiter:
         return self._lock.acquire(True, timeout)
 
 
+class _HubWaker:
+    """Wakes greenlets of one hub from any thread.
+
+    Other threads only append to a deque and ``send()`` one async watcher; the
+    watcher's callback runs in the hub's own thread and switches to each queued
+    waiter there. The watcher is unreferenced: it never keeps the hub alive on
+    its own (each wait's timer does), so ``gevent.wait()`` semantics are intact.
+    """
+
+    def __init__(self, hub: Any) -> None:
+        self._queued: collections.deque[Any] = collections.deque()
+        self._watcher = hub.loop.async_(ref=False)
+        self._watcher.start(self._drain)
+
+    def wake(self, waiter: Any) -> None:  # any thread
+        self._queued.append(waiter)
+        self._watcher.send()
+
+    def _drain(self) -> None:  # the hub's thread
+        while self._queued:
+            self._queued.popleft().switch(None)
+
+
+_WAKERS: weakref.WeakKeyDictionary[Any, _HubWaker] = weakref.WeakKeyDictionary()
+
+
+def _hub_waker(hub: Any) -> _HubWaker:
+    # Only the hub's own thread creates its waker (a waiter is built where it waits).
+    waker = _WAKERS.get(hub)
+    if waker is None:
+        waker = _WAKERS[hub] = _HubWaker(hub)
+    return waker
+
+
 class _GreenletWaiter:
     """A greenlet parks on a gevent ``Waiter``; another thread reaches it only
-    through the hub's thread-safe callback queue (the hub then switches to it).
+    through its hub's :class:`_HubWaker` (the hub then switches to it).
 
     Cheaper than an ``AsyncResult`` plus a ``gevent.Timeout`` per wait: the
     slice deadline is a raw hub timer that switches in a marker.
@@ -175,7 +213,7 @@ class _GreenletWaiter:
         assert _gevent is not None  # _gevent_hub() found the hub
         self._loop = hub.loop
         self._waiter = _gevent.Waiter(hub)
-        self.wake = functools.partial(hub.loop.run_callback_threadsafe, self._waiter.switch, None)
+        self.wake = functools.partial(_hub_waker(hub).wake, self._waiter)
 
     def wait(self, timeout: float) -> bool:
         timer = self._loop.timer(timeout)

@@ -234,3 +234,23 @@ def test_inside_a_gunicorn_gevent_worker_with_preload(fleet, tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.mark.skipif(not monkey.is_module_patched("socket"), reason="needs a gevent-patched process")
+def test_many_cross_thread_wakes_keep_the_hub_accounting_intact():
+    """20 000 results handed from the loop thread to 500 greenlets, then a plain
+    gevent wait: wakes must not touch the hub's reference count from the loop
+    thread (gevent's run_callback_threadsafe does, and under this load its race
+    drove the count negative: a waiting greenlet then got LoopExit)."""
+    from gevent.pool import Pool
+
+    from shinken_sync.sharedloop import SharedLoop
+
+    async def one() -> int:
+        return 1
+
+    with SharedLoop(name="wake-stress") as shared:
+        done = Pool(500).map(lambda _: shared.run(one(), timeout=30), range(20_000))
+        assert sum(done) == 20_000
+        gevent.sleep(0.01)  # the hub runs with only its own watchers left
+        assert shared.run(one(), timeout=10) == 1
