@@ -98,6 +98,9 @@ def _relay(reply: IpcReply) -> Response:
     else:
         response = Response(_stream_body(reply), status=reply.status, headers=headers, direct_passthrough=True)
         response.headers["Content-Length"] = str(reply.length)
+        # A HEAD reply never starts the generator (closing it then skips its ``finally``), so
+        # the stream must be closed by the response too, or the worker streams on to its window.
+        response.call_on_close(reply.stream.close)
     if reply.content_type:
         response.headers["Content-Type"] = reply.content_type
     else:

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from urllib.parse import urlsplit
 
+import gevent
 import psutil
 import pytest
 import requests
+from werkzeug.test import EnvironBuilder
 
-from webapp.router import RouterConfig
+from webapp.ipc import MAX_BODY_CHUNK
+from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcServer, open_socket
+from webapp.router import RouterConfig, _relay
 from webapp.serve import READY_URL_PATTERN, build_parser, server_argv
 from webapp.sharding import shard_for
 
@@ -45,6 +50,36 @@ def test_defaults_bind_loopback_and_config_from_env() -> None:
     assert RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b"}).api_key is None
     with pytest.raises(ValueError):
         RouterConfig.from_env({})
+
+
+class _BigReply:
+    status, content_type, headers = 200, "application/json", ()
+    body = [b"r" * MAX_BODY_CHUNK] * (2 * STREAM_WINDOW // MAX_BODY_CHUNK)  # stalls on credit
+
+
+@pytest.mark.parametrize("method", ["HEAD", "GET"])
+def test_a_relayed_stream_is_closed_even_when_its_body_is_never_sent(method: str) -> None:
+    """HEAD gets the headers only: the worker must still be told to stop streaming at once."""
+    a, b = socket.socketpair()
+    server = IpcServer(open_socket(b.detach()), lambda meta, body: _BigReply(), name="worker")
+    client = IpcClient(open_socket(a.detach()), name="router")
+    try:
+        reply = client.request({"op": "get_session"}, timeout=5)
+        assert reply.stream is not None
+        started: list[str] = []
+        app_iter = _relay(reply)(EnvironBuilder(method=method).get_environ(),
+                                 lambda status, headers: started.append(status))
+        sent = b"".join(app_iter)
+        app_iter.close()  # what every WSGI server does with the app_iter
+        assert started == ["200 OK"]
+        assert len(sent) == (reply.length if method == "GET" else 0)
+        with gevent.Timeout(5):  # without the close the worker holds the stream for 120 s
+            while server._inflight or client._streams:
+                gevent.sleep(0.01)
+        assert client.request({"op": "get_session"}, timeout=5).length == reply.length
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.mark.integration
