@@ -196,7 +196,10 @@ def create_app(config: RouterConfig | None = None) -> Flask:
 
         jobs = [gevent.spawn(ask, shard) for shard in range(supervisor.workers)]
         gevent.joinall(jobs, timeout=config.health_timeout + 1.0)
-        problems = {shard: job.value if job.ready() else "health check timed out"
+        # A probe that crashed (any exception ``ask`` does not expect) is a problem too.
+        problems = {shard: ("health check timed out" if not job.ready()
+                            else f"health check failed: {job.exception!r}" if job.exception is not None
+                            else job.value)
                     for shard, job in enumerate(jobs)}
         bad = {shard: why for shard, why in problems.items() if why is not None}
         if bad:

@@ -19,8 +19,8 @@ import requests
 from werkzeug.test import EnvironBuilder
 
 from webapp.ipc import MAX_BODY_CHUNK
-from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcServer, open_socket
-from webapp.router import RouterConfig, _relay
+from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcReply, IpcServer, open_socket
+from webapp.router import RouterConfig, _relay, create_app
 from webapp.serve import READY_URL_PATTERN, build_parser, server_argv
 from webapp.sharding import shard_for
 
@@ -80,6 +80,21 @@ def test_a_relayed_stream_is_closed_even_when_its_body_is_never_sent(method: str
     finally:
         client.close()
         server.close()
+
+
+def test_health_reports_a_shard_whose_probe_crashed() -> None:
+    app = create_app(RouterConfig(workers=2, backend_url="http://127.0.0.1:9"))
+    supervisor = app.extensions["shinken_supervisor"]
+
+    def request(shard: int, meta: dict, body: bytes = b"", **kw: object) -> IpcReply:
+        if shard == 1:
+            raise LookupError("probe bug")
+        return IpcReply(status=200, content_type="application/json", headers=[], length=2, body=b"{}")
+
+    supervisor.request = request
+    resp = app.test_client().get("/health")
+    assert resp.status_code == 503 and resp.json["unhealthy_shards"] == [1]
+    assert "LookupError('probe bug')" in resp.json["error"]
 
 
 @pytest.mark.integration
