@@ -72,6 +72,7 @@ __all__ = [
     "aconnect",
     "call_deadline",
     "loop_frame_budget",
+    "pipelined_deadlines",
 ]
 
 log = logging.getLogger("shinken_sync.client")
@@ -283,6 +284,7 @@ def _split_action(index: int, action: Mapping[str, Any]) -> tuple[str, dict[str,
 
 def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     """Seconds a verb may legitimately take in the daemon before replying."""
+    args = {name: value for name, value in args.items() if value is not None}
     if verb == "wait":
         return args.get("ms", 0) / 1000
     if verb in ("wait_stable", "wait_change", "exec"):
@@ -292,15 +294,37 @@ def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
 
 
 def call_deadline(
-    rpc_timeout: float, verb: str, args: Mapping[str, Any], timeout: float | None = None
+    rpc_timeout: float,
+    verb: str,
+    args: Mapping[str, Any],
+    timeout: float | None = None,
+    *,
+    queued: float = 0.0,
 ) -> float:
     """Seconds one call may wait for its reply: ``timeout`` when given, else
-    ``rpc_timeout``, plus the verb's own duration and :data:`WAITING_VERB_SLACK`
-    for verbs that wait on purpose. (The sync facade bounds its callers with it.)"""
+    ``rpc_timeout``, plus the verb's own duration, the ``queued`` seconds of
+    waiting verbs the daemon runs before it, and :data:`WAITING_VERB_SLACK`
+    when either is non-zero. (The sync facade bounds its callers with it.)"""
     if timeout is not None:
         return timeout
-    waiting = _waiting_time(verb, {name: value for name, value in args.items() if value is not None})
+    waiting = queued + _waiting_time(verb, args)
     return rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
+
+
+def pipelined_deadlines(
+    rpc_timeout: float, calls: Iterable[tuple[str, Mapping[str, Any]]], timeout: float | None = None
+) -> list[float]:
+    """:func:`call_deadline` of each of ``calls`` sent at once, as :meth:`AsyncSandbox.step`
+    sends them: the daemon runs a connection's calls in order, so each also
+    waits out the waiting verbs ahead of it. An explicit ``timeout`` is the
+    caller's bound on every reply, measured from the send, so it bounds the whole
+    step."""
+    deadlines = []
+    queued = 0.0
+    for verb, args in calls:
+        deadlines.append(call_deadline(rpc_timeout, verb, args, timeout, queued=queued))
+        queued += _waiting_time(verb, args)
+    return deadlines
 
 
 def _reply_error(verb: str, reply: protocol.Reply) -> ShinkenError:
@@ -483,9 +507,12 @@ class AsyncSandbox:
         exc.__cause__ = self._loss.__cause__
         return exc
 
-    def _prepare(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> _Call:
+    def _prepare(
+        self, verb: str, args: Mapping[str, Any], timeout: float | None, deadline: float | None = None
+    ) -> _Call:
         """Encode one call without sending it; bad arguments raise here, so a
-        batch can be checked whole before any of it goes out.
+        batch can be checked whole before any of it goes out. ``deadline``
+        overrides the call's own :func:`call_deadline` (a pipelined step's).
 
         Raises:
             TypeError: an argument is not JSON-serialisable.
@@ -505,7 +532,9 @@ class AsyncSandbox:
                 "nothing was sent",
                 verb=verb,
             )
-        return _Call(call_id, verb, message, call_deadline(self._rpc_timeout, verb, wire, timeout))
+        if deadline is None:
+            deadline = call_deadline(self._rpc_timeout, verb, wire, timeout)
+        return _Call(call_id, verb, message, deadline)
 
     async def _send(self, call: _Call) -> asyncio.Future:
         """Send a prepared call; return the future its reply (a protocol.Reply) resolves."""
@@ -719,6 +748,11 @@ class AsyncSandbox:
         or ``denied`` when the gateway refused it (it was never sent).
         ``observe`` holds :meth:`screenshot` arguments (``{}`` for defaults); the
         observation comes back even after an action failed.
+
+        Each call's deadline runs from the send and includes the waiting verbs
+        (``wait``, ``exec``, ...) queued ahead of it (:func:`pipelined_deadlines`).
+        ``timeout=`` replaces that: every reply must come within ``timeout``
+        seconds of the send, so it bounds the whole step.
         """
         actions_ = list(actions)
         calls = [_split_action(i, action) for i, action in enumerate(actions_)]
@@ -728,11 +762,20 @@ class AsyncSandbox:
         # that raises leaves nothing half-sent.
         admitted = [gate is None or bool(gate(action)) for action in actions_]
         self._check_usable()
+        sent = [call for call, ok in zip(calls, admitted) if ok]
+        if observe_args is not None:
+            sent.append(("screenshot", observe_args))
+        deadlines = iter(pipelined_deadlines(self._rpc_timeout, sent, timeout))
         # Encode everything first: a bad argument raises before anything is sent.
         prepared = [
-            self._prepare(verb, args, timeout) if ok else None for (verb, args), ok in zip(calls, admitted)
+            self._prepare(verb, args, timeout, next(deadlines)) if ok else None
+            for (verb, args), ok in zip(calls, admitted)
         ]
-        observe_call = None if observe_args is None else self._prepare("screenshot", observe_args, timeout)
+        observe_call = (
+            None
+            if observe_args is None
+            else self._prepare("screenshot", observe_args, timeout, next(deadlines))
+        )
         futures = [None if call is None else await self._send(call) for call in prepared]
         observation_future = None if observe_call is None else await self._send(observe_call)
         rows = []

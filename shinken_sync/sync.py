@@ -15,7 +15,8 @@ cannot drift; ``tests/sdk/test_sync.py`` checks it anyway.
 Deadlines on the caller's side
 ------------------------------
 The async core bounds every call (``rpc_timeout``, or ``timeout=``, plus the
-duration of verbs that wait on purpose). The facade bounds the caller's wait
+duration of verbs that wait on purpose, and in a pipelined ``step`` of those
+queued ahead of it). The facade bounds the caller's wait
 *again*, at that deadline plus :data:`CALLER_MARGIN`, so even a wedged loop
 thread cannot hang a caller: the wait ends with
 :class:`~shinken_sync.errors.RPCTimeout`. The margin lets the loop's own, more
@@ -60,28 +61,35 @@ def _one_call(verb: str) -> DeadlineRule:
     return rule
 
 
-def _action_deadlines(rpc_timeout: float, args: dict[str, Any]) -> list[float]:
+def _action_calls(args: dict[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     actions = args.get("actions")
     if actions is None:
         return []  # missing: calling the async method raises the TypeError
     args["actions"] = actions = list(actions)
-    deadlines = []
+    calls: list[tuple[str, Mapping[str, Any]]] = []
     for action in actions:
         # A malformed action gets the plain rpc deadline here; the core rejects it.
         call = {k: v for k, v in action.items() if k != "verb"} if isinstance(action, Mapping) else {}
         verb = action.get("verb", "") if isinstance(action, Mapping) else ""
-        deadlines.append(client.call_deadline(rpc_timeout, verb, call, args.get("timeout")))
+        calls.append((verb, call))
     if args.get("observe") is not None:
-        deadlines.append(client.call_deadline(rpc_timeout, "screenshot", {}, args.get("timeout")))
-    return deadlines
+        calls.append(("screenshot", {}))
+    return calls
 
 
 def _act_batch_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
-    return sum(_action_deadlines(rpc_timeout, args))  # one action after another
+    # One action after another, each with its own deadline from its own send.
+    timeout = args.get("timeout")
+    return sum(client.call_deadline(rpc_timeout, verb, call, timeout) for verb, call in _action_calls(args))
 
 
 def _step_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
-    return max(_action_deadlines(rpc_timeout, args), default=rpc_timeout)  # all in flight at once
+    # All in flight at once, run in order: the core's latest deadline, counting
+    # every call as sent (a gateway denial only shortens the step).
+    return max(
+        client.pipelined_deadlines(rpc_timeout, _action_calls(args), args.get("timeout")),
+        default=rpc_timeout,
+    )
 
 
 def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:

@@ -124,6 +124,11 @@ def test_deadlines_follow_the_async_cores_own():
     assert rules["act_batch"](target, args) == 30.0 + wait_deadline
     assert args["actions"] == [{"verb": "click", "x": 1, "y": 1}, {"verb": "wait", "ms": 5000}]
     assert rules["step"](target, {"actions": args["actions"], "timeout": None, "observe": {}}) == wait_deadline
+    # A step's calls run in order on the daemon: the last waits out every wait ahead of it.
+    waits = [{"verb": "wait", "ms": 20_000}, {"verb": "wait", "ms": 20_000}]
+    step = {"actions": waits, "timeout": None, "observe": {}}
+    assert rules["step"](target, step) == 30.0 + 40.0 + client.WAITING_VERB_SLACK
+    assert rules["step"](target, {**step, "timeout": 2.0}) == 2.0  # the caller's bound on the whole step
     assert rules["read_file"](target, {"max_bytes": None, "timeout": None}) is None
     assert rules["read_file"](target, {"max_bytes": 3 * client.READ_FILE_CHUNK, "timeout": 1.0}) == 3.0
 

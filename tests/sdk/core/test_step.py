@@ -204,3 +204,20 @@ def test_daemon_killed_mid_step(run, slow_daemon):
         await sb.close()
 
     run(body())
+
+
+@pytest.mark.integration
+def test_step_calls_queued_behind_a_wait_get_its_duration(run, daemon):
+    # shinkend runs a step's calls one after another, so a call sent with the
+    # others waits out the wait ahead of it before its own rpc_timeout matters.
+    provider, handle = daemon
+
+    async def body():
+        async with await aconnect(*provider.endpoint(handle), rpc_timeout=1) as sb:
+            result = await sb.step([A.wait(1500)], observe={"max_long_edge": 64})
+            assert result.outcomes == ["ok"]
+            assert result.observation_error is None and result.observation.width == 64
+            result = await sb.step([A.wait(1500), A.move(7, 7)])
+            assert result.outcomes == ["ok", "ok"]
+
+    run(body())
