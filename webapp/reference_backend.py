@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from webapp.settings import parse_bind
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
 __all__ = [
@@ -247,12 +249,9 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], tokenizer: ChatTokenizer, r3: R3Shape) -> None:
         self.tokenizer = tokenizer
         self.r3 = r3
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
-
-
-def _parse_bind(bind: str) -> tuple[str, int]:
-    host, _, port = bind.rpartition(":")
-    return host or "127.0.0.1", int(port)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -263,7 +262,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m webapp.reference_backend", description=__doc__.split("\n")[0])
-    parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: pick a free one)")
+    parser.add_argument("--bind", default="127.0.0.1:0", type=parse_bind,
+                        help="HOST:PORT (port 0: pick a free one)")
     parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template (default: bytes)")
     parser.add_argument("--r3-layers", type=int, default=0, help="routed_experts layers (0: no R3)")
     parser.add_argument("--r3-topk", type=int, default=8, help="routed_experts top_k")
@@ -273,10 +273,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.exit_with_parent:
         threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    server = _Server(_parse_bind(args.bind), load_tokenizer(args.tokenizer),
+    server = _Server(args.bind, load_tokenizer(args.tokenizer),
                      R3Shape(args.r3_layers, args.r3_topk, args.r3_experts))
     host, port = server.server_address[:2]
-    print(json.dumps({"ready": True, "url": f"http://{host}:{port}", "pid": os.getpid()}), flush=True)
+    url_host = f"[{host}]" if ":" in host else host
+    print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "pid": os.getpid()}), flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import gevent
 from flask import Flask, Response, request
@@ -26,6 +26,7 @@ from werkzeug.exceptions import HTTPException
 
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
+from webapp.settings import float_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
 
@@ -71,11 +72,9 @@ class RouterConfig:
             backend_url = env["SHINKEN_BACKEND_URL"]
         except KeyError:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
-        floats = {name: float(env[f"SHINKEN_{name.upper()}"]) for name, value in asdict(cls(1, "")).items()
-                  if isinstance(value, float) and f"SHINKEN_{name.upper()}" in env}
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **floats)
+                   **float_settings_from_env(cls, env))
 
     def supervisor_config(self) -> SupervisorConfig:
         return SupervisorConfig(

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from webapp.settings import parse_bind
+
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
 
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
@@ -47,13 +49,6 @@ def server_argv(workers: int, backend_url: str | None = None, bind: str = "127.0
     """The command line that runs this server (tests and benchmarks start it this way)."""
     argv = [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", bind, *extra]
     return argv + (["--backend-url", backend_url] if backend_url else [])
-
-
-def _parse_bind(bind: str) -> tuple[str, int]:
-    host, sep, port = bind.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"--bind must be HOST:PORT, got {bind!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -84,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="session worker processes (0: the single-process server)")
     parser.add_argument("--backend-url", default=None,
                         help="inference backend base URL (default: start the reference backend)")
-    parser.add_argument("--bind", default="127.0.0.1:8000", type=_parse_bind,
+    parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on (default 127.0.0.1:8000; port 0 picks a free one)")
     parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template")
     parser.add_argument("--api-key", default=None,

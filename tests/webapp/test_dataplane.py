@@ -186,3 +186,13 @@ def test_workers_0_serves_the_single_process_app(reference_backend_factory, sess
     workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                if "shinken-session-worker" in " ".join(p.cmdline())]
     assert workers == []  # no session worker processes in this mode
+
+
+def test_workers_0_honours_the_read_timeout(stub_backend_factory, session_server_factory) -> None:
+    silent = stub_backend_factory(lambda request: None)  # never answers
+    server = session_server_factory(server_argv(0, silent, "127.0.0.1:0", "--read-timeout", "0.3"),
+                                    ready_pattern=READY_URL_PATTERN)
+    sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
+    chat = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=20,
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 502 and "timed out" in chat.json()["error"]

@@ -1,0 +1,32 @@
+"""The settings parsing shared by the server, router, single-process app and reference backend."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from webapp.core import CoreConfig
+from webapp.router import RouterConfig
+from webapp.settings import float_settings_from_env, parse_bind
+
+
+@pytest.mark.parametrize("bind, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), (":80", ("127.0.0.1", 80)),
+                                            ("[::1]:9", ("::1", 9)), ("0.0.0.0:8000", ("0.0.0.0", 8000))])
+def test_parse_bind(bind: str, expected: tuple[str, int]) -> None:
+    assert parse_bind(bind) == expected
+
+
+@pytest.mark.parametrize("bind", ["nope", "host:", "host:-1", "host:65536", "::1:80", "[::1:80"])
+def test_parse_bind_refuses(bind: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bind(bind)
+
+
+def test_float_settings_from_env() -> None:
+    env = {"SHINKEN_READ_TIMEOUT": "0.5", "SHINKEN_TURN_WAIT_TIMEOUT": "7", "SHINKEN_POOL_MAXSIZE": "3",
+           "SHINKEN_CHAT_MARGIN": "1"}
+    assert float_settings_from_env(CoreConfig, env) == {"read_timeout": 0.5, "turn_wait_timeout": 7.0}
+    assert float_settings_from_env(RouterConfig, env) == {"read_timeout": 0.5, "chat_margin": 1.0}
+    with pytest.raises(ValueError, match="SHINKEN_READ_TIMEOUT"):
+        float_settings_from_env(CoreConfig, {"SHINKEN_READ_TIMEOUT": "soon"})
