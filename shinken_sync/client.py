@@ -77,6 +77,9 @@ __all__ = [
 
 log = logging.getLogger("shinken_sync.client")
 
+# Verbs whose OK reply starts (or moves here) a stream the daemon then pushes.
+_STREAM_OPENERS = ("screencast_start", "resume_screencast")
+
 #: Byte budget for queued screencast frames per event loop; None = off.
 #: Recommended for fleets: ``256 << 20``. See the module docstring.
 GLOBAL_FRAME_BUDGET_BYTES: int | None = None
@@ -422,6 +425,10 @@ class AsyncSandbox:
         self._pending: dict[int, _Pending] = {}
         self._next_call_id = 1
         self._streams: dict[str, ScreencastStream] = {}
+        # Stream openers whose caller stopped waiting (timed out or cancelled):
+        # their stream, if the reply brings one, is stopped, never left pushing.
+        self._unclaimed_openers: set[int] = set()
+        self._stopping_unclaimed: set[asyncio.Task] = set()
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
@@ -556,6 +563,8 @@ class AsyncSandbox:
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.pop(call_id, None)
+        if pending is not None and pending.verb in _STREAM_OPENERS:
+            self._unclaimed_openers.add(call_id)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(
                 RPCTimeout(
@@ -859,6 +868,24 @@ class AsyncSandbox:
         stream = self._streams[stream_id] = ScreencastStream(self, stream_id, params, queue, delivered)
         return stream
 
+    def _stop_unclaimed_stream(self, reply: protocol.Reply) -> None:
+        """Stop the stream an opener's late reply brings: nobody holds it, and
+        the daemon would push its frames for the rest of the connection."""
+        stream_id = (reply.result or {}).get("stream_id") if reply.outcome == protocol.OK else None
+        if not isinstance(stream_id, str) or self._closing or self._loss is not None:
+            return
+        # Fire and forget: a call with its own rpc_timeout deadline, failed by
+        # close() or a connection loss like any other, so nothing waits on it.
+        task = self._loop.create_task(self._stop_quietly(stream_id), name=f"shinken-stop {stream_id}")
+        self._stopping_unclaimed.add(task)
+        task.add_done_callback(self._stopping_unclaimed.discard)
+
+    async def _stop_quietly(self, stream_id: str) -> None:
+        try:
+            await self._call("screencast_stop", {"stream_id": stream_id})
+        except ShinkenError as exc:  # ended on its own (not_found), or went with the connection
+            log.debug("%s: stopping unclaimed stream %s: %s", self._url, stream_id, exc)
+
     def _stream_ended(self, end: protocol.StreamEnd) -> None:
         stream = self._streams.pop(end.stream_id, None)
         if stream is not None:  # frames already queued stay readable before the end
@@ -907,12 +934,18 @@ class AsyncSandbox:
         pending = self._pending.pop(call_id, None) if isinstance(call_id, int) else None
         if pending is None:
             if isinstance(call_id, int) and 0 < call_id < self._next_call_id:
-                return  # the call already timed out; its late reply is dropped
+                # The call already timed out; its late reply is dropped.
+                if call_id in self._unclaimed_openers:
+                    self._unclaimed_openers.discard(call_id)
+                    self._stop_unclaimed_stream(reply)
+                return
             raise ProtocolViolation(f"reply to call {call_id!r}, which was never sent")
         pending.timer.cancel()
         if pending.future.done():  # the caller was cancelled
+            if pending.verb in _STREAM_OPENERS:
+                self._stop_unclaimed_stream(reply)
             return
-        if reply.outcome == protocol.OK and pending.verb in ("screencast_start", "resume_screencast"):
+        if reply.outcome == protocol.OK and pending.verb in _STREAM_OPENERS:
             stream = self._register_stream(reply.result or {})
             if stream is not None:
                 pending.future.set_result(stream)
@@ -927,6 +960,7 @@ class AsyncSandbox:
         loss.__cause__ = cause
         self._loss = loss
         pending, self._pending = self._pending, {}
+        self._unclaimed_openers.clear()
         for call in pending.values():
             call.timer.cancel()
             if not call.future.done():

@@ -8,7 +8,8 @@ import pytest
 
 from shinken_sync import client
 from shinken_sync.client import aconnect
-from shinken_sync.errors import FrameTimeout, StreamLost
+from shinken_sync.daemon.screencast import MAX_STREAMS_PER_SANDBOX
+from shinken_sync.errors import FrameTimeout, RPCTimeout, StreamLost
 from shinken_sync.results import Frame
 
 TOKEN = "test-token"
@@ -174,5 +175,31 @@ def test_resume_across_a_dropped_connection_reports_the_gap(run, daemon):
             await resumed.stop()
         await driver.close()
         await first.close()
+
+    run(body())
+
+
+@pytest.mark.integration
+def test_a_stream_whose_caller_stopped_waiting_is_stopped(run, slow_daemon):
+    # Replies are held 300 ms, so each start below is abandoned (timed out or
+    # cancelled) before its reply brings the stream. Unstopped, those streams
+    # would fill the sandbox's stream limit and the last start would fail.
+    provider, handle = slow_daemon
+
+    async def body():
+        async with await aconnect(*provider.endpoint(handle)) as sb:
+            half = MAX_STREAMS_PER_SANDBOX // 2
+            for _ in range(half):
+                with pytest.raises(RPCTimeout):
+                    await sb.screencast(fps=20, timeout=0.05)
+            starts = [asyncio.ensure_future(sb.screencast(fps=20)) for _ in range(MAX_STREAMS_PER_SANDBOX - half)]
+            await asyncio.sleep(0.05)
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            # Replied after every start, so each unclaimed stream's stop went out before the next start.
+            await sb.cursor()
+            stream = await sb.screencast(fps=20)
+            await stream.stop()
 
     run(body())
