@@ -56,6 +56,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "RECEIVE_POOL_IDLE_SECONDS",
     "RECEIVE_POOL_MAX_BYTES",
+    "WORKER_BUSY",
     "Buffer",
     "Frame",
     "FrameDecoder",
@@ -119,6 +120,9 @@ class FrameType(enum.IntEnum):
     CANCEL = 6  # router -> worker: the caller gave up; stop streaming, drop the reply
 
 
+# ``remote_type`` of the ERROR a worker answers at once when it runs too many requests.
+WORKER_BUSY = "WorkerBusy"
+
 # The largest payload each frame type may announce; checked before allocating.
 _MAX_PAYLOAD = {
     FrameType.REQUEST: MAX_FRAME_BYTES - FRAME_HEADER.size,
@@ -166,6 +170,11 @@ class IpcRemoteError(IpcError):
         super().__init__(f"{remote_type}: {message}")
         self.remote_type = remote_type
         self.message = message
+
+    @property
+    def worker_busy(self) -> bool:
+        """The worker refused the request unrun (over its in-flight limit): safe to retry."""
+        return self.remote_type == WORKER_BUSY
 
     def to_payload(self) -> bytes:
         return json.dumps({"type": self.remote_type, "message": self.message}).encode()

@@ -32,6 +32,7 @@ from webapp.ipc import (
     INLINE_BODY_MAX,
     MAX_BODY_CHUNK,
     MAX_FRAME_BYTES,
+    WORKER_BUSY,
     Buffer,
     Frame,
     FrameDecoder,
@@ -536,7 +537,7 @@ class IpcServer:
             if len(self._inflight) >= MAX_INFLIGHT_REQUESTS:
                 self.receive_pool.release(frame.payload)
                 self._transport.send(
-                    encode_error_frame(rid, IpcRemoteError("WorkerBusy", f"{len(self._inflight)} requests running"))
+                    encode_error_frame(rid, IpcRemoteError(WORKER_BUSY, f"{len(self._inflight)} requests running"))
                 )
                 return
             meta, body = decode_envelope(frame.payload)

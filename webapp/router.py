@@ -162,7 +162,7 @@ def create_app(config: RouterConfig | None = None) -> Flask:
         except FrameTooLarge as exc:
             return _error(413, str(exc))
         except IpcRemoteError as exc:
-            status = 503 if exc.remote_type == "WorkerBusy" else 500
+            status = 503 if exc.worker_busy else 500
             return _error(status, f"session worker for shard {shard} failed: {exc}", shard=shard)
         return _relay(reply)
 

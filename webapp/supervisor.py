@@ -68,6 +68,7 @@ class _Slot:
     shard: int
     state: str = "starting"  # starting | ready | down | stopped
     reason: str = "starting"
+    hung: bool = False  # the current incarnation stopped answering pings: no grace when reaped
     client: IpcClient | None = None
     process: Any = None
     pid: int | None = None
@@ -165,7 +166,7 @@ class Supervisor:
     def _run_worker(self, slot: _Slot) -> bool:
         """Run one worker incarnation to its end; True if it became ready at some point."""
         cfg = self.config
-        slot.state, slot.reason, slot.pid = "starting", "worker starting", None
+        slot.state, slot.reason, slot.pid, slot.hung = "starting", "worker starting", None, False
         slot.lost = lost = gevent.event.Event()
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
@@ -185,9 +186,8 @@ class Supervisor:
             served = self._watch(slot, client, lost)
         finally:
             watcher.kill(block=False)
-            hung = slot.reason.startswith("hung")
             client.close("worker replaced")
-            _reap(process, 0.0 if hung else 1.0)
+            _reap(process, 0.0 if slot.hung else 1.0)
         return served
 
     def _watch(self, slot: _Slot, client: IpcClient, lost: gevent.event.Event) -> bool:
@@ -196,7 +196,8 @@ class Supervisor:
         try:
             client.request({"op": "ping"}, timeout=cfg.startup_timeout)
         except IpcTimeout:
-            self._mark_down(slot, lost, f"hung: no heartbeat within the {cfg.startup_timeout} s startup timeout")
+            self._mark_down(slot, lost, f"hung: no heartbeat within the {cfg.startup_timeout} s startup timeout",
+                            hung=True)
             return False
         except IpcError as exc:
             self._mark_down(slot, lost, f"failed to start ({exc})")
@@ -207,16 +208,16 @@ class Supervisor:
             try:
                 client.request({"op": "ping"}, timeout=cfg.heartbeat_timeout)
             except IpcTimeout:
-                self._mark_down(slot, lost, f"hung: no heartbeat within {cfg.heartbeat_timeout} s")
+                self._mark_down(slot, lost, f"hung: no heartbeat within {cfg.heartbeat_timeout} s", hung=True)
             except IpcError as exc:
                 self._mark_down(slot, lost, f"lost ({exc})")
         return True
 
-    def _mark_down(self, slot: _Slot, lost: gevent.event.Event, reason: str) -> None:
+    def _mark_down(self, slot: _Slot, lost: gevent.event.Event, reason: str, *, hung: bool = False) -> None:
         # The first signal wins (sentinel, EOF, failed heartbeat); from this instant the
         # shard answers 503 without waiting for the slot greenlet to wake up.
         if slot.lost is lost and slot.state not in ("down", "stopped"):
-            slot.state, slot.reason = "down", reason
+            slot.state, slot.reason, slot.hung = "down", reason, hung
         lost.set()
 
     def _watch_sentinel(self, slot: _Slot, process: Any, lost: gevent.event.Event) -> None:

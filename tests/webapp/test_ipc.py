@@ -454,7 +454,7 @@ def test_busy_worker_gives_the_refused_body_back(pooled_pair, monkeypatch) -> No
     gevent.sleep(0.05)
     with pytest.raises(IpcRemoteError) as info:
         client.request({"op": "echo"}, _body(2), timeout=5)
-    assert info.value.remote_type == "WorkerBusy"
+    assert info.value.worker_busy and info.value.remote_type == ipc.WORKER_BUSY
     assert server.receive_pool.lent == 1
     slow.join(timeout=5)
     assert slow.value.body == _body(1) and server.receive_pool.lent == 0
