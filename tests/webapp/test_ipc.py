@@ -6,6 +6,7 @@ import mmap
 import socket
 
 import gevent
+import gevent.event
 import pytest
 
 from webapp import ipc
@@ -150,8 +151,41 @@ class Reply:
         self.headers = (("X-Op", "toy"),)
 
 
+class Gate:
+    """Holds ``"hold"`` requests in their handler until opened, so a test knows they still run."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.opened = gevent.event.Event()
+
+    def pass_through(self) -> None:
+        self.entered += 1
+        self.opened.wait(HOLD_LIMIT)
+
+
+HOLD_LIMIT = 30.0  # a held handler gives up after this, so none outlives a failed test for long
+gate = Gate()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gate():
+    global gate
+    gate = Gate()
+    yield
+    gate.opened.set()
+
+
+def until(predicate, timeout: float = 5.0) -> None:
+    """Wait (polling) until ``predicate()`` holds; gevent.Timeout if it does not in time."""
+    with gevent.Timeout(timeout):
+        while not predicate():
+            gevent.sleep(0.01)
+
+
 def toy_handler(meta, body):
     gevent.sleep(meta.get("delay", 0))
+    if meta.get("hold"):
+        gate.pass_through()
     op = meta["op"]
     if op == "echo":
         return Reply(bytes(body))
@@ -208,8 +242,8 @@ def test_handler_error_becomes_remote_error_and_channel_keeps_working(pair) -> N
 
 def test_eof_fails_pending_requests_and_later_ones_fast(pair) -> None:
     client, server = pair
-    jobs = [gevent.spawn(client.request, {"op": "echo", "delay": 5}, b"x", timeout=30) for _ in range(5)]
-    gevent.sleep(0.1)
+    jobs = [gevent.spawn(client.request, {"op": "echo", "hold": True}, b"x", timeout=30) for _ in range(5)]
+    until(lambda: gate.entered == 5)
     server.close()
     gevent.joinall(jobs, timeout=5)
     assert all(isinstance(j.exception, IpcChannelClosed) for j in jobs)
@@ -266,8 +300,7 @@ def test_abandoned_stream_is_cancelled(pair) -> None:
     it = iter(reply.stream)
     next(it)
     it.close()
-    gevent.sleep(0.1)
-    assert server._inflight == {}  # the worker stopped streaming
+    until(lambda: server._inflight == {})  # the worker stopped streaming (else: 120 s credit wait)
     assert client.request({"op": "echo"}, b"next", timeout=5).body == b"next"
 
 
@@ -434,15 +467,18 @@ def test_a_kept_body_is_never_overwritten(pooled_pair) -> None:
 def test_timed_out_and_failed_requests_give_their_buffers_back(pooled_pair) -> None:
     client, server, lent_buffers = pooled_pair
     with pytest.raises(IpcTimeout):
-        client.request({"op": "echo", "delay": 0.3}, _body(1), timeout=0.05)
-    assert server.receive_pool.lent == 1  # the handler still runs: its body stays lent
+        client.request({"op": "echo", "hold": True}, _body(1), timeout=0.05)
+    until(lambda: gate.entered == 1)
+    assert server.receive_pool.lent == 1  # the handler still runs (held): its body stays lent
     with pytest.raises(IpcRemoteError):
         client.request({"op": "fail"}, _body(2), timeout=5)
-    killed = gevent.spawn(client.request, {"op": "echo", "delay": 0.2}, _body(3), timeout=5)
-    gevent.sleep(0.05)
+    killed = gevent.spawn(client.request, {"op": "echo", "hold": True}, _body(3), timeout=5)
+    until(lambda: gate.entered == 2)
     killed.kill()
-    gevent.sleep(0.5)
-    assert server.receive_pool.lent == 0 and server.receive_pool.idle_bytes > 0
+    assert server.receive_pool.lent == 2  # both held handlers still hold their bodies
+    gate.opened.set()
+    until(lambda: server.receive_pool.lent == 0)
+    assert server.receive_pool.idle_bytes > 0
     assert client.request({"op": "echo"}, _body(4), timeout=5).body == _body(4)
     assert len(set(lent_buffers)) < len(lent_buffers)  # buffers given back were lent again
 
@@ -450,11 +486,13 @@ def test_timed_out_and_failed_requests_give_their_buffers_back(pooled_pair) -> N
 def test_busy_worker_gives_the_refused_body_back(pooled_pair, monkeypatch) -> None:
     client, server, _ = pooled_pair
     monkeypatch.setattr("webapp.ipc_channel.MAX_INFLIGHT_REQUESTS", 1)
-    slow = gevent.spawn(client.request, {"op": "echo", "delay": 0.3}, _body(1), timeout=5)
-    gevent.sleep(0.05)
+    slow = gevent.spawn(client.request, {"op": "echo", "hold": True}, _body(1), timeout=5)
+    until(lambda: gate.entered == 1)
     with pytest.raises(IpcRemoteError) as info:
         client.request({"op": "echo"}, _body(2), timeout=5)
     assert info.value.worker_busy and info.value.remote_type == ipc.WORKER_BUSY
     assert server.receive_pool.lent == 1
+    gate.opened.set()
     slow.join(timeout=5)
-    assert slow.value.body == _body(1) and server.receive_pool.lent == 0
+    assert slow.value.body == _body(1)
+    until(lambda: server.receive_pool.lent == 0)
