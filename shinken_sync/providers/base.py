@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:  # imported on use: the SDK modules need not load with the interface
+    from shinken_sync.client import AsyncSandbox
+    from shinken_sync.sync import Sandbox
 
 Handle = TypeVar("Handle")
+# What __enter__ returns: the provider's own class (typing.Self is 3.11+).
+_ProviderT = TypeVar("_ProviderT", bound="Provider[Any]")
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class Provider(abc.ABC, Generic[Handle]):
     def close(self) -> None:
         """Destroy every sandbox this provider created. Idempotent."""
 
-    def connect(self, handle: Handle, **kwargs: Any) -> Any:
+    def connect(self, handle: Handle, **kwargs: Any) -> Sandbox:
         """Dial ``handle`` with the blocking SDK: ``shinken_sync.sync.connect(url,
         token=..., liveness_probe=..., **kwargs)``. The probe lets a lost
         connection be upgraded to ``SandboxDied`` with this provider's detail."""
@@ -61,14 +67,14 @@ class Provider(abc.ABC, Generic[Handle]):
         url, token = self.endpoint(handle)
         return connect(url, token=token, liveness_probe=lambda: self.check_alive(handle), **kwargs)
 
-    async def aconnect(self, handle: Handle, **kwargs: Any) -> Any:
+    async def aconnect(self, handle: Handle, **kwargs: Any) -> AsyncSandbox:
         """Like :meth:`connect`, with the asyncio SDK (``shinken_sync.client.aconnect``)."""
         from shinken_sync.client import aconnect
 
         url, token = self.endpoint(handle)
         return await aconnect(url, token=token, liveness_probe=lambda: self.check_alive(handle), **kwargs)
 
-    def __enter__(self):
+    def __enter__(self: _ProviderT) -> _ProviderT:  # noqa: PYI019 - no typing.Self on 3.10
         return self
 
     def __exit__(self, *exc_info: object) -> None:
