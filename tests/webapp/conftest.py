@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import psutil
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -36,6 +38,9 @@ from webapp.reference_backend import ReferenceBackendProcess, start_reference_ba
 SERVER_READY_TIMEOUT = 60.0
 GUNICORN_READY = r"Listening at: (http://\S+)"
 HANG_LIMIT = 30.0  # a hanging stub handler gives up after this, so no test thread outlives its module
+# A server's graceful stop may take gunicorn's graceful_timeout (20 s) plus the launcher's cleanup.
+GRACEFUL_STOP_TIMEOUT = 30.0
+EXIT_GRACE = 5.0  # what a graceful stop left may take this long to finish exiting
 
 
 CHATML_TEMPLATE = (
@@ -82,11 +87,16 @@ def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> lis
 
 
 class ServerProcess:
-    """A server subprocess whose merged stdout/stderr is drained by a reader thread."""
+    """A server subprocess whose merged stdout/stderr is drained by a reader thread.
+
+    It leads a process group of its own, so :meth:`close` can kill whatever its tree leaves
+    behind (gunicorn has no parent-death signal).
+    """
 
     def __init__(self, argv: list[str], env: dict[str, str], ready_pattern: str, timeout: float) -> None:
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.leftovers: list[psutil.Process] = []
         self._lines: list[str] = []
         self._ready = threading.Event()
         self._pattern = re.compile(ready_pattern)
@@ -109,14 +119,27 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self._lines)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = GRACEFUL_STOP_TIMEOUT) -> None:
+        """SIGTERM (a graceful stop of the whole tree), then SIGKILL to the process group.
+
+        ``leftovers``: the descendants still alive after the graceful stop, before the SIGKILL.
+        """
         if self.proc.poll() is None:
+            try:
+                tree = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                tree = []
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
+                _gone, self.leftovers = psutil.wait_procs(tree, timeout=EXIT_GRACE)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+                self.leftovers = [p for p in tree if p.is_running()]
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group is gone already
+            pass
+        self.proc.wait(timeout)
 
 
 @pytest.fixture(scope="module")
