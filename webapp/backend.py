@@ -103,14 +103,24 @@ class BackendClient:
         self._http.mount("http://", adapter)
         self._http.mount("https://", adapter)
 
-    def chat_completions(self, payload: bytes) -> BackendReply:
-        """POST ``payload`` (JSON bytes) to the chat completions endpoint."""
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        """POST ``payload`` (JSON bytes) to the chat completions endpoint.
+
+        ``deadline`` (``time.monotonic()``) caps the connect and read timeouts: past it the
+        call fails with :class:`BackendTimeout`.
+        """
         url = self.base_url + CHAT_COMPLETIONS_PATH
+        connect_timeout, read_timeout = self.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BackendTimeout("backend timed out: the turn's time budget ran out before the call")
+            connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
         try:
-            resp = self._http.post(url, data=payload, timeout=self.timeout, stream=True,
+            resp = self._http.post(url, data=payload, timeout=(connect_timeout, read_timeout), stream=True,
                                    headers={"Content-Type": "application/json"})
             with resp:
-                raw = self._read_body(resp)
+                raw = self._read_body(resp, read_timeout)
         except requests.Timeout as exc:
             raise BackendTimeout(f"backend timed out: {exc}") from exc
         except requests.RequestException as exc:
@@ -120,12 +130,12 @@ class BackendClient:
                                  resp.headers.get("Content-Type", "application/octet-stream"))
         return BackendReply(raw, parse_backend_reply(raw))
 
-    def _read_body(self, resp: requests.Response) -> bytes:
+    def _read_body(self, resp: requests.Response, read_timeout: float) -> bytes:
         declared = resp.headers.get("Content-Length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BACKEND_REPLY_BYTES:
             raise BackendMalformed(f"backend reply of {declared} bytes exceeds {MAX_BACKEND_REPLY_BYTES}")
         # requests' read timeout bounds each socket read; the deadline bounds the whole body.
-        deadline = time.monotonic() + self.timeout[1]
+        deadline = time.monotonic() + read_timeout
         chunks: list[bytes] = []
         size = 0
         for chunk in resp.iter_content(_READ_CHUNK):
@@ -133,7 +143,7 @@ class BackendClient:
             if size > MAX_BACKEND_REPLY_BYTES:
                 raise BackendMalformed(f"backend reply exceeds {MAX_BACKEND_REPLY_BYTES} bytes")
             if time.monotonic() > deadline:
-                raise requests.Timeout(f"reply body not complete after {self.timeout[1]} s")
+                raise requests.Timeout(f"reply body not complete after {read_timeout:.3g} s")
             chunks.append(chunk)
         return b"".join(chunks)
 

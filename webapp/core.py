@@ -330,28 +330,41 @@ class SessionCore:
     def health(self) -> Reply:
         return json_response(200, {"status": "ok", "sessions": len(self.registry)})
 
-    def chat(self, session_id: str, body: bytes) -> Reply:
-        """Run one turn. Blocking; safe to call from many threads/greenlets at once."""
+    def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
+        """Run one turn. Blocking; safe to call from many threads/greenlets at once.
+
+        ``budget``: seconds the whole turn may take — its wait for the session's previous turn
+        plus the backend call — on top of the core's own timeouts, so a caller with a deadline
+        of its own (the router) gets this core's 503 or 502 before it gives up and the turn is
+        never committed after its caller was told it failed. None: the core's timeouts only.
+        """
+        deadline = None if budget is None else time.monotonic() + budget
         try:
-            return self._chat(session_id, body)
+            return self._chat(session_id, body, deadline)
         except SessionError as exc:
             return _reply_for(exc)
         except Exception:  # a bug in one turn must not take the worker (and other sessions) down
             log.exception("chat turn on session %s failed", session_id)
             return error_response(500, "internal error in the session core")
 
-    def _chat(self, session_id: str, body: bytes) -> Reply:
+    def _chat(self, session_id: str, body: bytes, deadline: float | None) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
-        if not session.turn_lock.acquire(timeout=self.turn_wait_timeout):
-            raise SessionBusy(f"session {session_id!r}: previous turn still running after "
-                              f"{self.turn_wait_timeout} s")
+        wait = self.turn_wait_timeout
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
+        if not session.turn_lock.acquire(timeout=wait):
+            raise SessionBusy(f"session {session_id!r}: previous turn still running after {wait:.3g} s")
         try:
             if session.closed:
                 raise SessionNotFound(session_id)
             plan = plan_turn(session.state, session.previous, request.get("messages"),
                              request.get("tools"), self.tokenizer)
-            reply = self.backend.chat_completions(self._backend_payload(request, plan))
+            payload = self._backend_payload(request, plan)
+            if deadline is None:  # the one-argument call every backend (and test fake) takes
+                reply = self.backend.chat_completions(payload)
+            else:
+                reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
             record = self._record(session, request, body, plan, turn, reply)
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,

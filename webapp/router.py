@@ -63,6 +63,13 @@ class RouterConfig:
     def chat_timeout(self) -> float:
         return self.connect_timeout + self.read_timeout + self.chat_margin
 
+    @property
+    def chat_budget(self) -> float:
+        """What the worker's turn may take (lock wait + backend call): half the margin less
+        than :attr:`chat_timeout`, the other half left for the body and reply on the channel,
+        so the worker's own 503/502 arrives before the router answers 504."""
+        return self.connect_timeout + self.read_timeout + self.chat_margin / 2
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RouterConfig:
         """``SHINKEN_WORKERS``, ``SHINKEN_BACKEND_URL``, ``SHINKEN_TOKENIZER``, ``SHINKEN_API_KEY``,
@@ -149,10 +156,11 @@ def create_app(config: RouterConfig | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BODY_BYTES
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
-    def call(session_id: str, op: str, body: bytes = b"", timeout: float | None = None) -> Response:
+    def call(session_id: str, op: str, body: bytes = b"", timeout: float | None = None,
+             **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
-            reply = supervisor.request(shard, {"op": op, "session_id": session_id}, body,
+            reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
                                        timeout=timeout or config.control_timeout,
                                        chunk_timeout=config.chunk_timeout)
         except ShardUnavailable as exc:
@@ -220,6 +228,7 @@ def create_app(config: RouterConfig | None = None) -> Flask:
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return call(session_id, "chat", request.get_data(cache=False), timeout=config.chat_timeout)
+        return call(session_id, "chat", request.get_data(cache=False), timeout=config.chat_timeout,
+                    budget=config.chat_budget)
 
     return app

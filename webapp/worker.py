@@ -8,7 +8,8 @@ router imports it (to name the spawn target) and must stay free of the core and 
 
 Ops (``meta["op"]``): ``ping`` (heartbeat, answered by the hub without touching the core),
 ``health``, ``create_session``, ``get_session``, ``delete_session``, ``chat`` (body = the
-client's request body). Every op but ``ping``/``health`` names a ``session_id`` that must
+client's request body; optional ``budget``: seconds the turn may take, see
+``SessionCore.chat``). Every op but ``ping``/``health`` names a ``session_id`` that must
 hash to this worker's shard.
 
 The worker dies with its parent three ways: ``PR_SET_PDEATHSIG`` (SIGKILL), a parent-pid
@@ -115,7 +116,11 @@ class SessionOps:
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
         if op == "chat":
-            return self._core.chat(session_id, bytes(body))
+            budget = meta.get("budget")
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                       or not budget > 0):
+                return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
+            return self._core.chat(session_id, bytes(body), budget)
         if op == "create_session":
             return self._core.create_session(session_id)
         if op == "get_session":

@@ -14,6 +14,7 @@ from webapp.core import CoreConfig, SessionCore, build_session_core
 from webapp.reference_backend import R3Shape, reference_completion
 from webapp.session_errors import BackendMalformed
 from webapp.tokenizers import ByteChatTokenizer
+from webapp.worker import SessionOps
 
 TOK = ByteChatTokenizer()
 R3 = R3Shape(layers=3, top_k=2)
@@ -33,7 +34,7 @@ class FakeBackend:
         self.max_in_flight = 0
         self._lock = threading.Lock()
 
-    def chat_completions(self, payload: bytes) -> BackendReply:
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         request = json.loads(payload)
         with self._lock:
             self.calls.append(request)
@@ -229,6 +230,32 @@ def test_a_turn_waiting_too_long_for_the_previous_one_is_503():
     assert len(body_of(core.get_session(sid))["records"]) == 1
 
 
+def test_a_budget_caps_the_wait_for_the_previous_turn():
+    backend = FakeBackend(gated=True)
+    core = SessionCore(TOK, backend, turn_wait_timeout=600.0)
+    sid = new_session(core)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}]}).encode()
+    first = threading.Thread(target=core.chat, args=(sid, body))
+    first.start()
+    assert backend.entered.acquire(timeout=WAIT)
+    busy = core.chat(sid, body, budget=0.1)  # without the budget: 600 s
+    assert busy.status == 503 and "previous turn" in body_of(busy)["error"]
+    backend.release.set()
+    first.join(WAIT)
+    assert len(body_of(core.get_session(sid))["records"]) == 1
+
+
+def test_the_worker_passes_a_chat_budget_and_refuses_a_bad_one():
+    core = make_core()
+    ops = SessionOps(core, 0, 1)
+    sid = new_session(core)
+    body = memoryview(json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}]}).encode())
+    for bad in ("soon", True, 0, -1.0):
+        assert ops({"op": "chat", "session_id": sid, "budget": bad}, body).status == 400
+    assert ops({"op": "chat", "session_id": sid, "budget": 30}, body).status == 200
+    assert len(body_of(core.get_session(sid))["records"]) == 1
+
+
 @pytest.mark.parametrize("body", [
     b"{not json", b"\xff\xfe", b"[1, 2]", b'"str"',
     json.dumps({"messages": "hi"}).encode(),
@@ -315,6 +342,16 @@ def test_backend_down_is_502():
 
 def test_backend_timeout_is_502(stub_backend_factory):
     assert_502(core_for(stub_backend_factory(lambda request: None), read_timeout=0.3), "timed out")
+
+
+def test_a_budget_caps_the_backend_read(stub_backend_factory):
+    core = core_for(stub_backend_factory(lambda request: None), read_timeout=600.0)
+    sid = new_session(core)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}]}).encode()
+    reply = core.chat(sid, body, budget=0.3)  # without the budget: 600 s
+    assert reply.status == 502 and "timed out" in body_of(reply)["error"]
+    assert body_of(core.get_session(sid))["records"] == []
+    core.close()
 
 
 def _valid(request: dict) -> dict:

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import urllib.request
 from urllib.parse import urlsplit
 
 import gevent
@@ -222,3 +224,39 @@ def test_a_stuck_worker_costs_its_callers_one_deadline_not_forever(keyed) -> Non
         resp = requests.get(f"{keyed.url}/sessions/{owned[0]}", headers=auth, timeout=10)
         assert resp.status_code == 200 and resp.json()["session_id"] == owned[0]
     assert requests.get(f"{keyed.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.integration
+def test_a_chat_the_router_gave_up_on_is_never_committed(reference_backend_factory, stub_backend_factory,
+                                                          session_server_factory) -> None:
+    """Turns of one session queue on its lock: the ones that cannot finish within the router's
+    deadline must fail in the worker (503/502) before the router answers 504, and commit nothing."""
+    reference = reference_backend_factory()
+
+    def slow(request: dict):  # each turn holds the session for a second
+        time.sleep(1.0)
+        req = urllib.request.Request(f"{reference.url}/v1/chat/completions", data=json.dumps(request).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+
+    # router deadline per chat: 0.5 + 3 + 2 = 5.5 s; six queued turns need ~6 s
+    server = session_server_factory(server_argv(1, stub_backend_factory(slow), "127.0.0.1:0", "--read-timeout", "3"),
+                                    env={"SHINKEN_CONNECT_TIMEOUT": "0.5", "SHINKEN_CHAT_MARGIN": "2"},
+                                    ready_pattern=READY_URL_PATTERN)
+    sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
+    statuses: list[int] = []
+
+    def turn() -> None:
+        statuses.append(requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=30,
+                                      json={"messages": [{"role": "user", "content": "hi"}]}).status_code)
+
+    threads = [threading.Thread(target=turn) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(statuses) == 6 and 504 not in statuses and set(statuses) <= {200, 502, 503}, statuses
+    assert statuses.count(200) < 6  # some turns did run out of time
+    records = requests.get(f"{server.url}/sessions/{sid}", timeout=10).json()["metadata"]["num_records"]
+    assert records == statuses.count(200)
