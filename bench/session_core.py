@@ -151,7 +151,7 @@ class FixedBackend:
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
 
-    def chat_completions(self, payload: bytes) -> BackendReply:
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         return BackendReply(self.raw, parse_backend_reply(self.raw))
 
     def close(self) -> None:

@@ -361,10 +361,7 @@ class SessionCore:
             plan = plan_turn(session.state, session.previous, request.get("messages"),
                              request.get("tools"), self.tokenizer)
             payload = self._backend_payload(request, plan)
-            if deadline is None:  # the one-argument call every backend (and test fake) takes
-                reply = self.backend.chat_completions(payload)
-            else:
-                reply = self.backend.chat_completions(payload, deadline=deadline)
+            reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
             record = self._record(session, request, body, plan, turn, reply)
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
