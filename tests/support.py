@@ -29,3 +29,11 @@ def run_script(source: str, *args: str, timeout: float = 90) -> subprocess.Compl
         timeout=timeout,
         check=False,
     )
+
+
+def clean_stdout(result: subprocess.CompletedProcess[str]) -> str:
+    """Stdout of a script that must exit 0 and print nothing on stderr (where any
+    warning is an error, so an empty stderr means no leak, no unawaited coroutine)."""
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
+    return result.stdout
