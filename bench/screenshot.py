@@ -45,7 +45,7 @@ START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 WARMUP = 5
 #: 318x82 cells of xterm's default 6x13 font fill a 1920x1080 screen.
-XTERM = "xterm -geometry 318x82+0+0"
+XTERM = "xterm -geometry 318x82+0+0 -e bash --norc --noprofile"  # no rc files: they may block
 
 
 class Daemon:

@@ -23,6 +23,9 @@ from shinken_sync.daemon.display.xkeymap import KeycodePool, keysym_for
 from shinken_sync.protocol import ERR_FAILED, ERR_UNSUPPORTED
 
 MISSING = [name for name in ("Xvfb", "xdotool", "xterm") if shutil.which(name) is None]
+# A shell without the user's rc files: those may block (a stale pyenv rehash lock held an
+# interactive bash here for a minute) and the test is about typing, not about the account.
+XTERM = ["xterm", "-geometry", "80x24+0+0", "-e", "bash", "--norc", "--noprofile"]
 needs_x = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} installed (apt-get install xvfb "
                              "xdotool xterm)")
 
@@ -106,7 +109,7 @@ def test_typing_into_a_real_xterm(tmp_path):
     unicode_text = "Grüße мир ✓ 日本 αβγδεζηθικλμνξοπρστυφχψω"
 
     async def main():
-        display = make_display("xvfb", W, H, launch=["xterm", "-geometry", "80x24+0+0"])
+        display = make_display("xvfb", W, H, launch=XTERM)
         await display.start()
         pids = display.pids
         try:

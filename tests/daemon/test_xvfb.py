@@ -14,6 +14,9 @@ from PIL import Image, ImageChops
 from shinken_sync import protocol
 
 MISSING = [p for p in ("Xvfb", "xdotool", "xterm") if shutil.which(p) is None]
+# A shell without the user's rc files (they may block: a stale pyenv rehash lock held an
+# interactive bash for a minute); the tests are about the desktop, not the account.
+XTERM = "xterm -geometry 80x24+0+0 -e bash --norc --noprofile"
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.xvfb,
@@ -25,7 +28,7 @@ SCREEN = (1024, 768)
 
 @pytest.fixture(scope="module")
 def xdaemon(module_shinkend):
-    return module_shinkend(display="xvfb", screen=SCREEN, args=["--launch", "xterm -geometry 80x24+0+0"])
+    return module_shinkend(display="xvfb", screen=SCREEN, args=["--launch", XTERM])
 
 
 def test_ready_line_and_hello_report_the_x_screen(xdaemon, aci):
@@ -67,7 +70,7 @@ def test_pointer_and_full_screenshot_on_xvfb(xdaemon, aci):
 
 
 def test_sigterm_stops_xvfb_and_everything_it_started(shinkend, aci):
-    daemon = shinkend(display="xvfb", screen=SCREEN, args=["--launch", "xterm"])
+    daemon = shinkend(display="xvfb", screen=SCREEN, args=["--launch", XTERM])
     aci(daemon.url, daemon.token).ok("screen_size")
     children = psutil.Process(daemon.proc.pid).children(recursive=True)
     assert any(c.name() == "Xvfb" for c in children), [c.name() for c in children]
