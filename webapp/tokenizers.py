@@ -44,6 +44,7 @@ class ChatTokenizer(Protocol):
     name: str
     eos_token: str  # the end-of-turn marker the model emits to finish an assistant turn
     eos_token_id: int
+    special_token_ids: frozenset[int]  # ids of the special (added, ``special=True``) tokens
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -88,6 +89,7 @@ class ByteChatTokenizer:
         self._special_re = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
+        self.special_token_ids = frozenset(self._special_by_id)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -178,6 +180,8 @@ class HFChatTokenizer:
         self.name = os.path.basename(os.path.normpath(path))
         self.eos_token = eos
         self.eos_token_id = self._tok.token_to_id(eos)
+        self.special_token_ids = frozenset(
+            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
                                                                     "unk_token")}
 
