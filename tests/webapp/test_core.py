@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import socket
 import threading
@@ -401,3 +402,62 @@ def test_upstream_non_200_is_passed_through_and_not_recorded(stub_backend_factor
     session = body_of(core.get_session(sid))
     assert session["records"] == [] and session["metadata"]["accumulated_token_ids"] == []
     core.close()
+
+
+# --- miles' contract in the core: metadata, samples errors, the worker's new ops -------------------
+
+def test_a_clean_session_reports_no_tito_mismatch():
+    core = make_core()
+    sid = new_session(core)
+    first = [{"role": "user", "content": "a"}]
+    r1 = body_of(chat(core, sid, first))["choices"][0]["message"]
+    chat(core, sid, first + [r1, {"role": "tool", "tool_call_id": "t", "content": "done"}])
+    metadata = body_of(core.get_session(sid))["metadata"]
+    assert metadata["tito_session_mismatch"] == [] and metadata["max_trim_tokens"] == 0
+
+
+def test_a_tampered_accumulation_is_reported_as_a_mismatch():
+    core = make_core()
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    session = core.registry.get(sid)
+    ids = list(session.state.token_ids)
+    ids[3] = ord("Z")  # inside the user text: a TITO bug would look like this
+    session.state = dataclasses.replace(session.state, token_ids=tuple(ids))
+    (mismatch,) = body_of(core.get_session(sid))["metadata"]["tito_session_mismatch"]
+    assert mismatch["type"] == "non_assistant_text" and mismatch["segment_index"] == 1
+    assert (mismatch["expected_text"], mismatch["actual_text"]) == ("user\na", "usZr\na")
+
+
+class AlwaysR3Backend(FakeBackend):
+    """Returns R3 whether or not it was asked for (a backend with routing replay always on)."""
+
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        request = json.loads(payload)
+        return BackendReply.from_raw(json.dumps(reference_completion(request["input_ids"], TOK, want_r3=True,
+                                                                     r3=R3)).encode())
+
+
+def test_samples_refuse_r3_they_cannot_shape_with_422():
+    core = SessionCore(TOK, AlwaysR3Backend(), turn_wait_timeout=WAIT)  # routing replay off: no layer count
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    reply = core.samples(sid, b"{}")
+    assert reply.status == 422 and "--routing-replay-layers" in body_of(reply)["error"]
+    wrong = SessionCore(TOK, AlwaysR3Backend(), turn_wait_timeout=WAIT, routing_replay_layers=5)  # 3 is right
+    sid = new_session(wrong)
+    chat(wrong, sid, [{"role": "user", "content": "a"}])
+    reply = wrong.samples(sid, b"{}")
+    assert reply.status == 422 and "not a multiple" in body_of(reply)["error"]
+    assert wrong.get_session(sid).status == 200  # the session is untouched
+
+
+def test_the_worker_serves_samples_and_proxy_ops():
+    core = make_core()
+    ops = SessionOps(core, 0, 1)
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    reply = ops({"op": "samples", "session_id": sid}, memoryview(b'{"max_seq_len": null}'))
+    assert reply.status == 200 and reply.content_type == "application/octet-stream"
+    bad = ops({"op": "proxy", "session_id": sid, "method": "GET", "path": 5}, memoryview(b""))
+    assert bad.status == 400 and "proxy" in body_of(bad)["error"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
 
 import pytest
 
-from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn
+from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn, session_mismatch
 from webapp.tokenizers import ByteChatTokenizer, HFChatTokenizer, TokenizerLoadError, load_tokenizer
 
 
@@ -72,6 +74,11 @@ def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_tokenizer_dir
     assert tok.decode(state.token_ids) + "\n" == full
     # special tokens bound every turn, so appending suffixes equals tokenizing the whole text
     assert list(state.token_ids) == tok.encode(full)[:-1]
+    # ... and miles' mismatch check (segments split at the tokenizer's special tokens) agrees
+    assert tok.special_token_ids == {tok.encode(t)[0] for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    assert session_mismatch(state, tok) == []
+    (broken,) = session_mismatch(dataclasses.replace(state, token_ids=state.token_ids[:-1]), tok)
+    assert broken["type"] == "special_token_count"
 
 
 def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
