@@ -45,7 +45,7 @@ import numpy as np
 import safetensors.numpy
 
 from webapp.session_errors import SampleAssemblyError
-from webapp.tokenizers import ChatTokenizer
+from webapp.tokenizers import ChatTokenizer, decode_lenient
 
 __all__ = [
     "META_KEY",
@@ -122,7 +122,7 @@ class Sample:
         self.response_length -= n
         self.loss_mask = self.loss_mask[:-n]
         self.rollout_log_probs = self.rollout_log_probs[:-n]
-        self.response = tokenizer.decode(self.tokens[-self.response_length:]) if self.response_length > 0 else ""
+        self.response = decode_lenient(tokenizer, self.tokens[-self.response_length:]) if self.response_length > 0 else ""
         for payload in self.replay.values():
             payload.rows = max(0, payload.rows - n)
 
@@ -132,7 +132,7 @@ def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: Sequence[int]
     turn = turns[i]
     output = list(turn.output_ids)
     tokens = list(accumulated[:turn.prompt_len]) + output
-    sample = Sample(tokens=tokens, response=tokenizer.decode(output), response_length=len(output),
+    sample = Sample(tokens=tokens, response=decode_lenient(tokenizer, output), response_length=len(output),
                     loss_mask=[1] * len(output), rollout_log_probs=list(turn.logprobs),
                     status=_STATUS_BY_FINISH.get(turn.finish_reason, "pending"))
     for key in turn.replay:
@@ -212,7 +212,7 @@ def _merge_pair(a: Sample, b: Sample, tokenizer: ChatTokenizer) -> Sample:
     metadata["lifecycle"] = _lifecycle(a.metadata) + _lifecycle(b.metadata)
     return replace(
         b,
-        response=a.response + tokenizer.decode(b.tokens[len(a.tokens):len(a.tokens) + gap]) + b.response,
+        response=a.response + decode_lenient(tokenizer, b.tokens[len(a.tokens):len(a.tokens) + gap]) + b.response,
         response_length=a.response_length + gap + b.response_length,
         loss_mask=a.loss_mask + [0] * gap + b.loss_mask,
         rollout_log_probs=a.rollout_log_probs + [0.0] * gap + b.rollout_log_probs,

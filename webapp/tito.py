@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
-from webapp.tokenizers import ChatTokenizer
+from webapp.tokenizers import ChatTokenizer, decode_lenient
 
 __all__ = [
     "INITIAL_STATE",
@@ -269,7 +269,7 @@ def session_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[st
 
     def trimmed(ids: Sequence[int]) -> list[int]:
         end = len(ids)
-        while end and ids[end - 1] not in special and not tokenizer.decode([ids[end - 1]]).strip():
+        while end and ids[end - 1] not in special and not decode_lenient(tokenizer, [ids[end - 1]]).strip():
             end -= 1
         return list(ids[:end])
 
@@ -277,7 +277,7 @@ def session_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[st
     opener_text = _assistant_opener(tokenizer)
 
     def describe(segs: list[tuple[bool, list[int]]]) -> str:
-        return " ".join(f"[{tokenizer.decode(ids)}]" if sp else f"({len(ids)} tokens)" for sp, ids in segs)
+        return " ".join(f"[{decode_lenient(tokenizer, ids)}]" if sp else f"({len(ids)} tokens)" for sp, ids in segs)
 
     if [sp for sp, _ in exp] != [sp for sp, _ in act]:
         detail = (f"segment count differs: expected {len(exp)}, got {len(act)}" if len(exp) != len(act)
@@ -286,13 +286,13 @@ def session_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[st
                  "actual_text": describe(act), "detail": detail}]
     mismatches = []
     for i, ((sp, e_ids), (_, a_ids)) in enumerate(zip(exp, act)):
-        e_text, a_text = tokenizer.decode(e_ids), tokenizer.decode(a_ids)
+        e_text, a_text = decode_lenient(tokenizer, e_ids), decode_lenient(tokenizer, a_ids)
         if e_ids == a_ids or (not sp and e_text == a_text):
             continue
         if sp:
             kind = "special_token_type"
         else:
-            opener = tokenizer.decode(exp[i - 1][1]) if i and exp[i - 1][0] else ""
+            opener = decode_lenient(tokenizer, exp[i - 1][1]) if i and exp[i - 1][0] else ""
             kind = "assistant_text" if (opener + e_text).startswith(opener_text) else "non_assistant_text"
         mismatches.append({"type": kind, "segment_index": i, "expected_text": e_text, "actual_text": a_text,
                            "detail": ""})

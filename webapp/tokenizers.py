@@ -26,6 +26,7 @@ __all__ = [
     "HFChatTokenizer",
     "TokenizerLoadError",
     "content_text",
+    "decode_lenient",
     "load_tokenizer",
 ]
 
@@ -214,6 +215,42 @@ class HFChatTokenizer:
             messages=list(messages), tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )
+
+
+# A UTF-8 character is at most 4 bytes: a run of undecodable ids longer than this is garbage.
+_MAX_PARTIAL_IDS = 4
+
+
+def decode_lenient(tokenizer: ChatTokenizer, ids: Sequence[int]) -> str:
+    """``tokenizer.decode(ids)``, except that ids which are only part of a character (a
+    byte-level tokenizer's output cut mid-character, e.g. by ``max_tokens``) become U+FFFD
+    instead of raising, as ``tokenizers``' byte-level decoder does for a text we only report."""
+    try:
+        return tokenizer.decode(ids)
+    except UnicodeDecodeError:
+        pass
+    out: list[str] = []
+    pending: list[int] = []
+
+    def flush(at_least: int) -> None:
+        # Decode what is pending; while it cannot be decoded and holds ``at_least`` ids, its
+        # first id starts no character: replace it and retry with the rest.
+        nonlocal pending
+        while pending:
+            try:
+                out.append(tokenizer.decode(pending))
+                pending = []
+            except UnicodeDecodeError:
+                if len(pending) < at_least:
+                    return
+                out.append("\ufffd")
+                pending = pending[1:]
+
+    for tid in ids:
+        pending.append(tid)
+        flush(_MAX_PARTIAL_IDS)
+    flush(1)
+    return "".join(out)
 
 
 def load_tokenizer(path: str | None) -> ChatTokenizer:

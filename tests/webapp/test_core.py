@@ -9,6 +9,7 @@ import socket
 import threading
 
 import pytest
+import safetensors.numpy
 
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import CoreConfig, SessionCore, build_session_core
@@ -461,3 +462,28 @@ def test_the_worker_serves_samples_and_proxy_ops():
     assert reply.status == 200 and reply.content_type == "application/octet-stream"
     bad = ops({"op": "proxy", "session_id": sid, "method": "GET", "path": 5}, memoryview(b""))
     assert bad.status == 400 and "proxy" in body_of(bad)["error"]
+
+
+class CutCharacterBackend(FakeBackend):
+    """Output cut by max_tokens in the middle of a multi-byte character (byte tokenizer)."""
+
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        output = TOK.encode("ok ☃")[:-1]
+        reply = {"choices": [{"index": 0, "finish_reason": "length",
+                              "message": {"role": "assistant", "content": "ok \ufffd"},
+                              "meta_info": {"output_token_logprobs": [[-0.5, t] for t in output],
+                                            "completion_tokens": len(output)}}]}
+        return BackendReply.from_raw(json.dumps(reply).encode())
+
+
+def test_samples_and_logprobs_survive_an_output_cut_mid_character():
+    core = SessionCore(TOK, CutCharacterBackend(), turn_wait_timeout=WAIT)
+    sid = new_session(core)
+    reply = chat(core, sid, [{"role": "user", "content": "a"}], logprobs=True)
+    content = body_of(reply)["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content[:3]] == ["o", "k", " "] and content[-1]["bytes"] is None
+    samples = core.samples(sid, b"{}")
+    assert samples.status == 200
+    meta = json.loads(bytes(safetensors.numpy.load(samples.body)["_samples_meta"]))
+    assert meta["samples"][0]["response"] == "ok \ufffd\ufffd" and meta["samples"][0]["status"] == "truncated"
+    assert "tito_session_mismatch" in body_of(core.get_session(sid))["metadata"]

@@ -10,7 +10,13 @@ import shutil
 import pytest
 
 from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn, session_mismatch
-from webapp.tokenizers import ByteChatTokenizer, HFChatTokenizer, TokenizerLoadError, load_tokenizer
+from webapp.tokenizers import (
+    ByteChatTokenizer,
+    HFChatTokenizer,
+    TokenizerLoadError,
+    decode_lenient,
+    load_tokenizer,
+)
 
 
 @pytest.mark.parametrize("text", ["", "hello", "snowman ☃ and emoji 🦀", "<|im_start|>user\nx<|im_end|>\n",
@@ -96,3 +102,13 @@ def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     assert load_tokenizer(str(tmp_path)).render([{"role": "user", "content": "x"}], add_generation_prompt=False) \
         == "<|im_start|>user\nx<|im_end|>\n"
+
+
+def test_decode_lenient_replaces_a_character_cut_mid_way():
+    tok = ByteChatTokenizer()
+    ids = tok.encode("a☃b☃")
+    with pytest.raises(UnicodeDecodeError):
+        tok.decode(ids[:-1])
+    assert decode_lenient(tok, ids) == "a☃b☃"
+    assert decode_lenient(tok, ids[:-1]) == "a☃b\ufffd\ufffd"  # max_tokens cut the last character
+    assert decode_lenient(tok, [0xFF] * 6 + tok.encode("ok")) == "\ufffd" * 6 + "ok"
