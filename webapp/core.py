@@ -165,8 +165,8 @@ class Session:
     previous: TitoState | None = None
     records: list[Record] = field(default_factory=list)  # one per checkpoint of ``state``
     rollbacks: int = 0
-    # (state, metadata) of the last GET/samples: the mismatch check renders the whole session.
-    metadata_cache: tuple[TitoState, dict[str, Any]] | None = None
+    # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
+    metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
 
     def commit(self, new_state: TitoState, plan: TurnPlan, record: Record) -> bool:
         """Store a finished turn; False (nothing stored) if the session was closed meanwhile.
@@ -386,12 +386,15 @@ class SessionCore:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
 
-    def _metadata(self, session: Session, state: TitoState, records: int, rollbacks: int) -> dict[str, Any]:
-        """miles' session metadata (``tito_session_mismatch`` when computable,
-        ``accumulated_token_ids``, ``max_trim_tokens``) plus our counters."""
+    def _metadata(self, session: Session) -> tuple[list[Record], TitoState, dict[str, Any], bytes]:
+        """A consistent snapshot of the session: its records, state and miles' session metadata
+        (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
+        ``max_trim_tokens``, plus our counters), also as JSON bytes. Computed once per
+        committed turn: every commit makes a new state, the cache key."""
+        records, state, rollbacks = session.snapshot()
         cached = session.metadata_cache
         if cached is not None and cached[0] is state:
-            return {**cached[1], "num_records": records, "num_rollbacks": rollbacks}
+            return records, state, cached[1], cached[2]
         metadata: dict[str, Any] = {}
         try:
             mismatch = session_mismatch(state, self.tokenizer)
@@ -401,24 +404,25 @@ class SessionCore:
         if mismatch is not None:
             metadata["tito_session_mismatch"] = mismatch
         metadata.update(accumulated_token_ids=list(state.token_ids), max_trim_tokens=MAX_TRIM_TOKENS,
-                        num_messages=len(state.messages), created_at=session.created_at)
-        session.metadata_cache = (state, metadata)
-        return {**metadata, "num_records": records, "num_rollbacks": rollbacks}
+                        num_records=len(records), num_rollbacks=rollbacks, num_messages=len(state.messages),
+                        created_at=session.created_at)
+        encoded = json.dumps(metadata, separators=(",", ":")).encode()
+        session.metadata_cache = (state, metadata, encoded)
+        return records, state, metadata, encoded
 
     def get_session(self, session_id: str) -> Reply:
         try:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
-        records, state, rollbacks = session.snapshot()
-        metadata = self._metadata(session, state, len(records), rollbacks)
+        records, _state, _metadata, encoded = self._metadata(session)
         body = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                 + b',"records":[']
         for i, record in enumerate(records):
             if i:
                 body.append(b",")
             body += record.chunks
-        body.append(b'],"metadata":' + json.dumps(metadata, separators=(",", ":")).encode() + b"}")
+        body += (b'],"metadata":', encoded, b"}")
         return Reply(200, body)
 
     def samples(self, session_id: str, body: bytes) -> Reply:
@@ -426,9 +430,7 @@ class SessionCore:
         payload in miles' samples wire format (see ``webapp.samples``)."""
         try:
             max_seq_len = _parse_samples_body(body)
-            session = self.registry.get(session_id)
-            records, state, rollbacks = session.snapshot()
-            metadata = self._metadata(session, state, len(records), rollbacks)
+            records, state, metadata, _encoded = self._metadata(self.registry.get(session_id))
             turns = [record.turn for record in records]
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
