@@ -198,6 +198,10 @@ def test_one_server_and_one_date_header_and_json_errors(keyed) -> None:
         if status >= 400:
             assert set(json.loads(body)) >= {"error"}
             assert {k.lower(): v for k, v in headers}["content-type"] == "application/json"
+    # The router's own errors take OpenAI's shape on the OpenAI routes, miles' elsewhere.
+    status, _, body = raw_request(keyed.url, "POST", f"/sessions/{sid}/v1/chat/completions", {})
+    assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized"
+    assert isinstance(json.loads(raw_request(keyed.url, "GET", f"/sessions/{sid}", {})[2])["error"], str)
 
 
 @pytest.mark.integration
