@@ -17,7 +17,7 @@ re-parsing a reply.
 
 Errors answer ``{"error": "<text>"}`` on the session-management routes (miles' shape) and
 OpenAI's ``{"error": {"message", "type", "code"}}`` on the OpenAI routes (chat, and the
-proxy under ``v1/``): see ``webapp.session_errors``.
+proxy under ``v1/``): see ``webapp.session_errors`` and ``webapp.routes``.
 """
 
 from __future__ import annotations
@@ -130,8 +130,6 @@ def error_reply(exc: SessionError, *, openai: bool = False) -> Reply:
     if openai:
         return openai_error_response(exc.status, str(exc), exc.openai_type, exc.code)
     return error_response(exc.status, str(exc))
-
-
 
 
 @dataclass
@@ -386,7 +384,7 @@ class SessionCore:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
 
-    def _metadata(self, session: Session) -> tuple[list[Record], TitoState, dict[str, Any], bytes]:
+    def _snapshot(self, session: Session) -> tuple[list[Record], TitoState, dict[str, Any], bytes]:
         """A consistent snapshot of the session: its records, state and miles' session metadata
         (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
         ``max_trim_tokens``, plus our counters), also as JSON bytes. Computed once per
@@ -415,7 +413,7 @@ class SessionCore:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
-        records, _state, _metadata, encoded = self._metadata(session)
+        records, _state, _metadata, encoded = self._snapshot(session)
         body = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                 + b',"records":[']
         for i, record in enumerate(records):
@@ -430,7 +428,7 @@ class SessionCore:
         payload in miles' samples wire format (see ``webapp.samples``)."""
         try:
             max_seq_len = _parse_samples_body(body)
-            records, state, metadata, _encoded = self._metadata(self.registry.get(session_id))
+            records, state, metadata, _encoded = self._snapshot(self.registry.get(session_id))
             turns = [record.turn for record in records]
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
@@ -453,6 +451,9 @@ class SessionCore:
             reply = self.backend.proxy(method, path, query, body, wanted, routing_key=session_id)
         except SessionError as exc:
             return error_reply(exc, openai=path.startswith("v1/"))
+        except Exception:  # as in chat: one bad call must not take the worker down
+            log.exception("proxy %s %s of session %s failed", method, path, session_id)
+            return error_response(500, "internal error in the session core")
         return Reply(reply.status, reply.body, content_type=reply.content_type)
 
     def delete_session(self, session_id: str) -> Reply:
