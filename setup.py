@@ -23,6 +23,8 @@ setup(
         "requests>=2.31,<3",
         "Pillow>=10.0",
         "setproctitle>=1.3,<2",
+        "numpy>=1.24",
+        "safetensors>=0.4",
     ],
     extras_require={
         "xvfb": ["mss>=9,<11"],
@@ -36,6 +38,7 @@ setup(
             "tokenizers>=0.15",
             "Jinja2>=3.1",
             "psutil>=5.9",
+            "pydantic>=2",
         ],
         "lint": ["ruff==0.17.6"],
     },

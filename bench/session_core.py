@@ -53,8 +53,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def start_server(backend_url: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "SHINKEN_BACKEND_URL": backend_url}
+def start_server(backend_url: str, r3_layers: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "SHINKEN_BACKEND_URL": backend_url, "SHINKEN_ROUTING_REPLAY_LAYERS": str(r3_layers)}
     argv = [sys.executable, "-m", "gunicorn", "-k", "gevent", "--no-control-socket", "-w", "1",
             "-b", "127.0.0.1:0", "webapp.app:create_app()"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -103,7 +103,7 @@ def bench_sessions(args: argparse.Namespace) -> None:
     url = args.server_url
     if url is None:
         backend = start_reference_backend(r3_layers=args.r3_layers, r3_topk=args.r3_topk)
-        server, url = start_server(backend.url)
+        server, url = start_server(backend.url, args.r3_layers)
     try:
         latencies: list[float] = []
         gets: list[tuple[int, float]] = []
@@ -152,7 +152,7 @@ class FixedBackend:
         self.raw = raw
 
     def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
-        return BackendReply(self.raw, parse_backend_reply(self.raw))
+        return BackendReply.from_raw(self.raw)
 
     def close(self) -> None:
         pass

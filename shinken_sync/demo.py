@@ -219,7 +219,10 @@ def check_episode(ep: Episode) -> dict[str, Any]:
     """Do the token records agree with the steps taken? (the demo's own consistency check)"""
     acc = ep.metadata.get("accumulated_token_ids", [])
     last = ep.records[-1] if ep.records else {}
-    expected = list(last.get("prompt_token_ids", [])) + list(last.get("output_token_ids", []))
+    # miles' SessionRecord: prompt ids are the backend request's input_ids, output ids the
+    # second element of each meta_info.output_token_logprobs pair.
+    pairs = last["response"]["choices"][0]["meta_info"]["output_token_logprobs"] if last else []
+    expected = list(last.get("request", {}).get("input_ids", [])) + [pair[1] for pair in pairs]
     actions_match = len(ep.records) == len(ep.steps) and all(
         parse_action(rec["response"]["choices"][0]["message"]["content"]) == step["action"]
         for rec, step in zip(ep.records, ep.steps)

@@ -7,9 +7,14 @@ from the arguments or, when ``config`` is None, from the environment:
   (``webapp.reference_backend``) as a subprocess of its own, the embedded default.
 - ``SHINKEN_TOKENIZER``: a directory with ``tokenizer.json`` + chat template (unset: bytes).
 - ``SHINKEN_REFERENCE_R3_LAYERS`` / ``SHINKEN_REFERENCE_R3_TOPK``: R3 shape of an embedded
-  reference backend (default: no R3).
+  reference backend (default: no R3); routing replay follows it unless set.
 - ``SHINKEN_<FIELD>`` for every number of :class:`webapp.core.CoreConfig`, e.g.
   ``SHINKEN_READ_TIMEOUT`` (what ``shinken-session-server --read-timeout`` sets).
+- ``SHINKEN_ROUTING_REPLAY_LAYERS`` / ``SHINKEN_INDEXER_REPLAY``: the replay settings
+  (``webapp.settings.replay_settings_from_env``).
+
+Errors are ``{"error": "<text>"}`` on the session-management routes and OpenAI's
+``{"error": {"message", "type", "code"}}`` under ``/sessions/<id>/v1/``.
 
 The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
 chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
@@ -33,9 +38,11 @@ from webapp.core import (
     SessionCore,
     build_session_core,
     error_response,
+    openai_error_response,
 )
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.settings import float_settings_from_env
+from webapp.routes import PROXY_METHODS, is_openai_path
+from webapp.settings import float_settings_from_env, replay_settings_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
 
@@ -59,15 +66,15 @@ def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendPr
     tokenizer = kw.pop("tokenizer", None) or os.environ.get("SHINKEN_TOKENIZER") or None
     backend_url = kw.pop("backend_url", None) or os.environ.get("SHINKEN_BACKEND_URL") or None
     reference = None
+    # The same SHINKEN_<FIELD> settings the router passes its workers (``--read-timeout``...).
+    settings = {**float_settings_from_env(CoreConfig), **replay_settings_from_env(), **kw}
     if backend_url is None:
+        r3_layers = int(os.environ.get("SHINKEN_REFERENCE_R3_LAYERS", "0"))
         reference = start_reference_backend(
-            tokenizer=tokenizer,
-            r3_layers=int(os.environ.get("SHINKEN_REFERENCE_R3_LAYERS", "0")),
-            r3_topk=int(os.environ.get("SHINKEN_REFERENCE_R3_TOPK", "8")),
-        )
+            tokenizer=tokenizer, r3_layers=r3_layers, r3_topk=int(os.environ.get("SHINKEN_REFERENCE_R3_TOPK", "8")))
         backend_url = reference.url
-    # The same SHINKEN_<FIELD> numbers the router passes its workers (``--read-timeout``...).
-    settings = {**float_settings_from_env(CoreConfig), **kw}
+        # The embedded backend's R3 is asked for unless routing replay is set explicitly.
+        settings.setdefault("routing_replay_layers", r3_layers)
     return CoreConfig(backend_url=backend_url, tokenizer=tokenizer, **settings), reference
 
 
@@ -100,7 +107,11 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
 def _add_routes(app: Flask, core: SessionCore) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
-        return to_flask_response(error_response(exc.code or 500, exc.description or exc.name))
+        status, message = exc.code or 500, exc.description or exc.name
+        if is_openai_path(request.path):
+            code = exc.name.lower().replace(" ", "_")
+            return to_flask_response(openai_error_response(status, message, "invalid_request_error", code))
+        return to_flask_response(error_response(status, message))
 
     @app.get("/health")
     def health() -> Response:
@@ -121,3 +132,12 @@ def _add_routes(app: Flask, core: SessionCore) -> None:
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
         return to_flask_response(core.chat(session_id, request.get_data(cache=False)))
+
+    @app.post("/sessions/<session_id>/samples")
+    def samples(session_id: str) -> Response:
+        return to_flask_response(core.samples(session_id, request.get_data(cache=False)))
+
+    @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
+    def proxy(session_id: str, path: str) -> Response:
+        return to_flask_response(core.proxy(session_id, request.method, path, request.query_string.decode(),
+                                            request.get_data(cache=False), dict(request.headers)))

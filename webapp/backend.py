@@ -8,15 +8,20 @@ deadline. Failures are translated once, here:
 - a 200 reply that is not a UTF-8 JSON object -> ``BackendMalformed``
 - a non-200 reply -> ``UpstreamStatus`` carrying the backend's body, relayed untouched
 
-R3 is kept where it costs least: ``parse_backend_reply`` never decodes the ``routed_experts``
-strings (most of a big reply's bytes). It checks that they are plain base64 and parses the
-rest; the raw bytes, R3 included, go into the record verbatim.
+R3 is kept where it costs least: ``parse_backend_reply`` never decodes the replay payloads
+(``routed_experts``, ``indexer_topk``: most of a big reply's bytes). It checks that they are
+plain base64 and parses the rest; the raw bytes, R3 included, go into the record verbatim.
+
+``proxy`` forwards any other request (the session server's catch-all route, e.g.
+``GET /v1/models``) and returns the backend's status, content type and body untouched.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,57 +30,57 @@ from requests.adapters import HTTPAdapter
 
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 
-__all__ = ["CHAT_COMPLETIONS_PATH", "MAX_BACKEND_REPLY_BYTES", "BackendClient", "BackendReply",
-           "parse_backend_reply"]
+__all__ = ["CHAT_COMPLETIONS_PATH", "MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
+           "ProxyReply", "parse_backend_reply", "replay_spans"]
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 # A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply
 # (see the seed); 4 GiB leaves ample headroom while refusing a runaway body before it is read.
 MAX_BACKEND_REPLY_BYTES = 4 << 30
 _READ_CHUNK = 1 << 20
-_R3_KEY = b'"routed_experts"'
-_JSON_SPACE = b" \t\r\n"
+# The replay payloads (routing replay R3, indexer replay): base64 strings, most of a big
+# reply's bytes, kept verbatim and never decoded on the turn path.
+REPLAY_KEYS = ("routed_experts", "indexer_topk")
+_REPLAY_KEY_RE = re.compile(rb'"(' + b"|".join(k.encode() for k in REPLAY_KEYS) + rb')"[ \t\r\n]*:[ \t\r\n]*"')
 _CHECK_SLICE = 256 << 10
 _BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 
-def _skip_space(raw: bytes, i: int) -> int:
-    while i < len(raw) and raw[i] in _JSON_SPACE:
-        i += 1
-    return i
-
-
-def _check_base64(raw: bytes, start: int, end: int) -> None:
+def _check_base64(raw: bytes, start: int, end: int, key: str) -> None:
     # Slices that stay in cache: about twice as fast as translating one 50 MB copy.
     for i in range(start, end, _CHECK_SLICE):
         if raw[i:min(i + _CHECK_SLICE, end)].translate(None, _BASE64_ALPHABET):
-            raise BackendMalformed("routed_experts is not plain base64")
+            raise BackendMalformed(f"{key} is not plain base64")
 
 
-def parse_backend_reply(raw: bytes) -> dict[str, Any]:
-    """``json.loads(raw)``, except that every ``"routed_experts": "<base64>"`` value parses as "".
+def replay_spans(raw: bytes) -> Iterator[tuple[str, int, int]]:
+    """``(key, start, end)`` of every ``"<replay key>": "<base64>"`` string value in ``raw``,
+    in order; ``raw[start:end]`` is the base64 text, checked to be plain base64.
 
     An unescaped ``"routed_experts"`` followed by ``:`` can only be an object key (inside a
     JSON string every quote is escaped), and base64 holds no quote, so the value ends at the
     next quote. Checking its alphabet (about 5x cheaper than decoding it) keeps ``raw`` safe to
-    embed verbatim in records.
+    embed verbatim in records. A null or non-string value is not a span (it parses normally).
     """
+    pos = 0
+    while (match := _REPLAY_KEY_RE.search(raw, pos)) is not None:
+        key, start = match.group(1).decode(), match.end()
+        end = raw.find(b'"', start)
+        if end < 0:
+            raise BackendMalformed(f"unterminated {key} string")
+        _check_base64(raw, start, end, key)
+        yield key, start, end
+        pos = end + 1
+
+
+def parse_backend_reply(raw: bytes, spans: list[tuple[str, int, int]] | None = None) -> dict[str, Any]:
+    """``json.loads(raw)``, except that every replay payload (``"routed_experts"`` /
+    ``"indexer_topk"``: ``"<base64>"``) parses as "" — see :func:`replay_spans` (``spans``:
+    its result, when the caller has it already)."""
     pieces: list[bytes] = []
     pos = 0
-    while (k := raw.find(_R3_KEY, pos)) >= 0:
-        i = _skip_space(raw, k + len(_R3_KEY))
-        if raw[i:i + 1] != b":":
-            pos = i
-            continue
-        i = _skip_space(raw, i + 1)
-        if raw[i:i + 1] != b'"':  # null or another JSON value: parsed normally
-            pos = i
-            continue
-        end = raw.find(b'"', i + 1)
-        if end < 0:
-            raise BackendMalformed("unterminated routed_experts string")
-        _check_base64(raw, i + 1, end)
-        pieces.append(raw[pos:i + 1])
+    for _key, start, end in (replay_spans(raw) if spans is None else spans):
+        pieces.append(raw[pos:start])
         pos = end
     text = raw if not pieces else b"".join([*pieces, raw[pos:]])
     try:
@@ -90,7 +95,21 @@ def parse_backend_reply(raw: bytes) -> dict[str, Any]:
 @dataclass
 class BackendReply:
     raw: bytes  # the body exactly as received: records embed it verbatim (R3 included)
-    parsed: dict[str, Any]  # parse_backend_reply(raw): routed_experts values are ""
+    parsed: dict[str, Any]  # parse_backend_reply(raw): replay payload values are ""
+    replay_spans: list[tuple[str, int, int]]  # replay_spans(raw), found once
+
+    @classmethod
+    def from_raw(cls, raw: bytes) -> BackendReply:
+        """Raises ``BackendMalformed`` if ``raw`` is not a JSON object with plain-base64 replay payloads."""
+        spans = list(replay_spans(raw))
+        return cls(raw, parse_backend_reply(raw, spans), spans)
+
+
+@dataclass
+class ProxyReply:
+    status: int
+    content_type: str
+    body: bytes
 
 
 class BackendClient:
@@ -128,7 +147,26 @@ class BackendClient:
         if resp.status_code != 200:
             raise UpstreamStatus(resp.status_code, raw,
                                  resp.headers.get("Content-Type", "application/octet-stream"))
-        return BackendReply(raw, parse_backend_reply(raw))
+        return BackendReply.from_raw(raw)
+
+    def proxy(self, method: str, path: str, query: str, body: bytes, headers: dict[str, str], *,
+              routing_key: str) -> ProxyReply:
+        """Forward one request to ``<backend>/<path>?<query>``; any status is returned as is.
+
+        ``routing_key`` goes out as ``X-SMG-Routing-Key`` (as miles sends it), so a router in
+        front of the engines keeps a session on one engine.
+        """
+        url = f"{self.base_url}/{path.lstrip('/')}" + (f"?{query}" if query else "")
+        try:
+            resp = self._http.request(method, url, data=body or None, timeout=self.timeout, stream=True,
+                                      headers={**headers, "X-SMG-Routing-Key": routing_key})
+            with resp:
+                raw = self._read_body(resp, self.timeout[1])
+        except requests.Timeout as exc:
+            raise BackendTimeout(f"backend timed out: {exc}") from exc
+        except requests.RequestException as exc:
+            raise BackendUnreachable(f"backend unreachable: {exc}") from exc
+        return ProxyReply(resp.status_code, resp.headers.get("Content-Type", ""), raw)
 
     def _read_body(self, resp: requests.Response, read_timeout: float) -> bytes:
         declared = resp.headers.get("Content-Length")

@@ -7,9 +7,17 @@ drift. Concurrency: ``chat`` runs in many greenlets or threads at once. Each ses
 sessions) and a *state lock* (held only to swap the committed state or snapshot it), so a
 records GET never waits for a turn in flight and no lock serializes two sessions.
 
-Each committed record is kept pre-serialized as a few byte chunks — a small JSON head, the
-client's request body and the backend's reply body exactly as received (R3 included) — so a
-records GET is a list of existing chunks, never re-encoded or joined.
+Each committed record is miles' ``SessionRecord`` (``timestamp``, ``request_timestamp``,
+``method``, ``path``, ``request`` = the JSON body as sent to the backend, ``response`` = the
+backend's reply verbatim, R3 included, ``status_code``; plus ``rollback``), kept
+pre-serialized as a few byte chunks, so a records GET is a list of existing chunks, never
+re-encoded or joined. Beside the bytes, a small :class:`webapp.samples.TurnRecord` per record
+(token counts, output ids, logprobs) lets ``POST /sessions/{id}/samples`` assemble without
+re-parsing a reply.
+
+Errors answer ``{"error": "<text>"}`` on the session-management routes (miles' shape) and
+OpenAI's ``{"error": {"message", "type", "code"}}`` on the OpenAI routes (chat, and the
+proxy under ``v1/``): see ``webapp.session_errors`` and ``webapp.routes``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
+from webapp.routes import PROXY_HEADERS, openai_error_body
+from webapp.samples import SAMPLE_META_KEYS, TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
     BackendMalformed,
     BodyTooLarge,
@@ -35,7 +45,16 @@ from webapp.session_errors import (
     SessionNotFound,
     UpstreamStatus,
 )
-from webapp.tito import INITIAL_STATE, TitoState, TurnPlan, commit_turn, normalize_message, plan_turn
+from webapp.tito import (
+    INITIAL_STATE,
+    MAX_TRIM_TOKENS,
+    TitoState,
+    TurnPlan,
+    commit_turn,
+    normalize_message,
+    plan_turn,
+    session_mismatch,
+)
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
 __all__ = [
@@ -47,8 +66,10 @@ __all__ = [
     "SessionCore",
     "SessionRegistry",
     "build_session_core",
+    "error_reply",
     "error_response",
     "json_response",
+    "openai_error_response",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,8 +77,15 @@ log = logging.getLogger(__name__)
 # Computer-use turns carry base64 screenshots; a few dozen 1080p PNGs fit well within this.
 MAX_CHAT_BODY_BYTES = 256 << 20
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# Fields the core sets on every backend request, whatever the client sent.
-FORCED_BACKEND_FIELDS: dict[str, Any] = {"stream": False, "logprobs": True, "return_meta_info": True}
+# Fields the core sets on every backend request, whatever the client sent (as miles forces
+# them: token accounting needs the logprobs and meta_info; ``no_stop_trim: false`` keeps the
+# stop text out of the assistant content, which miles' own rollout would otherwise turn on).
+FORCED_BACKEND_FIELDS: dict[str, Any] = {"stream": False, "logprobs": True, "return_meta_info": True,
+                                         "no_stop_trim": False}
+# Replay payloads the training path reads from the records; never sent to the client.
+CLIENT_STRIPPED_META_KEYS = ("routed_experts", "indexer_topk")
+CHAT_PATH = "/v1/chat/completions"
+SAMPLES_CONTENT_TYPE = "application/octet-stream"
 # Client fields that only concern the client-facing transport.
 CLIENT_ONLY_FIELDS = ("stream", "stream_options")
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -86,13 +114,21 @@ def json_response(status: int, obj: Any) -> Reply:
 
 
 def error_response(status: int, message: str) -> Reply:
-    """The error shape of every adapter: ``{"error": "<message>"}``."""
+    """The error shape of the session-management routes (miles'): ``{"error": "<message>"}``."""
     return json_response(status, {"error": message})
 
 
-def _reply_for(exc: SessionError) -> Reply:
+def openai_error_response(status: int, message: str, type_: str, code: str) -> Reply:
+    """The error shape of the OpenAI routes: ``{"error": {"message", "type", "code"}}``."""
+    return json_response(status, openai_error_body(message, type_, code))
+
+
+def error_reply(exc: SessionError, *, openai: bool = False) -> Reply:
+    """``exc`` as the reply every adapter sends; ``openai``: the route is an OpenAI one."""
     if isinstance(exc, UpstreamStatus):
         return Reply(exc.status, exc.body, exc.content_type)
+    if openai:
+        return openai_error_response(exc.status, str(exc), exc.openai_type, exc.code)
     return error_response(exc.status, str(exc))
 
 
@@ -104,7 +140,16 @@ class CoreConfig:
     read_timeout: float = 600.0
     pool_maxsize: int = 64  # pooled backend connections per core (one per concurrent turn)
     turn_wait_timeout: float | None = None  # wait for a session's previous turn; None: connect+read+30
-    request_routed_experts: bool = True  # ask the backend for R3 (``return_routed_experts``)
+    # Routing replay (miles' --use-rollout-routing-replay): > 0 asks the backend for R3
+    # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
+    routing_replay_layers: int = 0
+    indexer_replay: bool = False  # ask for ``indexer_topk`` (miles' --use-rollout-indexer-replay)
+
+
+@dataclass(frozen=True)
+class Record:
+    chunks: tuple[bytes, ...]  # one JSON object, pre-serialized (miles' SessionRecord)
+    turn: TurnRecord
 
 
 @dataclass(eq=False)
@@ -116,33 +161,31 @@ class Session:
     closed: bool = False
     state: TitoState = INITIAL_STATE
     previous: TitoState | None = None
-    records: list[tuple[bytes, ...]] = field(default_factory=list)
-    metadata: bytes = b""
+    records: list[Record] = field(default_factory=list)  # one per checkpoint of ``state``
+    rollbacks: int = 0
+    # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
+    metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
 
-    def __post_init__(self) -> None:
-        self.metadata = self._metadata_bytes()
+    def commit(self, new_state: TitoState, plan: TurnPlan, record: Record) -> bool:
+        """Store a finished turn; False (nothing stored) if the session was closed meanwhile.
 
-    def _metadata_bytes(self) -> bytes:
-        return json.dumps({
-            "accumulated_token_ids": self.state.token_ids,
-            "num_records": len(self.records),
-            "num_messages": len(self.state.messages),
-            "created_at": self.created_at,
-        }, separators=(",", ":")).encode()
-
-    def commit(self, new_state: TitoState, base: TitoState, record: tuple[bytes, ...]) -> bool:
-        """Store a finished turn; False (nothing stored) if the session was closed meanwhile."""
+        A rollback turn replaces the rolled-back record, as miles truncates its records: the
+        records always match the checkpoints of the current state (the rolled-back history
+        is dropped; ``metadata.num_rollbacks`` counts it).
+        """
         with self.state_lock:
             if self.closed:
                 return False
-            self.previous, self.state = base, new_state
+            self.previous, self.state = plan.base, new_state
+            if plan.rollback:
+                self.records = self.records[:-1]
+                self.rollbacks += 1
             self.records.append(record)
-            self.metadata = self._metadata_bytes()
             return True
 
-    def snapshot(self) -> tuple[list[tuple[bytes, ...]], bytes]:
+    def snapshot(self) -> tuple[list[Record], TitoState, int]:
         with self.state_lock:
-            return list(self.records), self.metadata
+            return list(self.records), self.state, self.rollbacks
 
 
 class SessionRegistry:
@@ -188,9 +231,9 @@ def _parse_chat_body(body: bytes) -> dict[str, Any]:
     try:
         request = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidJSON(f"request body is not UTF-8 JSON: {exc}") from exc
+        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
     if not isinstance(request, dict):
-        raise InvalidJSON("request body must be a JSON object")
+        raise InvalidJSON("invalid JSON body: expected an object")
     if not isinstance(request.get("stream", False), bool):
         raise InvalidField("stream", "expected a boolean")
     n = request.get("n")
@@ -217,6 +260,7 @@ class _Turn:
     output_ids: list[int]
     logprobs: list[Any]
     finish_reason: Any
+    meta: dict[str, Any]  # the small meta_info fields samples read
 
 
 def _parse_turn(parsed: dict[str, Any]) -> _Turn:
@@ -243,22 +287,51 @@ def _parse_turn(parsed: dict[str, Any]) -> _Turn:
     if completion_tokens is not None and completion_tokens != len(output_ids):
         raise BackendMalformed(
             f"completion_tokens={completion_tokens!r} but {len(output_ids)} output_token_logprobs")
+    raw_message = choice.get("message")
+    if isinstance(raw_message, dict) and raw_message.get("content", "") is None:
+        # miles refuses it too: a tool-call parser failure must come back as "" content.
+        raise BackendMalformed(
+            "assistant message content is None, when tool call parser failed SGLang should still return "
+            "an empty content rather than None")
     try:
-        message = normalize_message(choice.get("message"), "choices[0].message")
+        message = normalize_message(raw_message, "choices[0].message")
     except InvalidField as exc:
         raise BackendMalformed(f"backend reply: {exc}") from exc
     if message["role"] != "assistant":
         raise BackendMalformed("backend reply message role is not 'assistant'")
-    return _Turn(message, output_ids, logprobs, choice.get("finish_reason"))
+    small_meta = {k: meta[k] for k in SAMPLE_META_KEYS if k in meta}
+    return _Turn(message, output_ids, logprobs, choice.get("finish_reason"), small_meta)
 
 
-def _strip_routed_experts(parsed: dict[str, Any]) -> None:
-    for choice in parsed.get("choices") or ():
-        meta = choice.get("meta_info")
+def _strip_replay_payloads(parsed: dict[str, Any]) -> None:
+    metas = [choice.get("meta_info") for choice in parsed.get("choices") or ()] + [parsed.get("meta_info")]
+    for meta in metas:
         if isinstance(meta, dict):
-            meta.pop("routed_experts", None)
-    if isinstance(parsed.get("meta_info"), dict):
-        parsed["meta_info"].pop("routed_experts", None)
+            for key in CLIENT_STRIPPED_META_KEYS:
+                meta.pop(key, None)
+
+
+def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dict[str, Any]:
+    try:
+        text = tokenizer.decode([token_id])
+        raw: list[int] | None = list(text.encode("utf-8", "surrogatepass"))
+    except (UnicodeDecodeError, TypeError, ValueError, OverflowError):
+        text, raw = "", None  # part of a multi-byte character: no text of its own
+    return {"token": text, "logprob": logprob, "bytes": raw}
+
+
+def _openai_logprobs(tokenizer: ChatTokenizer, meta: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``choices[i].logprobs`` from SGLang's ``meta_info`` (``output_token_logprobs``
+    ``[[logprob, id], ...]`` and, when asked for, ``output_top_logprobs`` per position)."""
+    tops = meta.get("output_top_logprobs")
+    content = []
+    for i, (logprob, token_id, *_rest) in enumerate(meta.get("output_token_logprobs") or ()):
+        entry = _token_logprob(tokenizer, token_id, logprob)
+        alternatives = tops[i] if isinstance(tops, list) and i < len(tops) and isinstance(tops[i], list) else []
+        entry["top_logprobs"] = [_token_logprob(tokenizer, alt[1], alt[0]) for alt in alternatives
+                                 if isinstance(alt, list) and len(alt) >= 2]
+        content.append(entry)
+    return {"content": content, "refusal": None}
 
 
 def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
@@ -272,7 +345,8 @@ def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         index = choice.get("index", 0)
-        events.append({**base, "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
+        events.append({**base, "choices": [{"index": index, "delta": delta, "logprobs": choice.get("logprobs"),
+                                            "finish_reason": None}]})
         events.append({**base, "choices": [{"index": index, "delta": {},
                                             "finish_reason": choice.get("finish_reason")}]})
     if include_usage:
@@ -283,52 +357,115 @@ def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
 
 
 class SessionCore:
-    """The five operations of the session server; each returns a ``Reply`` and never raises
-    for a client, backend or session error (those become error replies)."""
+    """The operations of the session server; each returns a ``Reply`` and never raises for a
+    client, backend or session error (those become error replies)."""
 
     def __init__(self, tokenizer: ChatTokenizer, backend: BackendClient, *,
                  registry: SessionRegistry | None = None, turn_wait_timeout: float = 630.0,
-                 request_routed_experts: bool = True) -> None:
+                 routing_replay_layers: int = 0, indexer_replay: bool = False) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.registry = registry if registry is not None else SessionRegistry()
         self.turn_wait_timeout = turn_wait_timeout
+        self.routing_replay_layers = routing_replay_layers
         self.forced_fields = dict(FORCED_BACKEND_FIELDS)
-        if request_routed_experts:
+        if routing_replay_layers > 0:
             self.forced_fields["return_routed_experts"] = True
+        if indexer_replay:
+            self.forced_fields["return_indexer_topk"] = True
+        # miles' session_server_instance_id: stable for this process, new after a restart, so a
+        # client can tell that the sessions it holds are gone.
+        self.instance_id = uuid.uuid4().hex
 
     def create_session(self, session_id: str | None = None) -> Reply:
         try:
             session = self.registry.create_session(session_id)
         except SessionError as exc:
-            return _reply_for(exc)
+            return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
+
+    def _snapshot(self, session: Session) -> tuple[list[Record], TitoState, dict[str, Any], bytes]:
+        """A consistent snapshot of the session: its records, state and miles' session metadata
+        (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
+        ``max_trim_tokens``, plus our counters), also as JSON bytes. Computed once per
+        committed turn: every commit makes a new state, the cache key."""
+        records, state, rollbacks = session.snapshot()
+        cached = session.metadata_cache
+        if cached is not None and cached[0] is state:
+            return records, state, cached[1], cached[2]
+        metadata: dict[str, Any] = {}
+        try:
+            mismatch = session_mismatch(state, self.tokenizer)
+        except Exception:  # as miles: a failed check is logged and left out, never fails the GET
+            log.exception("tito_session_mismatch of session %s failed", session.session_id)
+            mismatch = None
+        if mismatch is not None:
+            metadata["tito_session_mismatch"] = mismatch
+        metadata.update(accumulated_token_ids=list(state.token_ids), max_trim_tokens=MAX_TRIM_TOKENS,
+                        num_records=len(records), num_rollbacks=rollbacks, num_messages=len(state.messages),
+                        created_at=session.created_at)
+        encoded = json.dumps(metadata, separators=(",", ":")).encode()
+        session.metadata_cache = (state, metadata, encoded)
+        return records, state, metadata, encoded
 
     def get_session(self, session_id: str) -> Reply:
         try:
             session = self.registry.get(session_id)
         except SessionError as exc:
-            return _reply_for(exc)
-        records, metadata = session.snapshot()
+            return error_reply(exc)
+        records, _state, _metadata, encoded = self._snapshot(session)
         body = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                 + b',"records":[']
-        sep = b""
-        for head, request, mid, response in records:
-            body += (sep + head, request, mid, response)
-            sep = b"},"
-        body.append((b"}" if records else b"") + b'],"metadata":')
-        body += (metadata, b"}")
+        for i, record in enumerate(records):
+            if i:
+                body.append(b",")
+            body += record.chunks
+        body += (b'],"metadata":', encoded, b"}")
         return Reply(200, body)
+
+    def samples(self, session_id: str, body: bytes) -> Reply:
+        """``POST /sessions/{id}/samples``: the session's training sample(s) as one safetensors
+        payload in miles' samples wire format (see ``webapp.samples``)."""
+        try:
+            max_seq_len = _parse_samples_body(body)
+            records, state, metadata, _encoded = self._snapshot(self.registry.get(session_id))
+            turns = [record.turn for record in records]
+            samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
+                                                     max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
+            payload = encode_samples(samples, turns, metadata, empty_reason,
+                                     routing_replay_layers=self.routing_replay_layers)
+        except SessionError as exc:
+            return error_reply(exc)
+        except Exception:
+            log.exception("samples of session %s failed", session_id)
+            return error_response(500, "internal error in the session core")
+        return Reply(200, payload, content_type=SAMPLES_CONTENT_TYPE)
+
+    def proxy(self, session_id: str, method: str, path: str, query: str, body: bytes,
+              headers: dict[str, str]) -> Reply:
+        """The catch-all ``/sessions/{id}/{path}``: forwarded to ``<backend>/{path}`` (e.g.
+        ``v1/models``) with the backend's status, content type and body relayed untouched."""
+        try:
+            self.registry.get(session_id)
+            wanted = {k: v for k, v in headers.items() if k.lower() in PROXY_HEADERS}
+            reply = self.backend.proxy(method, path, query, body, wanted, routing_key=session_id)
+        except SessionError as exc:
+            return error_reply(exc, openai=path.startswith("v1/"))
+        except Exception:  # as in chat: one bad call must not take the worker down
+            log.exception("proxy %s %s of session %s failed", method, path, session_id)
+            return error_response(500, "internal error in the session core")
+        return Reply(reply.status, reply.body, content_type=reply.content_type)
 
     def delete_session(self, session_id: str) -> Reply:
         try:
             self.registry.remove(session_id)
         except SessionError as exc:
-            return _reply_for(exc)
+            return error_reply(exc)
         return Reply(204, b"", content_type="")
 
     def health(self) -> Reply:
-        return json_response(200, {"status": "ok", "sessions": len(self.registry)})
+        return json_response(200, {"status": "ok", "session_server_instance_id": self.instance_id,
+                                   "sessions": len(self.registry)})
 
     def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
         """Run one turn. Blocking; safe to call from many threads/greenlets at once.
@@ -338,16 +475,17 @@ class SessionCore:
         of its own (the router) gets this core's 503 or 502 before it gives up and the turn is
         never committed after its caller was told it failed. None: the core's timeouts only.
         """
+        request_timestamp = time.time()
         deadline = None if budget is None else time.monotonic() + budget
         try:
-            return self._chat(session_id, body, deadline)
+            return self._chat(session_id, body, deadline, request_timestamp)
         except SessionError as exc:
-            return _reply_for(exc)
+            return error_reply(exc, openai=True)
         except Exception:  # a bug in one turn must not take the worker (and other sessions) down
             log.exception("chat turn on session %s failed", session_id)
-            return error_response(500, "internal error in the session core")
+            return openai_error_response(500, "internal error in the session core", "server_error", "internal_error")
 
-    def _chat(self, session_id: str, body: bytes, deadline: float | None) -> Reply:
+    def _chat(self, session_id: str, body: bytes, deadline: float | None, request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
         wait = self.turn_wait_timeout
@@ -363,11 +501,11 @@ class SessionCore:
             payload = self._backend_payload(request, plan)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
-            record = self._record(session, request, body, plan, turn, reply)
+            record = self._record(payload, plan, turn, reply, request_timestamp)
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
-            session.commit(new_state, plan.base, record)
+            session.commit(new_state, plan, record)
         finally:
             session.turn_lock.release()
         return self._client_reply(reply.parsed, request)
@@ -379,22 +517,30 @@ class SessionCore:
         return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
     @staticmethod
-    def _record(session: Session, request: dict[str, Any], body: bytes, plan: TurnPlan, turn: _Turn,
-                reply: BackendReply) -> tuple[bytes, ...]:
-        head = json.dumps({
-            "turn": len(session.records),
-            "created_at": time.time(),
-            "rollback": plan.rollback,
-            "prompt_token_ids": plan.prompt_ids,
-            "output_token_ids": turn.output_ids,
-            "output_token_logprobs": turn.logprobs,
-            "finish_reason": turn.finish_reason,
-        }, separators=(",", ":"))
-        return (b"{" + head[1:-1].encode() + b',"request":', body, b',"response":', reply.raw)
+    def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
+                request_timestamp: float) -> Record:
+        timestamp = time.time()
+        head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
+                           "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
+                          separators=(",", ":"))
+        replay: dict[str, tuple[int, int]] = {}
+        for key, start, end in reply.replay_spans:
+            replay.setdefault(key, (start, end))
+        summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
+                             logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
+                             timestamp=timestamp, request_timestamp=request_timestamp, response=reply.raw,
+                             replay=replay)
+        chunks = (head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}")
+        return Record(chunks, summary)
 
-    @staticmethod
-    def _client_reply(parsed: dict[str, Any], request: dict[str, Any]) -> Reply:
-        _strip_routed_experts(parsed)
+    def _client_reply(self, parsed: dict[str, Any], request: dict[str, Any]) -> Reply:
+        _strip_replay_payloads(parsed)
+        wants_logprobs = bool(request.get("logprobs"))
+        for choice in parsed.get("choices") or ():
+            if not wants_logprobs:
+                choice["logprobs"] = None  # forced on for the records, not asked for by the client
+            elif choice.get("logprobs") is None and isinstance(choice.get("meta_info"), dict):
+                choice["logprobs"] = _openai_logprobs(self.tokenizer, choice["meta_info"])
         if request.get("stream"):
             options = request.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -405,6 +551,20 @@ class SessionCore:
         self.backend.close()
 
 
+def _parse_samples_body(body: bytes) -> int | None:
+    """``{"max_seq_len": int | null}`` (an empty body is ``{}``) -> max_seq_len."""
+    try:
+        params = json.loads(body.decode("utf-8")) if body.strip() else {}
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    if not isinstance(params, dict):
+        raise InvalidJSON("invalid JSON body: expected an object")
+    value = params.get("max_seq_len")
+    if value is not None and (type(value) is not int or value < 1):
+        raise InvalidField("max_seq_len", "expected a positive integer or null")
+    return value
+
+
 def build_session_core(config: CoreConfig) -> SessionCore:
     """The one builder every adapter uses, so single- and multi-process modes cannot drift."""
     wait = config.turn_wait_timeout
@@ -413,4 +573,5 @@ def build_session_core(config: CoreConfig) -> SessionCore:
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
     return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=wait,
-                       request_routed_experts=config.request_routed_experts)
+                       routing_replay_layers=int(config.routing_replay_layers),
+                       indexer_replay=bool(config.indexer_replay))

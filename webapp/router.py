@@ -17,16 +17,19 @@ import hmac
 import json
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import gevent
-from flask import Flask, Response, request
+from flask import Flask, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
 
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.settings import float_settings_from_env
+from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
+from webapp.settings import float_settings_from_env, replay_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
 
@@ -58,6 +61,8 @@ class RouterConfig:
     startup_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    routing_replay_layers: int = 0  # the workers' replay settings (webapp.settings.REPLAY_SETTINGS)
+    indexer_replay: bool = False
 
     @property
     def chat_timeout(self) -> float:
@@ -81,20 +86,28 @@ class RouterConfig:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **float_settings_from_env(cls, env))
+                   **float_settings_from_env(cls, env), **replay_settings_from_env(env))
 
     def supervisor_config(self) -> SupervisorConfig:
         return SupervisorConfig(
             workers=self.workers,
             core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
-                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout},
+                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
+                  "routing_replay_layers": self.routing_replay_layers, "indexer_replay": self.indexer_replay},
             startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout)
 
 
 def _error(status: int, message: str, **extra: object) -> Response:
-    body = json.dumps({"error": message, **extra}, separators=(",", ":"))
-    return Response(body, status=status, content_type="application/json")
+    """The router's own error, in the shape of the route: OpenAI's under ``/sessions/<id>/v1/``
+    (``code`` from the status, ``extra`` beside the error object), else miles'."""
+    if has_request_context() and is_openai_path(request.path):
+        code = HTTP_STATUS_CODES.get(status, "error").lower().replace(" ", "_")
+        obj: dict[str, object] = {**openai_error_body(message, "server_error" if status >= 500
+                                                      else "invalid_request_error", code), **extra}
+    else:
+        obj = {"error": message, **extra}
+    return Response(json.dumps(obj, separators=(",", ":")), status=status, content_type="application/json")
 
 
 def _relay(reply: IpcReply) -> Response:
@@ -155,6 +168,9 @@ def create_app(config: RouterConfig | None = None) -> Flask:
     app.config["SHINKEN_ROUTER"] = config
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BODY_BYTES
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+    # miles' session_server_instance_id: this router process (its workers' sessions live and
+    # die with it), so a client can tell after a restart that its sessions are gone.
+    instance_id = uuid.uuid4().hex
 
     def call(session_id: str, op: str, body: bytes = b"", timeout: float | None = None,
              **meta: object) -> Response:
@@ -212,7 +228,8 @@ def create_app(config: RouterConfig | None = None) -> Flask:
         if bad:
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
             return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad))
-        return Response('{"status":"ok"}', status=200, content_type="application/json")
+        return Response(json.dumps({"status": "ok", "session_server_instance_id": instance_id}),
+                        status=200, content_type="application/json")
 
     @app.post("/sessions")
     def create_session() -> Response:
@@ -230,5 +247,16 @@ def create_app(config: RouterConfig | None = None) -> Flask:
     def chat(session_id: str) -> Response:
         return call(session_id, "chat", request.get_data(cache=False), timeout=config.chat_timeout,
                     budget=config.chat_budget)
+
+    @app.post("/sessions/<session_id>/samples")
+    def samples(session_id: str) -> Response:
+        return call(session_id, "samples", request.get_data(cache=False))
+
+    # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
+    @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
+    def proxy(session_id: str, path: str) -> Response:
+        return call(session_id, "proxy", request.get_data(cache=False), timeout=config.chat_timeout,
+                    method=request.method, path=path, query=request.query_string.decode(),
+                    headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
 
     return app

@@ -4,6 +4,7 @@
 
     shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
                            [--tokenizer PATH] [--api-key KEY]
+                           [--routing-replay-layers L] [--indexer-replay]
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-r3-layers", type=int, default=4,
                         help="routed-expert layers the embedded reference backend returns per token "
                              "(0: none; ignored with --backend-url)")
+    parser.add_argument("--routing-replay-layers", type=int, default=None,
+                        help="routing replay (R3): ask the backend for routed_experts; the model's MoE "
+                             "layer count, which /samples shapes R3 with (0: off; default: off, or "
+                             "--reference-r3-layers with the embedded reference backend)")
+    parser.add_argument("--indexer-replay", action="store_true",
+                        help="indexer replay: ask the backend for indexer_topk")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
                         help="seconds a session worker may miss heartbeats before it is restarted")
     parser.add_argument("--read-timeout", type=float, default=None, help="backend read timeout per turn")
@@ -104,19 +111,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--api-key is enforced by the router: use --workers >= 1")
     backend = None
     backend_url = args.backend_url
+    replay_layers = args.routing_replay_layers
+    if replay_layers is not None and replay_layers < 0:
+        raise SystemExit("--routing-replay-layers must be >= 0")
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
         # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
         backend = start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers)
         backend_url = backend.url
+        if replay_layers is None:
+            replay_layers = args.reference_r3_layers
     listener = _listen(host, port)
     port = listener.getsockname()[1]
     env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
     env.pop("SHINKEN_API_KEY", None)
     for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key),
                         ("SHINKEN_HEARTBEAT_TIMEOUT", args.heartbeat_timeout),
-                        ("SHINKEN_READ_TIMEOUT", args.read_timeout)):
+                        ("SHINKEN_READ_TIMEOUT", args.read_timeout),
+                        ("SHINKEN_ROUTING_REPLAY_LAYERS", replay_layers),
+                        ("SHINKEN_INDEXER_REPLAY", "1" if args.indexer_replay else None)):
         if value is not None:
             env[name] = str(value)
     app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"

@@ -1,8 +1,13 @@
 """Errors of the session core, each carrying the HTTP status an adapter answers with.
 
-Every adapter (the Flask app, the data-plane worker) maps a caught ``SessionError`` to
-``core.error_response(exc.status, str(exc))``, so single- and multi-process modes answer
-alike. ``UpstreamStatus`` is the one exception whose body is passed through verbatim.
+Every adapter (the Flask app, the data-plane worker) gets a caught ``SessionError`` as a
+``core.Reply`` built by ``core.error_reply``, so single- and multi-process modes answer alike:
+``{"error": "<text>"}`` on the session-management routes (miles' shape), and OpenAI's
+``{"error": {"message", "type", "code"}}`` on the OpenAI routes (``/sessions/{id}/v1/...``),
+where ``code`` is :attr:`SessionError.code` (the class name in snake case, so a client can
+branch on it) and ``type`` is :attr:`SessionError.openai_type`. ``UpstreamStatus`` is the one
+exception whose body is passed through verbatim. Texts a miles client could match on are
+worded as miles words them (``session not found: session_id=...``, ``invalid JSON body: ...``).
 
 Exception tree::
 
@@ -17,6 +22,7 @@ Exception tree::
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
+    ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     ├── BackendError                  502  the backend failed us
     │   ├── BackendUnreachable        502  connect/transport error
     │   │   └── BackendTimeout        502  connect or read timeout
@@ -25,6 +31,8 @@ Exception tree::
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "AppendOnlyViolation",
@@ -37,6 +45,7 @@ __all__ = [
     "InvalidField",
     "InvalidJSON",
     "RollbackTooDeep",
+    "SampleAssemblyError",
     "SessionBusy",
     "SessionError",
     "SessionExists",
@@ -46,14 +55,25 @@ __all__ = [
 ]
 
 
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
 class SessionError(Exception):
     """Base of every error the session core raises on purpose."""
 
     status: int = 500
+    openai_type: str = "server_error"  # OpenAI's error ``type`` on the OpenAI routes
+
+    @property
+    def code(self) -> str:
+        """The stable machine-readable name of this error: ``SessionNotFound`` -> ``session_not_found``."""
+        return _snake(type(self).__name__)
 
 
 class BadRequest(SessionError):
     status = 400
+    openai_type = "invalid_request_error"
 
 
 class InvalidJSON(BadRequest):
@@ -84,17 +104,19 @@ class RollbackTooDeep(AppendOnlyViolation):
 
 class SessionNotFound(SessionError):
     status = 404
+    openai_type = "not_found_error"
 
     def __init__(self, session_id: str) -> None:
         super().__init__(session_id)
         self.session_id = session_id
 
     def __str__(self) -> str:
-        return f"session {self.session_id!r} not found"
+        return f"session not found: session_id={self.session_id}"  # miles' wording
 
 
 class SessionExists(SessionError):
     status = 409
+    openai_type = "invalid_request_error"
 
     def __init__(self, session_id: str) -> None:
         super().__init__(session_id)
@@ -112,8 +134,17 @@ class TokenPrefixMismatch(SessionError):
     status = 500
 
 
+class SampleAssemblyError(SessionError):
+    """``POST /sessions/{id}/samples``: the records break an assembly rule (miles answers 422
+    with its assertion text); nothing about the session changes."""
+
+    status = 422
+    openai_type = "invalid_request_error"
+
+
 class BackendError(SessionError):
     status = 502
+    openai_type = "upstream_error"
 
 
 class BackendUnreachable(BackendError):

@@ -11,10 +11,16 @@ import os
 import typing
 from collections.abc import Mapping
 
-__all__ = ["ENV_PREFIX", "float_settings_from_env", "parse_bind"]
+__all__ = ["ENV_PREFIX", "REPLAY_SETTINGS", "float_settings_from_env", "parse_bind", "replay_settings_from_env"]
 
 ENV_PREFIX = "SHINKEN_"
 DEFAULT_HOST = "127.0.0.1"
+# The replay settings of the session core (``webapp.core.CoreConfig`` fields), declared once:
+# name -> type. The router carries them to its workers, the single-process app reads them
+# directly; ``shinken-session-server`` sets them from ``--routing-replay-layers`` /
+# ``--indexer-replay``.
+REPLAY_SETTINGS: dict[str, type] = {"routing_replay_layers": int, "indexer_replay": bool}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -52,3 +58,27 @@ def _number(key: str, raw: str) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{key} must be a number, got {raw!r}") from None
+
+
+def replay_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int | bool]:
+    """``SHINKEN_ROUTING_REPLAY_LAYERS`` (an integer >= 0) and ``SHINKEN_INDEXER_REPLAY`` (a
+    boolean: 1/0, true/false, yes/no, on/off) when set, as :data:`REPLAY_SETTINGS` keywords.
+
+    Raises ``ValueError`` naming the variable when one does not parse.
+    """
+    env = os.environ if environ is None else environ
+    settings: dict[str, int | bool] = {}
+    for name, kind in REPLAY_SETTINGS.items():
+        key = f"{ENV_PREFIX}{name.upper()}"
+        if key not in env:
+            continue
+        raw = env[key].strip()
+        if kind is bool:
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"{key} must be a boolean (1/0, true/false), got {raw!r}")
+            settings[name] = raw.lower() in _TRUE
+        else:
+            if not raw.isdigit():
+                raise ValueError(f"{key} must be an integer >= 0, got {raw!r}")
+            settings[name] = int(raw)
+    return settings

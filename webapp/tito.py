@@ -16,6 +16,12 @@ Rules (see docs/session-server.md):
   assistant step. Anything that rewrites older messages is ``RollbackTooDeep``.
 - If the template renders the stored messages differently once new ones follow, the ids
   cannot be appended: ``TokenPrefixMismatch``.
+- Tools may change between turns (as in miles); ``tools: []`` is the same as no tools. The
+  stored ids keep the tools they were rendered with: the closer is found by rendering the
+  stored messages with the stored turn's tools, the suffix by rendering old and new messages
+  both with the request's tools.
+- The ids never drop a token the model emitted (the closer is appended after the output), so
+  the chat template trims nothing: miles' ``max_trim_tokens`` is 0 (:data:`MAX_TRIM_TOKENS`).
 """
 
 from __future__ import annotations
@@ -26,17 +32,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
-from webapp.tokenizers import ChatTokenizer
+from webapp.tokenizers import ChatTokenizer, decode_lenient
 
 __all__ = [
     "INITIAL_STATE",
     "MAX_MESSAGES",
+    "MAX_TRIM_TOKENS",
     "TitoState",
     "TurnPlan",
     "commit_turn",
     "normalize_message",
     "normalize_messages",
     "plan_turn",
+    "session_mismatch",
 ]
 
 Message = dict[str, Any]
@@ -44,6 +52,8 @@ Message = dict[str, Any]
 # A computer-use episode of a few hundred steps has ~1-2k messages; far beyond that is a
 # runaway client, refused before any rendering work.
 MAX_MESSAGES = 100_000
+# Output tokens the next turn's rendering may drop (miles' ``TITOTokenizer.max_trim_tokens``).
+MAX_TRIM_TOKENS = 0
 
 
 @dataclass(frozen=True)
@@ -127,11 +137,16 @@ def normalize_messages(raw: Any) -> tuple[Message, ...]:
 
 
 def tools_key(tools: Any) -> str | None:
+    """The canonical JSON of a request's tools; None for absent or ``[]`` (the same thing)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise InvalidField("tools", "expected a list")
-    return json.dumps(tools, sort_keys=True, ensure_ascii=False)
+    return json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else None
+
+
+def tools_of(key: str | None) -> list[Any] | None:
+    return None if key is None else json.loads(key)
 
 
 def _extends(messages: tuple[Message, ...], stored: tuple[Message, ...]) -> bool:
@@ -178,22 +193,24 @@ def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any,
     """
     messages = normalize_messages(raw_messages)
     key = tools_key(tools)
+    tools = tools_of(key)
     base, rollback = _choose_base(messages, current, previous)
-    if base.messages and key != base.tools_key:
-        raise AppendOnlyViolation("tools differ from the ones this session started with")
     if messages[-1]["role"] == "assistant":
         raise AppendOnlyViolation("the last message must not be an assistant message")
     prompt_text = tokenizer.render(messages, add_generation_prompt=True, tools=tools)
     if not base.messages:
         return TurnPlan(base, rollback, messages, key, prompt_text, tokenizer.encode(prompt_text))
-    rendered_base = tokenizer.render(base.messages, add_generation_prompt=False, tools=tools)
-    if not rendered_base.startswith(base.rendered_prompt):
+    # The stored turn as it was rendered (its own tools): where its assistant reply ends.
+    stored_render = tokenizer.render(base.messages, add_generation_prompt=False, tools=tools_of(base.tools_key))
+    if not stored_render.startswith(base.rendered_prompt):
         raise TokenPrefixMismatch(
             "chat template renders the stored prompt differently once the assistant reply follows")
+    rendered_base = stored_render if key == base.tools_key else tokenizer.render(
+        base.messages, add_generation_prompt=False, tools=tools)
     if not prompt_text.startswith(rendered_base):
         raise TokenPrefixMismatch(
             "chat template re-renders the stored messages differently when new messages follow")
-    closer = _turn_closer(rendered_base[len(base.rendered_prompt):], tokenizer.eos_token,
+    closer = _turn_closer(stored_render[len(base.rendered_prompt):], tokenizer.eos_token,
                           base.output_ended_with_eos)
     new_ids = tokenizer.encode(closer + prompt_text[len(rendered_base):])
     return TurnPlan(base, rollback, messages, key, prompt_text, [*base.token_ids, *new_ids])
@@ -209,3 +226,74 @@ def commit_turn(plan: TurnPlan, assistant_message: Message, output_ids: Sequence
         rendered_prompt=plan.prompt_text,
         output_ended_with_eos=bool(output_ids) and output_ids[-1] == eos_token_id,
     )
+
+
+def _segments(ids: Sequence[int], special: frozenset[int]) -> list[tuple[bool, list[int]]]:
+    """``ids`` split at special tokens: each special token alone, runs of others together."""
+    out: list[tuple[bool, list[int]]] = []
+    for tid in ids:
+        if tid in special:
+            out.append((True, [tid]))
+        elif out and not out[-1][0]:
+            out[-1][1].append(tid)
+        else:
+            out.append((False, [tid]))
+    return out
+
+
+def _assistant_opener(tokenizer: ChatTokenizer) -> str:
+    """What the template puts before an assistant reply (ChatML: ``<|im_start|>assistant``),
+    miles' ``assistant_start_str``, found from the generation prompt."""
+    probe = ({"role": "user", "content": ""},)
+    without = tokenizer.render(probe, add_generation_prompt=False)
+    return tokenizer.render(probe, add_generation_prompt=True)[len(without):].strip()
+
+
+def session_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[str, Any]] | None:
+    """Where the session's accumulated ids differ from the chat template's own rendering of
+    its messages (miles' ``tito_session_mismatch``): a list of
+    ``{type, segment_index, expected_text, actual_text, detail}``, empty when they agree,
+    None for an empty session.
+
+    Both sequences are split at special tokens and compared segment by segment; the types are
+    miles': ``special_token_count`` (the segments do not line up), ``special_token_type``,
+    ``assistant_text`` (expected: the model's own tokens need not be the template's) and
+    ``non_assistant_text`` (a TITO bug). Trailing whitespace-only tokens (the template's
+    newline after the last end-of-turn) are left out on both sides, as miles does.
+    """
+    if not state.token_ids:
+        return None
+    expected = tokenizer.encode(tokenizer.render(state.messages, add_generation_prompt=False,
+                                                 tools=tools_of(state.tools_key)))
+    special = tokenizer.special_token_ids
+
+    def trimmed(ids: Sequence[int]) -> list[int]:
+        end = len(ids)
+        while end and ids[end - 1] not in special and not decode_lenient(tokenizer, [ids[end - 1]]).strip():
+            end -= 1
+        return list(ids[:end])
+
+    exp, act = _segments(trimmed(expected), special), _segments(trimmed(state.token_ids), special)
+    opener_text = _assistant_opener(tokenizer)
+
+    def describe(segs: list[tuple[bool, list[int]]]) -> str:
+        return " ".join(f"[{decode_lenient(tokenizer, ids)}]" if sp else f"({len(ids)} tokens)" for sp, ids in segs)
+
+    if [sp for sp, _ in exp] != [sp for sp, _ in act]:
+        detail = (f"segment count differs: expected {len(exp)}, got {len(act)}" if len(exp) != len(act)
+                  else "segment structure (special/content pattern) differs")
+        return [{"type": "special_token_count", "segment_index": -1, "expected_text": describe(exp),
+                 "actual_text": describe(act), "detail": detail}]
+    mismatches = []
+    for i, ((sp, e_ids), (_, a_ids)) in enumerate(zip(exp, act)):
+        e_text, a_text = decode_lenient(tokenizer, e_ids), decode_lenient(tokenizer, a_ids)
+        if e_ids == a_ids or (not sp and e_text == a_text):
+            continue
+        if sp:
+            kind = "special_token_type"
+        else:
+            opener = decode_lenient(tokenizer, exp[i - 1][1]) if i and exp[i - 1][0] else ""
+            kind = "assistant_text" if (opener + e_text).startswith(opener_text) else "non_assistant_text"
+        mismatches.append({"type": kind, "segment_index": i, "expected_text": e_text, "actual_text": a_text,
+                           "detail": ""})
+    return mismatches

@@ -26,6 +26,7 @@ __all__ = [
     "HFChatTokenizer",
     "TokenizerLoadError",
     "content_text",
+    "decode_lenient",
     "load_tokenizer",
 ]
 
@@ -44,6 +45,7 @@ class ChatTokenizer(Protocol):
     name: str
     eos_token: str  # the end-of-turn marker the model emits to finish an assistant turn
     eos_token_id: int
+    special_token_ids: frozenset[int]  # ids of the special (added, ``special=True``) tokens
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -88,6 +90,7 @@ class ByteChatTokenizer:
         self._special_re = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
+        self.special_token_ids = frozenset(self._special_by_id)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -178,6 +181,8 @@ class HFChatTokenizer:
         self.name = os.path.basename(os.path.normpath(path))
         self.eos_token = eos
         self.eos_token_id = self._tok.token_to_id(eos)
+        self.special_token_ids = frozenset(
+            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
                                                                     "unk_token")}
 
@@ -210,6 +215,42 @@ class HFChatTokenizer:
             messages=list(messages), tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )
+
+
+# A UTF-8 character is at most 4 bytes: a run of undecodable ids longer than this is garbage.
+_MAX_PARTIAL_IDS = 4
+
+
+def decode_lenient(tokenizer: ChatTokenizer, ids: Sequence[int]) -> str:
+    """``tokenizer.decode(ids)``, except that ids which are only part of a character (a
+    byte-level tokenizer's output cut mid-character, e.g. by ``max_tokens``) become U+FFFD
+    instead of raising, as ``tokenizers``' byte-level decoder does for a text we only report."""
+    try:
+        return tokenizer.decode(ids)
+    except UnicodeDecodeError:
+        pass
+    out: list[str] = []
+    pending: list[int] = []
+
+    def flush(at_least: int) -> None:
+        # Decode what is pending; while it cannot be decoded and holds ``at_least`` ids, its
+        # first id starts no character: replace it and retry with the rest.
+        nonlocal pending
+        while pending:
+            try:
+                out.append(tokenizer.decode(pending))
+                pending = []
+            except UnicodeDecodeError:
+                if len(pending) < at_least:
+                    return
+                out.append("\ufffd")
+                pending = pending[1:]
+
+    for tid in ids:
+        pending.append(tid)
+        flush(_MAX_PARTIAL_IDS)
+    flush(1)
+    return "".join(out)
 
 
 def load_tokenizer(path: str | None) -> ChatTokenizer:

@@ -9,7 +9,8 @@ router imports it (to name the spawn target) and must stay free of the core and 
 Ops (``meta["op"]``): ``ping`` (heartbeat, answered by the hub without touching the core),
 ``health``, ``create_session``, ``get_session``, ``delete_session``, ``chat`` (body = the
 client's request body; optional ``budget``: seconds the turn may take, see
-``SessionCore.chat``). Every op but ``ping``/``health`` names a ``session_id`` that must
+``SessionCore.chat``), ``samples`` (body = the client's ``{"max_seq_len": ...}``) and
+``proxy`` (``method``, ``path``, ``query``, ``headers``; body = the client's body). Every op but ``ping``/``health`` names a ``session_id`` that must
 hash to this worker's shard.
 
 The worker dies with its parent three ways: ``PR_SET_PDEATHSIG`` (SIGKILL), a parent-pid
@@ -127,4 +128,12 @@ class SessionOps:
             return self._core.get_session(session_id)
         if op == "delete_session":
             return self._core.delete_session(session_id)
+        if op == "samples":
+            return self._core.samples(session_id, bytes(body))
+        if op == "proxy":
+            method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))
+            if not (isinstance(method, str) and isinstance(path, str) and isinstance(query, str)
+                    and isinstance(headers, dict)):
+                return self._error_response(400, "op 'proxy' needs method, path, query and headers")
+            return self._core.proxy(session_id, method, path, query, bytes(body), headers)
         return self._error_response(400, f"unknown op {op!r}")

@@ -44,14 +44,17 @@ def test_demo_writes_consistent_trajectories(tmp_path):
             assert record["response"]["choices"][0]["meta_info"]["routed_experts"]  # R3 kept for training
             assert step["outcome"] in {"ok", "error"}
             assert step["observation"]["format"] == "jpeg"
-            assert record["output_token_ids"] and len(record["output_token_logprobs"]) == len(
-                record["output_token_ids"])
-        last = records[-1]
-        assert ep["metadata"]["accumulated_token_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
+            assert record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+
+        def ids(record):  # miles' SessionRecord: the backend request's input_ids + the output ids
+            pairs = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+            return record["request"]["input_ids"], [pair[1] for pair in pairs]
+
+        last_prompt, last_output = ids(records[-1])
+        assert ep["metadata"]["accumulated_token_ids"] == last_prompt + last_output
         # append-only: each turn's prompt extends the previous turn's full token sequence
-        first = records[0]
-        assert last["prompt_token_ids"][: len(first["prompt_token_ids"]) + len(first["output_token_ids"])] == (
-            first["prompt_token_ids"] + first["output_token_ids"])
+        first_prompt, first_output = ids(records[0])
+        assert last_prompt[: len(first_prompt) + len(first_output)] == first_prompt + first_output
 
     sheet = Image.open(out / "contact_sheet.png")
     assert sheet.width >= 480 and sheet.height >= 270

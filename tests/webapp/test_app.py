@@ -21,7 +21,7 @@ def backend(reference_backend_factory):
 
 @pytest.fixture(scope="module")
 def client(backend):
-    app = create_app(CoreConfig(backend_url=backend.url))
+    app = create_app(CoreConfig(backend_url=backend.url, routing_replay_layers=4))
     yield app.test_client()
     app.extensions[CORE_EXTENSION_KEY].close()
 
@@ -42,11 +42,11 @@ def test_routes_and_lifecycle(client):
     deleted = client.delete(f"/sessions/{sid}")
     assert deleted.status_code == 204 and deleted.data == b"" and "Content-Type" not in deleted.headers
     assert client.delete(f"/sessions/{sid}").status_code == 404
-    assert client.get(f"/sessions/{sid}").get_json() == {"error": f"session {sid!r} not found"}
+    assert client.get(f"/sessions/{sid}").get_json() == {"error": f"session not found: session_id={sid}"}
 
 
 @pytest.mark.parametrize("method, path, status", [
-    ("get", "/nope", 404), ("put", "/sessions", 405), ("get", "/sessions/x/v1/chat/completions", 405),
+    ("get", "/nope", 404), ("put", "/sessions", 405), ("patch", "/sessions/x", 405),
 ])
 def test_http_errors_have_the_error_shape(client, method, path, status):
     resp = getattr(client, method)(path)
@@ -55,10 +55,11 @@ def test_http_errors_have_the_error_shape(client, method, path, status):
 
 def test_bad_json_and_wrong_types_are_400(client):
     sid = client.post("/sessions").get_json()["session_id"]
-    for data in (b"{", b"null", json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": 1})):
+    for data, code in ((b"{", "invalid_json"), (b"null", "invalid_json"),
+                       (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": 1}), "invalid_field")):
         resp = client.post(f"/sessions/{sid}/v1/chat/completions", data=data,
                            content_type="application/json")
-        assert resp.status_code == 400 and "error" in resp.get_json()
+        assert resp.status_code == 400 and resp.get_json()["error"]["code"] == code
 
 
 def test_chunked_reply_is_handed_over_unjoined():

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import socket
 import threading
 
 import pytest
+import safetensors.numpy
 
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import CoreConfig, SessionCore, build_session_core
@@ -48,7 +50,7 @@ class FakeBackend:
                                          r3=R3, max_tokens=request.get("max_tokens"))
             raw = json.dumps(reply).encode()
             self.raws.append(raw)
-            return BackendReply(raw, parse_backend_reply(raw))
+            return BackendReply.from_raw(raw)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -58,11 +60,17 @@ class FakeBackend:
 
 
 def make_core(backend=None) -> SessionCore:
-    return SessionCore(TOK, backend or FakeBackend(), turn_wait_timeout=WAIT)
+    return SessionCore(TOK, backend or FakeBackend(), turn_wait_timeout=WAIT, routing_replay_layers=R3.layers)
 
 
 def body_of(reply) -> dict:
     return json.loads(b"".join(reply.chunks))
+
+
+def error_of(reply) -> str:
+    """The message of either error shape: miles' ``{"error": text}`` or OpenAI's object."""
+    error = body_of(reply)["error"]
+    return error["message"] if isinstance(error, dict) else error
 
 
 def new_session(core: SessionCore) -> str:
@@ -82,14 +90,16 @@ def test_lifecycle():
     got = core.get_session(sid)
     assert got.status == 200
     assert body_of(got) == {"session_id": sid, "records": [], "metadata": {
-        "accumulated_token_ids": [], "num_records": 0, "num_messages": 0,
-        "created_at": body_of(got)["metadata"]["created_at"]}}
+        "accumulated_token_ids": [], "max_trim_tokens": 0, "num_records": 0, "num_rollbacks": 0,
+        "num_messages": 0, "created_at": body_of(got)["metadata"]["created_at"]}}
     assert core.delete_session(sid).status == 204
     for reply in (core.get_session(sid), core.delete_session(sid),
                   chat(core, sid, [{"role": "user", "content": "x"}])):
         assert reply.status == 404
-        assert "not found" in body_of(reply)["error"]
-    assert core.health().status == 200 and body_of(core.health())["status"] == "ok"
+        assert error_of(reply) == f"session not found: session_id={sid}"  # miles' wording
+    health = body_of(core.health())
+    assert core.health().status == 200 and health["status"] == "ok"
+    assert health["session_server_instance_id"] == body_of(core.health())["session_server_instance_id"]
 
 
 def test_given_ids_duplicates_and_bad_ids():
@@ -129,24 +139,27 @@ def test_ten_turns_with_tool_messages_exact_records_and_r3():
     assert len(records) == 10
     accumulated = session["metadata"]["accumulated_token_ids"]
     assert TOK.decode(accumulated) + "\n" == TOK.render(conversation, add_generation_prompt=False)
+    def output_ids(record):
+        return [t for _, t in record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]]
+
     last = records[-1]
-    assert accumulated == last["prompt_token_ids"] + last["output_token_ids"]
+    assert accumulated == last["request"]["input_ids"] + output_ids(last)
     for i, (record, call, raw, body) in enumerate(zip(records, backend.calls, backend.raws, bodies)):
-        assert record["turn"] == i and record["rollback"] is False
-        assert record["request"] == body
-        assert record["prompt_token_ids"] == call["input_ids"]
-        assert call["logprobs"] is True and call["stream"] is False and call["return_routed_experts"] is True
+        assert record["rollback"] is False and record["method"] == "POST"
+        assert record["path"] == "/v1/chat/completions" and record["status_code"] == 200
+        assert record["request_timestamp"] <= record["timestamp"]
+        assert record["request"] == call  # the body as sent to the backend
+        assert record["request"] == {k: v for k, v in body.items()} | {
+            "stream": False, "logprobs": True, "return_meta_info": True, "no_stop_trim": False,
+            "return_routed_experts": True, "input_ids": call["input_ids"]}
         assert record["response"] == json.loads(raw)
-        pairs = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
-        assert record["output_token_ids"] == [t for _, t in pairs]
-        assert record["output_token_logprobs"] == [lp for lp, _ in pairs]
         r3 = record["response"]["choices"][0]["meta_info"]["routed_experts"]
-        tokens = len(record["prompt_token_ids"]) + len(record["output_token_ids"])
+        tokens = len(record["request"]["input_ids"]) + len(output_ids(record))
         assert len(base64.b64decode(r3, validate=True)) == (tokens - 1) * R3.layers * R3.top_k * 4
         if i:  # earlier turns are never re-tokenized
             prev = records[i - 1]
-            assert record["prompt_token_ids"][: len(prev["prompt_token_ids"]) + len(prev["output_token_ids"])] \
-                == prev["prompt_token_ids"] + prev["output_token_ids"]
+            prev_ids = prev["request"]["input_ids"] + output_ids(prev)
+            assert record["request"]["input_ids"][: len(prev_ids)] == prev_ids
 
 
 def test_records_get_reuses_the_backend_bytes_without_reencoding():
@@ -169,9 +182,11 @@ def test_rollback_in_core_and_too_deep_is_400():
     assert chat(core, sid, second).status == 200
     assert chat(core, sid, second).status == 200  # regenerate: one step back
     deep = chat(core, sid, [{"role": "user", "content": "other"}])
-    assert deep.status == 400 and "rolled back" in body_of(deep)["error"]
-    records = body_of(core.get_session(sid))["records"]
-    assert [r["rollback"] for r in records] == [False, False, True]
+    assert deep.status == 400 and "rolled back" in error_of(deep)
+    session = body_of(core.get_session(sid))
+    # As miles: the rolled-back record is gone, the records match the checkpoints.
+    assert [r["rollback"] for r in session["records"]] == [False, True]
+    assert session["metadata"]["num_rollbacks"] == 1
 
 
 def test_delete_racing_a_chat_answers_but_commits_nothing():
@@ -213,7 +228,7 @@ def test_turns_of_one_session_are_serialized_but_other_sessions_proceed():
         t.join(WAIT)
     assert [r.status for r in results] == [200, 200, 200]
     assert backend.max_in_flight == 2
-    assert [r["rollback"] for r in body_of(core.get_session(a))["records"]] == [False, True]
+    assert [r["rollback"] for r in body_of(core.get_session(a))["records"]] == [True]  # the retry replaced it
 
 
 def test_a_turn_waiting_too_long_for_the_previous_one_is_503():
@@ -224,7 +239,7 @@ def test_a_turn_waiting_too_long_for_the_previous_one_is_503():
     first.start()
     assert backend.entered.acquire(timeout=WAIT)
     busy = chat(core, sid, [{"role": "user", "content": "a"}])
-    assert busy.status == 503 and "previous turn" in body_of(busy)["error"]
+    assert busy.status == 503 and "previous turn" in error_of(busy)
     backend.release.set()
     first.join(WAIT)
     assert len(body_of(core.get_session(sid))["records"]) == 1
@@ -239,7 +254,7 @@ def test_a_budget_caps_the_wait_for_the_previous_turn():
     first.start()
     assert backend.entered.acquire(timeout=WAIT)
     busy = core.chat(sid, body, budget=0.1)  # without the budget: 600 s
-    assert busy.status == 503 and "previous turn" in body_of(busy)["error"]
+    assert busy.status == 503 and "previous turn" in error_of(busy)
     backend.release.set()
     first.join(WAIT)
     assert len(body_of(core.get_session(sid))["records"]) == 1
@@ -273,7 +288,7 @@ def test_bad_json_and_wrong_types_are_400_and_store_nothing(body):
     sid = new_session(core)
     reply = core.chat(sid, body)
     assert reply.status == 400
-    assert isinstance(body_of(reply)["error"], str)
+    assert isinstance(error_of(reply), str) and body_of(reply)["error"]["type"] == "invalid_request_error"
     assert backend.calls == [] and body_of(core.get_session(sid))["records"] == []
 
 
@@ -290,7 +305,7 @@ def test_stream_answers_sse():
     assert json.loads(content)["action"]["verb"] in ("click", "type", "key", "scroll")
     assert chunks[-1]["usage"]["completion_tokens"] > 0
     record = body_of(core.get_session(sid))["records"][0]
-    assert record["request"]["stream"] is True and "routed_experts" in record["response"]["choices"][0]["meta_info"]
+    assert record["request"]["stream"] is False and "routed_experts" in record["response"]["choices"][0]["meta_info"]
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -331,7 +346,7 @@ def assert_502(core: SessionCore, fragment: str) -> None:
     sid = new_session(core)
     reply = chat(core, sid, [{"role": "user", "content": "a"}])
     assert reply.status == 502, reply.body
-    assert fragment in body_of(reply)["error"]
+    assert fragment in error_of(reply)
     assert body_of(core.get_session(sid))["records"] == []
     core.close()
 
@@ -349,7 +364,7 @@ def test_a_budget_caps_the_backend_read(stub_backend_factory):
     sid = new_session(core)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}]}).encode()
     reply = core.chat(sid, body, budget=0.3)  # without the budget: 600 s
-    assert reply.status == 502 and "timed out" in body_of(reply)["error"]
+    assert reply.status == 502 and "timed out" in error_of(reply)
     assert body_of(core.get_session(sid))["records"] == []
     core.close()
 
@@ -388,3 +403,87 @@ def test_upstream_non_200_is_passed_through_and_not_recorded(stub_backend_factor
     session = body_of(core.get_session(sid))
     assert session["records"] == [] and session["metadata"]["accumulated_token_ids"] == []
     core.close()
+
+
+# --- miles' contract in the core: metadata, samples errors, the worker's new ops -------------------
+
+def test_a_clean_session_reports_no_tito_mismatch():
+    core = make_core()
+    sid = new_session(core)
+    first = [{"role": "user", "content": "a"}]
+    r1 = body_of(chat(core, sid, first))["choices"][0]["message"]
+    chat(core, sid, first + [r1, {"role": "tool", "tool_call_id": "t", "content": "done"}])
+    metadata = body_of(core.get_session(sid))["metadata"]
+    assert metadata["tito_session_mismatch"] == [] and metadata["max_trim_tokens"] == 0
+
+
+def test_a_tampered_accumulation_is_reported_as_a_mismatch():
+    core = make_core()
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    session = core.registry.get(sid)
+    ids = list(session.state.token_ids)
+    ids[3] = ord("Z")  # inside the user text: a TITO bug would look like this
+    session.state = dataclasses.replace(session.state, token_ids=tuple(ids))
+    (mismatch,) = body_of(core.get_session(sid))["metadata"]["tito_session_mismatch"]
+    assert mismatch["type"] == "non_assistant_text" and mismatch["segment_index"] == 1
+    assert (mismatch["expected_text"], mismatch["actual_text"]) == ("user\na", "usZr\na")
+
+
+class AlwaysR3Backend(FakeBackend):
+    """Returns R3 whether or not it was asked for (a backend with routing replay always on)."""
+
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        request = json.loads(payload)
+        return BackendReply.from_raw(json.dumps(reference_completion(request["input_ids"], TOK, want_r3=True,
+                                                                     r3=R3)).encode())
+
+
+def test_samples_refuse_r3_they_cannot_shape_with_422():
+    core = SessionCore(TOK, AlwaysR3Backend(), turn_wait_timeout=WAIT)  # routing replay off: no layer count
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    reply = core.samples(sid, b"{}")
+    assert reply.status == 422 and "--routing-replay-layers" in body_of(reply)["error"]
+    wrong = SessionCore(TOK, AlwaysR3Backend(), turn_wait_timeout=WAIT, routing_replay_layers=5)  # 3 is right
+    sid = new_session(wrong)
+    chat(wrong, sid, [{"role": "user", "content": "a"}])
+    reply = wrong.samples(sid, b"{}")
+    assert reply.status == 422 and "not a multiple" in body_of(reply)["error"]
+    assert wrong.get_session(sid).status == 200  # the session is untouched
+
+
+def test_the_worker_serves_samples_and_proxy_ops():
+    core = make_core()
+    ops = SessionOps(core, 0, 1)
+    sid = new_session(core)
+    chat(core, sid, [{"role": "user", "content": "a"}])
+    reply = ops({"op": "samples", "session_id": sid}, memoryview(b'{"max_seq_len": null}'))
+    assert reply.status == 200 and reply.content_type == "application/octet-stream"
+    bad = ops({"op": "proxy", "session_id": sid, "method": "GET", "path": 5}, memoryview(b""))
+    assert bad.status == 400 and "proxy" in body_of(bad)["error"]
+
+
+class CutCharacterBackend(FakeBackend):
+    """Output cut by max_tokens in the middle of a multi-byte character (byte tokenizer)."""
+
+    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        output = TOK.encode("ok ☃")[:-1]
+        reply = {"choices": [{"index": 0, "finish_reason": "length",
+                              "message": {"role": "assistant", "content": "ok \ufffd"},
+                              "meta_info": {"output_token_logprobs": [[-0.5, t] for t in output],
+                                            "completion_tokens": len(output)}}]}
+        return BackendReply.from_raw(json.dumps(reply).encode())
+
+
+def test_samples_and_logprobs_survive_an_output_cut_mid_character():
+    core = SessionCore(TOK, CutCharacterBackend(), turn_wait_timeout=WAIT)
+    sid = new_session(core)
+    reply = chat(core, sid, [{"role": "user", "content": "a"}], logprobs=True)
+    content = body_of(reply)["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content[:3]] == ["o", "k", " "] and content[-1]["bytes"] is None
+    samples = core.samples(sid, b"{}")
+    assert samples.status == 200
+    meta = json.loads(bytes(safetensors.numpy.load(samples.body)["_samples_meta"]))
+    assert meta["samples"][0]["response"] == "ok \ufffd\ufffd" and meta["samples"][0]["status"] == "truncated"
+    assert "tito_session_mismatch" in body_of(core.get_session(sid))["metadata"]

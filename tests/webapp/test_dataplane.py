@@ -17,7 +17,8 @@ from webapp.sharding import shard_for
 
 pytestmark = pytest.mark.integration
 
-VOLATILE = {"id", "created", "created_at", "session_id"}
+VOLATILE = {"id", "created", "created_at", "session_id", "timestamp", "request_timestamp",
+            "session_server_instance_id"}
 SESSION_ID = re.compile(r"\b[0-9a-f]{32}\b")
 MALFORMED_MARKER = "please-answer-malformed"
 
@@ -101,8 +102,9 @@ def backend_url(reference_backend_factory, stub_backend_factory) -> str:
 
 
 def test_parity_workers_1_and_3(session_server_factory, backend_url) -> None:
-    one = session_server_factory(server_argv(1, backend_url), ready_pattern=READY_URL_PATTERN)
-    three = session_server_factory(server_argv(3, backend_url), ready_pattern=READY_URL_PATTERN)
+    r3 = ("127.0.0.1:0", "--routing-replay-layers", "16")
+    one = session_server_factory(server_argv(1, backend_url, *r3), ready_pattern=READY_URL_PATTERN)
+    three = session_server_factory(server_argv(3, backend_url, *r3), ready_pattern=READY_URL_PATTERN)
     got_one, got_three = client_script(one.url), client_script(three.url)
     ids_three = got_three.pop()["ids"]
     got_one.pop()
@@ -148,7 +150,8 @@ def test_records_body_over_4gib_crosses(reference_backend_factory, session_serve
         pytest.skip("needs ~14 GiB of free memory (worker records + backend reply + client)")
     layers, topk = 64, 8
     reference = reference_backend_factory(r3_layers=layers, r3_topk=topk)
-    server = session_server_factory(server_argv(2, reference.url, "127.0.0.1:0", "--read-timeout", "300"),
+    server = session_server_factory(server_argv(2, reference.url, "127.0.0.1:0", "--read-timeout", "300",
+                                                        "--routing-replay-layers", str(layers)),
                                     ready_pattern=READY_URL_PATTERN)
     http = requests.Session()
     sid = http.post(f"{server.url}/sessions", timeout=30).json()["session_id"]
@@ -195,4 +198,4 @@ def test_workers_0_honours_the_read_timeout(stub_backend_factory, session_server
     sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
     chat = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=20,
                          json={"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 502 and "timed out" in chat.json()["error"]
+    assert chat.status_code == 502 and "timed out" in chat.json()["error"]["message"]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def server(reference_backend_factory, session_server_factory):
     backend = reference_backend_factory(r3_layers=4, r3_topk=2)
-    return session_server_factory(backend_url=backend.url)
+    return session_server_factory(backend_url=backend.url, env={"SHINKEN_ROUTING_REPLAY_LAYERS": "4"})
 
 
 def new_client(server) -> tuple[str, openai.OpenAI]:
@@ -37,7 +37,8 @@ def test_multi_turn_sync_non_streaming(server):
     session = requests.get(f"{server.url}/sessions/{sid}", timeout=10).json()
     assert [r["rollback"] for r in session["records"]] == [False, False, False]
     last = session["records"][-1]
-    assert session["metadata"]["accumulated_token_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
+    output_ids = [t for _, t in last["response"]["choices"][0]["meta_info"]["output_token_logprobs"]]
+    assert session["metadata"]["accumulated_token_ids"] == last["request"]["input_ids"] + output_ids
     assert all("routed_experts" in r["response"]["choices"][0]["meta_info"] for r in session["records"])
 
 
@@ -62,7 +63,33 @@ def test_errors_surface_as_openai_exceptions(server):
     sid, client = new_client(server)
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], n=2)
-    assert "only n=1" in bad.value.response.json()["error"]
+    # OpenAI's error shape: the client's exception carries the message and the code.
+    assert "only n=1" in bad.value.message and bad.value.code == "invalid_field"
+    assert bad.value.response.json()["error"]["type"] == "invalid_request_error"
     assert requests.delete(f"{server.url}/sessions/{sid}", timeout=10).status_code == 204
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}])
+    assert f"session not found: session_id={sid}" in missing.value.message  # was "Error code: 404" alone
+    assert missing.value.code == "session_not_found"
+    # The session-management routes keep miles' shape.
+    assert requests.get(f"{server.url}/sessions/{sid}", timeout=10).json() == {
+        "error": f"session not found: session_id={sid}"}
+
+
+def test_logprobs_in_openai_shape_when_asked(server):
+    sid, client = new_client(server)
+    messages = [{"role": "user", "content": "Click it."}]
+    plain = client.chat.completions.create(model="any", messages=messages)
+    assert plain.choices[0].logprobs is None  # forced on for the records, not asked for here
+    messages = messages + [plain.choices[0].message.model_dump(), {"role": "user", "content": "again"}]
+    asked = client.chat.completions.create(model="any", messages=messages, logprobs=True)
+    content = asked.choices[0].logprobs.content
+    record = requests.get(f"{server.url}/sessions/{sid}", timeout=10).json()["records"][-1]
+    pairs = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+    assert [c.logprob for c in content] == [lp for lp, _ in pairs]
+    # The byte tokenizer: one token per byte, the end-of-turn token last.
+    assert "".join(c.token for c in content) == asked.choices[0].message.content + "<|im_end|>"
+    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+    streamed = client.chat.completions.create(model="any", messages=messages, logprobs=True, stream=True)
+    first = next(iter(streamed))
+    assert [c.logprob for c in first.choices[0].logprobs.content] == [lp for lp, _ in pairs]

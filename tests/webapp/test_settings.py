@@ -8,7 +8,7 @@ import pytest
 
 from webapp.core import CoreConfig
 from webapp.router import RouterConfig
-from webapp.settings import float_settings_from_env, parse_bind
+from webapp.settings import float_settings_from_env, parse_bind, replay_settings_from_env
 
 
 @pytest.mark.parametrize("bind, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), (":80", ("127.0.0.1", 80)),
@@ -30,3 +30,16 @@ def test_float_settings_from_env() -> None:
     assert float_settings_from_env(RouterConfig, env) == {"read_timeout": 0.5, "chat_margin": 1.0}
     with pytest.raises(ValueError, match="SHINKEN_READ_TIMEOUT"):
         float_settings_from_env(CoreConfig, {"SHINKEN_READ_TIMEOUT": "soon"})
+
+
+def test_replay_settings_from_env_reach_the_core_and_the_router_workers() -> None:
+    env = {"SHINKEN_BACKEND_URL": "http://b", "SHINKEN_ROUTING_REPLAY_LAYERS": "48", "SHINKEN_INDEXER_REPLAY": "true"}
+    assert replay_settings_from_env(env) == {"routing_replay_layers": 48, "indexer_replay": True}
+    assert replay_settings_from_env({"SHINKEN_INDEXER_REPLAY": "0"}) == {"indexer_replay": False}
+    assert replay_settings_from_env({}) == {}
+    core = RouterConfig.from_env(env).supervisor_config().core  # what each worker's CoreConfig gets
+    assert CoreConfig(**core).routing_replay_layers == 48 and CoreConfig(**core).indexer_replay is True
+    for key, bad in (("SHINKEN_ROUTING_REPLAY_LAYERS", "-1"), ("SHINKEN_ROUTING_REPLAY_LAYERS", "many"),
+                     ("SHINKEN_INDEXER_REPLAY", "maybe")):
+        with pytest.raises(ValueError, match=key):
+            replay_settings_from_env({key: bad})

@@ -137,16 +137,27 @@ def test_edited_assistant_reply_is_not_an_append():
     assert "message 1" in str(info.value)
 
 
-def test_tools_must_not_change_mid_session():
-    s = Session()
+def test_tools_may_change_between_turns_and_empty_is_absent():
     tools = [{"type": "function", "function": {"name": "computer", "parameters": {}}}]
-    _, r1 = s.turn([{"role": "user", "content": "a"}], "one", tools=tools)
-    with pytest.raises(AppendOnlyViolation):
-        plan_turn(s.state, s.previous, [{"role": "user", "content": "a"}, r1, {"role": "user", "content": "b"}],
-                  [], TOK)
-    plan = plan_turn(s.state, s.previous, [{"role": "user", "content": "a"}, r1,
-                                           {"role": "user", "content": "b"}], tools, TOK)
-    assert TOK.decode(plan.prompt_ids).startswith("<|im_start|>system\n# Tools\n")
+    other = [{"type": "function", "function": {"name": "browser", "parameters": {}}}]
+    s = Session()
+    first, r1 = s.turn([{"role": "user", "content": "a"}], "one", tools=tools)
+    stored = s.state.token_ids
+    msgs = [{"role": "user", "content": "a"}, r1, {"role": "user", "content": "b"}]
+    for new_tools in ([], None, other):  # as miles: tools may change; the stored ids stay as they were
+        plan = plan_turn(s.state, s.previous, msgs, new_tools, TOK)
+        assert plan.prompt_ids[:len(stored)] == list(stored) and not plan.rollback
+        assert TOK.decode(plan.prompt_ids[len(stored):]) == \
+            "\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n"
+    # [] is no tools: the same key, and the same prompt as absent tools.
+    assert plan_turn(INITIAL_STATE, None, msgs[:1], [], TOK) == plan_turn(INITIAL_STATE, None, msgs[:1], None, TOK)
+    # A session without tools that gains some: its stored ids keep their rendering too.
+    s2 = Session()
+    _, r = s2.turn([{"role": "user", "content": "a"}], "one", tools=[])
+    plan = plan_turn(s2.state, s2.previous, [{"role": "user", "content": "a"}, r, {"role": "user", "content": "b"}],
+                     tools, TOK)
+    assert plan.prompt_ids[:len(s2.state.token_ids)] == list(s2.state.token_ids)
+    assert first.tools_key is not None and plan.tools_key is not None
 
 
 class CountingTemplate(ByteChatTokenizer):

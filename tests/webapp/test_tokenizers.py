@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 
 import pytest
 
-from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn
-from webapp.tokenizers import ByteChatTokenizer, HFChatTokenizer, TokenizerLoadError, load_tokenizer
+from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn, session_mismatch
+from webapp.tokenizers import (
+    ByteChatTokenizer,
+    HFChatTokenizer,
+    TokenizerLoadError,
+    decode_lenient,
+    load_tokenizer,
+)
 
 
 @pytest.mark.parametrize("text", ["", "hello", "snowman ☃ and emoji 🦀", "<|im_start|>user\nx<|im_end|>\n",
@@ -72,6 +79,11 @@ def test_hf_adapter_tito_over_turns_matches_a_full_tokenization(hf_tokenizer_dir
     assert tok.decode(state.token_ids) + "\n" == full
     # special tokens bound every turn, so appending suffixes equals tokenizing the whole text
     assert list(state.token_ids) == tok.encode(full)[:-1]
+    # ... and miles' mismatch check (segments split at the tokenizer's special tokens) agrees
+    assert tok.special_token_ids == {tok.encode(t)[0] for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    assert session_mismatch(state, tok) == []
+    (broken,) = session_mismatch(dataclasses.replace(state, token_ids=state.token_ids[:-1]), tok)
+    assert broken["type"] == "special_token_count"
 
 
 def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
@@ -90,3 +102,13 @@ def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     assert load_tokenizer(str(tmp_path)).render([{"role": "user", "content": "x"}], add_generation_prompt=False) \
         == "<|im_start|>user\nx<|im_end|>\n"
+
+
+def test_decode_lenient_replaces_a_character_cut_mid_way():
+    tok = ByteChatTokenizer()
+    ids = tok.encode("a☃b☃")
+    with pytest.raises(UnicodeDecodeError):
+        tok.decode(ids[:-1])
+    assert decode_lenient(tok, ids) == "a☃b☃"
+    assert decode_lenient(tok, ids[:-1]) == "a☃b\ufffd\ufffd"  # max_tokens cut the last character
+    assert decode_lenient(tok, [0xFF] * 6 + tok.encode("ok")) == "\ufffd" * 6 + "ok"

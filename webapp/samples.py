@@ -1,0 +1,298 @@
+"""Training samples from a session's records, and miles' samples wire format.
+
+``POST /sessions/{id}/samples`` answers what miles main assembles on its session server
+(``miles/rollout/session/samples/merge.py`` + ``generate_utils/sample_utils.merge_samples``),
+encoded so that miles' ``decode_samples_and_merge_input_sample`` reads it unchanged
+(``samples/codec.py``). The rules, as miles applies them:
+
+1. One sample per record: ``tokens`` = the record's prompt ids + output ids, ``loss_mask`` =
+   1 per output token, ``rollout_log_probs`` = the output logprobs, ``response`` = the decoded
+   output, ``status`` from ``finish_reason`` (stop/tool_calls: completed, length: truncated,
+   abort: aborted, else pending), ``prefix_cache_info`` from ``cached_tokens`` /
+   ``prompt_tokens``, ``weight_versions`` from ``weight_version``, and
+   ``metadata["lifecycle"]`` (``t0``/``t1``/``turn``/``req_ts``/``prev_t1``). Output tokens
+   the next prompt does not carry are trimmed (at most ``max_trim_tokens`` on a non-last
+   turn, none on the last); every accumulated id must be consumed.
+2. ``max_seq_len``: the first sample over the budget is cut to it (status truncated) and
+   later ones are dropped; a sample with no output left ends the list there.
+3. Merge, left to right, while the merged sample is completed and the next one does not lose
+   a replay payload the merged one has: the tokens between two turns (tool/user messages and
+   template glue) get loss mask 0 and logprob 0.0, responses and lengths add up, the last
+   sample's status, R3 and indexer top-k win.
+
+R3 (``rollout_routed_experts``) is int32 of shape ``(len(tokens) - 1, layers, top_k)``;
+``layers`` is the routing-replay setting (miles' ``--num-layers``), ``top_k`` follows from the
+payload's size. Only the final sample's R3 is decoded — one record's payload, never all of
+them. Our TITO never drops an output token (see ``webapp.tito``), so ``max_trim_tokens`` is 0
+and each record's prompt ids are a prefix of the accumulated ids: the records keep no second
+copy of them.
+
+Wire format (one safetensors payload): per sample ``i`` the tensors ``<field>.<i>`` of
+:data:`WIRE_FIELDS` with their pinned dtypes (a None tensor field is listed in the sample's
+``nulls`` instead), and one uint8 tensor ``_samples_meta`` holding the JSON
+``{"samples": [{<json fields>, "nulls": [...]}], "session_metadata": {...}, "empty_reason": ...}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from webapp.session_errors import SampleAssemblyError
+from webapp.tokenizers import ChatTokenizer, decode_lenient
+
+__all__ = [
+    "META_KEY",
+    "WIRE_FIELDS",
+    "Sample",
+    "TurnRecord",
+    "assemble_samples",
+    "encode_samples",
+]
+
+META_KEY = "_samples_meta"
+# The samples wire of miles' v1 server: field -> numpy dtype of its tensor, or None for a
+# field carried in the JSON meta. Order is miles'.
+WIRE_FIELDS: dict[str, np.dtype | None] = {
+    "tokens": np.dtype(np.int64),
+    "response": None,
+    "response_length": None,
+    "loss_mask": np.dtype(np.uint8),
+    "rollout_log_probs": np.dtype(np.float64),
+    "rollout_routed_experts": np.dtype(np.int32),
+    "rollout_indexer_topk": np.dtype(np.int32),
+    "status": None,
+    "weight_versions": None,
+    "prefix_cache_info": None,
+    "metadata": None,
+}
+_STATUS_BY_FINISH = {"stop": "completed", "tool_calls": "completed", "length": "truncated", "abort": "aborted"}
+# Small meta_info fields a sample reads; kept per record so assembly never re-parses a reply.
+SAMPLE_META_KEYS = ("cached_tokens", "prompt_tokens", "weight_version", "e2e_latency", "indexer_topk_num_layers")
+R3_FIELD = {"routed_experts": "rollout_routed_experts", "indexer_topk": "rollout_indexer_topk"}
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """What assembly needs of one committed record, besides its bytes."""
+
+    prompt_len: int  # len(request.input_ids); the ids are accumulated_token_ids[:prompt_len]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: Any
+    meta: dict[str, Any]  # SAMPLE_META_KEYS present in choices[0].meta_info
+    timestamp: float
+    request_timestamp: float
+    response: bytes  # the backend reply verbatim: the record's own bytes, not a copy
+    replay: dict[str, tuple[int, int]]  # replay key -> span of its base64 text in ``response``
+
+
+@dataclass
+class _Replay:
+    """A replay payload not decoded yet: record ``turn``'s, first ``rows`` rows kept."""
+
+    turn: int
+    rows: int
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    response: str
+    response_length: int
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    status: str
+    replay: dict[str, _Replay] = field(default_factory=dict)  # R3_FIELD values -> payload
+    weight_versions: list[str] = field(default_factory=list)
+    prefix_cache_info: dict[str, int] = field(default_factory=lambda: {"cached_tokens": 0,
+                                                                       "total_prompt_tokens": 0})
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def strip_last_output_tokens(self, n: int, tokenizer: ChatTokenizer) -> None:
+        if n <= 0:
+            return
+        self.tokens = self.tokens[:-n]
+        self.response_length -= n
+        self.loss_mask = self.loss_mask[:-n]
+        self.rollout_log_probs = self.rollout_log_probs[:-n]
+        self.response = decode_lenient(tokenizer, self.tokens[-self.response_length:]) if self.response_length > 0 else ""
+        for payload in self.replay.values():
+            payload.rows = max(0, payload.rows - n)
+
+
+def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: Sequence[int],
+                 tokenizer: ChatTokenizer) -> Sample:
+    turn = turns[i]
+    output = list(turn.output_ids)
+    tokens = list(accumulated[:turn.prompt_len]) + output
+    sample = Sample(tokens=tokens, response=decode_lenient(tokenizer, output), response_length=len(output),
+                    loss_mask=[1] * len(output), rollout_log_probs=list(turn.logprobs),
+                    status=_STATUS_BY_FINISH.get(turn.finish_reason, "pending"))
+    for key in turn.replay:
+        sample.replay[R3_FIELD[key]] = _Replay(i, len(tokens) - 1)
+    meta = turn.meta
+    sample.prefix_cache_info = {"cached_tokens": meta.get("cached_tokens", 0),
+                                "total_prompt_tokens": meta.get("prompt_tokens", 0)}
+    if "weight_version" in meta:
+        sample.weight_versions.append(meta["weight_version"])
+    latency = meta.get("e2e_latency")
+    segment: dict[str, Any] = {"t0": turn.timestamp - latency if latency is not None else None,
+                               "t1": turn.timestamp, "turn": i + 1, "req_ts": turn.request_timestamp}
+    if i:
+        segment["prev_t1"] = turns[i - 1].timestamp
+    sample.metadata["lifecycle"] = segment
+    return sample
+
+
+def _per_turn_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], max_trim_tokens: int,
+                      tokenizer: ChatTokenizer) -> list[Sample]:
+    samples = []
+    cursor = 0
+    for i, turn in enumerate(turns):
+        is_last = i == len(turns) - 1
+        if turn.prompt_len > len(accumulated):
+            raise SampleAssemblyError(f"record {i}: prompt of {turn.prompt_len} tokens is longer than the "
+                                      f"{len(accumulated)} accumulated tokens")
+        cursor = turn.prompt_len
+        matched = 0
+        for j, tid in enumerate(turn.output_ids):
+            if cursor + j < len(accumulated) and accumulated[cursor + j] == tid:
+                matched += 1
+            else:
+                break
+        trim = len(turn.output_ids) - matched
+        allowed = 0 if is_last else max_trim_tokens
+        if trim > allowed:
+            raise SampleAssemblyError(f"trim_count {trim} exceeds allowed={allowed} (is_last={is_last}, "
+                                      f"max_trim_tokens={max_trim_tokens}) at record {i}")
+        cursor += matched
+        sample = _turn_sample(i, turns, accumulated, tokenizer)
+        sample.strip_last_output_tokens(trim, tokenizer)
+        samples.append(sample)
+    if cursor != len(accumulated):
+        raise SampleAssemblyError(f"cursor {cursor} != len(accumulated_token_ids) {len(accumulated)} "
+                                  f"after processing all {len(turns)} records")
+    return samples
+
+
+def _truncate(samples: list[Sample], max_seq_len: int, tokenizer: ChatTokenizer) -> list[Sample]:
+    kept = []
+    for sample in samples:
+        overshoot = len(sample.tokens) - max_seq_len
+        if overshoot <= 0:
+            kept.append(sample)
+            continue
+        if sample.response_length - overshoot > 0:
+            sample.strip_last_output_tokens(overshoot, tokenizer)
+            sample.status = "truncated"
+            kept.append(sample)
+        break
+    return kept
+
+
+def _lifecycle(metadata: dict[str, Any]) -> list[Any]:
+    value = metadata.get("lifecycle")
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def _merge_pair(a: Sample, b: Sample, tokenizer: ChatTokenizer) -> Sample:
+    gap = len(b.tokens) - len(a.tokens) - b.response_length
+    if b.tokens[:len(a.tokens)] != a.tokens:
+        raise SampleAssemblyError("b.tokens must start with a.tokens")
+    if gap <= 0:
+        raise SampleAssemblyError(f"obs_len must be > 0, got {gap}")
+    metadata = {k: v for k, v in b.metadata.items() if k != "lifecycle"}
+    metadata["lifecycle"] = _lifecycle(a.metadata) + _lifecycle(b.metadata)
+    return replace(
+        b,
+        response=a.response + decode_lenient(tokenizer, b.tokens[len(a.tokens):len(a.tokens) + gap]) + b.response,
+        response_length=a.response_length + gap + b.response_length,
+        loss_mask=a.loss_mask + [0] * gap + b.loss_mask,
+        rollout_log_probs=a.rollout_log_probs + [0.0] * gap + b.rollout_log_probs,
+        weight_versions=a.weight_versions + b.weight_versions,
+        prefix_cache_info={k: a.prefix_cache_info[k] + b.prefix_cache_info[k] for k in a.prefix_cache_info},
+        metadata=metadata,
+    )
+
+
+def _merge(samples: list[Sample], tokenizer: ChatTokenizer) -> Sample:
+    merged = samples[0]
+    for sample in samples[1:]:
+        # Only a completed turn is extended; a turn that lost a replay payload ends it too.
+        if merged.status != "completed" or any(k not in sample.replay for k in merged.replay):
+            break
+        merged = _merge_pair(merged, sample, tokenizer)
+    return merged
+
+
+def assemble_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], tokenizer: ChatTokenizer, *,
+                     max_seq_len: int | None, max_trim_tokens: int = 0) -> tuple[list[Sample], str | None]:
+    """The session's training samples (zero or one) and, when there are none, why.
+
+    Raises :class:`SampleAssemblyError` when the records break a rule above.
+    """
+    if not turns:
+        return [], "no_records"
+    samples = _per_turn_samples(turns, accumulated, max_trim_tokens, tokenizer)
+    if max_seq_len is not None:
+        samples = _truncate(samples, max_seq_len, tokenizer)
+        if not samples:
+            return [], "all_truncated"
+    return [_merge(samples, tokenizer)], None
+
+
+def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, layers: int) -> np.ndarray:
+    turn = turns[payload.turn]
+    key = next(k for k, v in R3_FIELD.items() if v == name)
+    start, end = turn.replay[key]
+    if key == "indexer_topk":
+        layers = turn.meta.get("indexer_topk_num_layers") or 0
+        if not layers:
+            raise SampleAssemblyError(f"record {payload.turn} has indexer_topk without indexer_topk_num_layers")
+    elif layers <= 0:
+        raise SampleAssemblyError("routed_experts in the records but no routing-replay layer count is set "
+                                  "(--routing-replay-layers)")
+    values = np.frombuffer(base64.b64decode(turn.response[start:end]), dtype="<i4").astype(np.int32, copy=False)
+    rows = turn.prompt_len + len(turn.output_ids) - 1
+    if rows <= 0:
+        return np.empty((0, layers, 0), dtype=np.int32)
+    if values.size % (rows * layers):
+        raise SampleAssemblyError(f"record {payload.turn}: {key} holds {values.size} ids, not a multiple of "
+                                  f"{rows} tokens x {layers} layers")
+    return values.reshape(rows, layers, -1)[:payload.rows]
+
+
+def encode_samples(samples: Sequence[Sample], turns: Sequence[TurnRecord], session_metadata: dict[str, Any],
+                   empty_reason: str | None, *, routing_replay_layers: int) -> bytes:
+    """One safetensors payload in miles' samples wire format (see the module docstring)."""
+    tensors: dict[str, np.ndarray] = {}
+    metas = []
+    for i, sample in enumerate(samples):
+        meta: dict[str, Any] = {}
+        nulls = []
+        for name, dtype in WIRE_FIELDS.items():
+            if dtype is None:
+                meta[name] = getattr(sample, name)
+                continue
+            if name in R3_FIELD.values():
+                payload = sample.replay.get(name)
+                if payload is None:
+                    nulls.append(name)
+                    continue
+                array = _replay_tensor(turns, name, payload, routing_replay_layers)
+            else:
+                array = np.asarray(getattr(sample, name), dtype=dtype)
+            tensors[f"{name}.{i}"] = np.ascontiguousarray(array, dtype=dtype)
+        meta["nulls"] = nulls
+        metas.append(meta)
+    head = {"samples": metas, "session_metadata": session_metadata, "empty_reason": empty_reason}
+    tensors[META_KEY] = np.frombuffer(json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode(),
+                                      dtype=np.uint8)
+    return safetensors.numpy.save(tensors)
