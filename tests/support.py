@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 
 def native_thread_count(settle_to: int | None = None) -> int:
@@ -37,3 +39,22 @@ def clean_stdout(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
     return result.stdout
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_process(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` for a process a test will interrupt (SIGINT): SIGINT is reset to its
+    default in the child. A non-interactive shell starts background jobs (``tox &``) with SIGINT
+    ignored, every descendant inherits that across exec, and a Ctrl-C test would then interrupt
+    nothing."""
+    return subprocess.Popen(argv, preexec_fn=_default_sigint, **popen_kwargs)  # noqa: PLW1509
+
+
+def sigint_ignored(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
