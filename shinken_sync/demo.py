@@ -396,10 +396,11 @@ def contact_sheet(episodes: list[Episode], path: Path, total: int | None = None)
         sheet.paste(img, (x, y + caption))
         draw.rectangle((x, y + caption, x + img.width - 1, y + caption + img.height - 1), outline="gray")
         status = "interrupted" if ep.interrupted else f"{len(ep.steps)} turns"
-        draw.text((x + 4, y + 2), f"episode {ep.index}  ({status}, session {ep.session_id[:8]})",
-                  fill="black", font=font)
-        draw.text((x + 4, y + 2 + line), f"last: {describe_step(ep.steps[-1] if ep.steps else None)}",
-                  fill="black", font=font)
+        for row, text in enumerate((f"episode {ep.index}  ({status}, session {ep.session_id[:8]})",
+                                    f"last: {describe_step(ep.steps[-1] if ep.steps else None)}")):
+            while len(text) > 4 and draw.textlength(text, font=font) > _TILE[0] - 8:  # fits its tile
+                text = text[:-2] + "…"
+            draw.text((x + 4, y + 2 + row * line), text, fill="black", font=font)
     sheet.save(path)
 
 
