@@ -58,3 +58,44 @@ def sigint_ignored(pid: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
     return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _alive(procs: list) -> list[str]:
+    import psutil
+
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def sigkill_and_expect_no_descendant(proc: subprocess.Popen, expected: tuple[str, ...], min_descendants: int,
+                                     bound_s: float = 45.0) -> None:
+    """SIGKILL ``proc`` (no ``finally`` of its runs) and assert that every process below it is
+    gone within ``bound_s``. Before the kill, its descendants must number at least
+    ``min_descendants`` and their command lines contain each of ``expected`` (so the check sees
+    the whole tree). Whatever survives is SIGKILLed afterwards, so a failure leaks nothing."""
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        cmdlines = " | ".join(" ".join(p.cmdline()) for p in tree)
+        for part in expected:
+            assert part in cmdlines, cmdlines
+        assert len(tree) >= min_descendants, cmdlines
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + bound_s
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(tree), _alive(tree)
+    finally:
+        for leftover in tree:
+            try:
+                leftover.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -7,25 +7,13 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
+from tests.support import sigkill_and_expect_no_descendant
 from webapp.serve import READY_URL_PATTERN, server_argv
 
 pytestmark = pytest.mark.integration
-
-
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 @pytest.mark.timeout(180)
@@ -35,30 +23,16 @@ def test_sigkill_of_the_server_takes_its_whole_tree(workers):
     webapp.serve is SIGKILLed (no finally runs): they used to live on under PID 1."""
     proc = subprocess.Popen(server_argv(workers), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    tree: list[psutil.Process] = []
     try:
         line = proc.stdout.readline()
         assert re.search(READY_URL_PATTERN, line), line
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        cmdlines = " | ".join(" ".join(p.cmdline()) for p in tree)
-        assert "gunicorn" in cmdlines and "webapp.reference_backend" in cmdlines, cmdlines
-        assert len(tree) >= 3 + workers, cmdlines  # backend, gunicorn master + worker, session workers
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 45
-        while _alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(tree), _alive(tree)
+        # backend, gunicorn master + worker, session workers
+        sigkill_and_expect_no_descendant(proc, ("gunicorn", "webapp.reference_backend"), 3 + workers)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        for leftover in tree:
-            try:
-                leftover.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
