@@ -32,7 +32,7 @@ def _pyenv_root() -> Path | None:
 
 
 def pyenv_interpreters() -> list[str]:
-    """``<pyenv root>/versions/3.*/bin/python3`` for every CPython 3 pyenv installed, newest first."""
+    """``<pyenv root>/versions/3.*/bin/python3`` for every CPython 3 pyenv installed (tox picks by version)."""
     root = _pyenv_root()
     if root is None:
         return []
