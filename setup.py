@@ -19,7 +19,7 @@ setup(
         "websockets>=14,<18",
         "gevent>=24.2",
         "flask>=3.0,<4",
-        "gunicorn>=23,<28",
+        "gunicorn[gevent]>=23,<28",  # the extra brings packaging, which gunicorn 27's gevent worker imports
         "requests>=2.31,<3",
         "Pillow>=10.0",
         "setproctitle>=1.3,<2",

@@ -11,37 +11,41 @@ import json
 import sys
 import time
 
+from shinken_sync.cliargs import EXIT_USAGE, Parser, non_negative_int, port, positive_int
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+DISPLAYS = ("virtual", "xvfb")
+DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X server per sandbox with a "
+                "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shinken", description="Rollout infrastructure for computer-use agents.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run sandboxes + session server + a rollout loop, end to end")
-    demo.add_argument("--sandboxes", type=_positive, default=16, help="episodes run at once (default 16)")
-    demo.add_argument("--turns", type=_positive, default=10, help="model turns per episode (default 10)")
-    demo.add_argument("--workers", type=int, default=2,
-                      help="session-server worker processes; 0 = single process (default 2)")
-    demo.add_argument("--display", choices=("virtual", "xvfb"), default="virtual")
-    demo.add_argument("--port", type=int, default=0, help="session server port on 127.0.0.1 (default: any free)")
-    demo.add_argument("--out", default="shinken-demo-out", help="output folder (default ./shinken-demo-out)")
+    demo = sub.add_parser("demo", help="run sandboxes + session server + a rollout loop, end to end",
+                          description="Run N sandboxes, the session server and a blocking rollout loop; "
+                                      "write trajectories, a contact sheet and a summary (docs/demo.md).")
+    demo.add_argument("--sandboxes", type=positive_int, default=16, help="episodes run at once")
+    demo.add_argument("--turns", type=positive_int, default=10, help="model turns per episode")
+    demo.add_argument("--workers", type=non_negative_int, default=2,
+                      help="session-server worker processes; 0 = single process")
+    demo.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
+    demo.add_argument("--port", type=port, default=0, help="session server port on 127.0.0.1; 0 = any free port")
+    demo.add_argument("--out", default="shinken-demo-out", help="output folder, created if missing")
 
-    boxes = sub.add_parser("sandboxes", help="start local sandboxes and print their URLs until Ctrl-C")
-    boxes.add_argument("-n", type=_positive, default=1)
-    boxes.add_argument("--display", choices=("virtual", "xvfb"), default="virtual")
+    boxes = sub.add_parser("sandboxes", help="start local sandboxes and print their URLs until Ctrl-C",
+                           description="Start local sandboxes, print one JSON line per sandbox "
+                                       "({url, token}) and keep them up until Ctrl-C.")
+    boxes.add_argument("-n", type=positive_int, default=1, help="how many sandboxes")
+    boxes.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
     return parser
 
 
 def _sandboxes(args: argparse.Namespace) -> int:
+    from shinken_sync.demo import display_args
     from shinken_sync.providers.local import LocalProvider
 
-    with LocalProvider(display=args.display) as provider:
+    with LocalProvider(display=args.display, extra_args=display_args(args.display)) as provider:
         for handle in provider.create_many(args.n):
             url, token = provider.endpoint(handle)
             print(json.dumps({"url": url, "token": token}), flush=True)
@@ -55,18 +59,17 @@ def _sandboxes(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from shinken_sync.demo import DemoError, run
+    from shinken_sync.demo import DemoError, check_display, run
     from shinken_sync.errors import ShinkenError
 
     try:
         if args.command == "demo":
-            if args.workers < 0:
-                raise DemoError("--workers must be 0 or more")
             return run(args)
+        check_display(args.display)
         return _sandboxes(args)
     except (DemoError, ShinkenError) as exc:
         print(f"shinken {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

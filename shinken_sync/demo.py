@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,8 +33,11 @@ from typing import Any
 import requests
 
 from shinken_sync.errors import ShinkenError
+from shinken_sync.lifetime import parent_death_preexec
+from shinken_sync.trajectory_file import compact_records
 
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
+SCREEN = (1920, 1080)  # what SYSTEM_PROMPT tells the model, and the reference backend's action range
 SYSTEM_PROMPT = (
     "You operate a 1920x1080 desktop. Each user message describes the latest screenshot. "
     'Answer with one action as JSON: {"action": {"verb": ..., ...}}.'
@@ -65,6 +69,7 @@ class Episode:
     records: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     final_jpeg: bytes = b""
+    first_observation: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     finished: bool = False
     interrupted: bool = False
@@ -90,14 +95,23 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 class SessionServer:
-    """``shinken-session-server`` with the reference backend, on loopback."""
+    """``shinken-session-server`` with the reference backend, on loopback.
+
+    It runs in its own session (a terminal's Ctrl-C reaches only the demo, which stops it in
+    order) and dies with the demo however the demo dies (SIGTERM from the kernel; everything
+    it starts dies with it in turn, see webapp.serve). Started from the main thread, which
+    lives as long as the demo (see shinken_sync.lifetime).
+    """
 
     def __init__(self, workers: int, port: int, log_path: Path):
+        from webapp.serve import server_argv
+
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "wb")  # noqa: SIM115 (open for the child's life; closed in stop())
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", f"127.0.0.1:{port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            server_argv(workers, None, f"127.0.0.1:{port}"),
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (main thread, before any other)
         )
         self._log_path = log_path
 
@@ -175,6 +189,7 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
     t0 = time.monotonic()
     obs = sandbox.screenshot(**OBSERVE)
     progress.observed(time.monotonic() - t0)
+    ep.first_observation = obs_meta(obs)
     task = TASKS[ep.index % len(TASKS)]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": f"{SYSTEM_PROMPT} Episode {ep.index}. Task: {task}"}
@@ -215,6 +230,17 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
     ep.finished = True
 
 
+def observation_changes(ep: Episode) -> int:
+    """Steps after which the screen differed from the one before (sha256 of the observation)."""
+    last, changes = ep.first_observation.get("sha256"), 0
+    for step in ep.steps:
+        digest = (step.get("observation") or {}).get("sha256")
+        if digest is not None:
+            changes += digest != last
+            last = digest
+    return changes
+
+
 def check_episode(ep: Episode) -> dict[str, Any]:
     """Do the token records agree with the steps taken? (the demo's own consistency check)"""
     acc = ep.metadata.get("accumulated_token_ids", [])
@@ -229,7 +255,18 @@ def check_episode(ep: Episode) -> dict[str, Any]:
     )
     return {"records": len(ep.records), "steps": len(ep.steps),
             "accumulated_matches_last_record": bool(acc) and acc == expected,
-            "actions_match_records": actions_match}
+            "actions_match_records": actions_match,
+            "observation_changes": observation_changes(ep)}
+
+
+def run_consistent(episodes: list[Episode]) -> bool:
+    """Every episode's records agree with its steps, and the screens changed at least once in
+    the run (a display showing nothing, e.g. an empty X screen, gives identical observations
+    whatever the agent does: such a run tested nothing)."""
+    checks = [check_episode(ep) for ep in episodes]
+    records_ok = all(all(v for v in check.values() if isinstance(v, bool)) for check in checks)
+    steps = sum(check["steps"] for check in checks)
+    return records_ok and (steps == 0 or sum(check["observation_changes"] for check in checks) > 0)
 
 
 # ---------------------------------------------------------------------------
@@ -299,21 +336,74 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def contact_sheet(episodes: list[Episode], path: Path, thumb: tuple[int, int] = (480, 270)) -> None:
+CONTACT_SHEET_TILES = 16  # above this many episodes the sheet shows an even sample of them
+_TILE = (480, 270)
+_CAPTION_FONT_PX = 16
+
+
+def describe_step(step: dict[str, Any] | None) -> str:
+    """A step as a person reads it: ``click (812, 440) -> ok``."""
+    if step is None:
+        return "no step taken"
+    action = step["action"]
+    verb = action.get("verb", "?")
+    if "x" in action and "y" in action:
+        what = f"{verb} ({action['x']}, {action['y']})"
+        if verb == "scroll":
+            what += f" dy {action.get('dy', 0)}"
+    elif verb == "type":
+        what = f"type {action.get('text', '')!r}"
+    elif verb == "key":
+        what = f"key {action.get('combo', '')}"
+    else:
+        what = verb
+    outcome = step["outcome"]
+    if step.get("error"):
+        outcome += f" ({step['error']['type']})"
+    return f"{what} -> {outcome}"
+
+
+def _caption_font(size: int) -> Any:
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # Pillow >= 10.1 with FreeType: a scalable font
+    except (TypeError, OSError):  # older Pillow or no FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def contact_sheet(episodes: list[Episode], path: Path, total: int | None = None) -> None:
+    """Each episode's final screen with, above it, the episode, its turns and its last action with
+    the outcome; more than CONTACT_SHEET_TILES episodes are sampled evenly and the header says so."""
     from PIL import Image, ImageDraw
 
-
     shots = [ep for ep in episodes if ep.final_jpeg]
+    total = len(episodes) if total is None else total
+    if len(shots) > CONTACT_SHEET_TILES:
+        step = len(shots) / CONTACT_SHEET_TILES
+        shots = [shots[int(i * step)] for i in range(CONTACT_SHEET_TILES)]
+    font = _caption_font(_CAPTION_FONT_PX)
+    line = _CAPTION_FONT_PX + 4
+    caption, header = 2 * line + 6, line + 8
     cols = max(1, math.ceil(math.sqrt(len(shots))))
     rows = max(1, math.ceil(len(shots) / cols))
-    sheet = Image.new("RGB", (cols * thumb[0], rows * (thumb[1] + 18)), "white")
+    tile_h = _TILE[1] + caption
+    sheet = Image.new("RGB", (cols * _TILE[0], header + rows * tile_h), "white")
     draw = ImageDraw.Draw(sheet)
+    shown = f"showing {len(shots)} of {total} episodes" if len(shots) < total else f"{total} episodes"
+    draw.text((6, 4), f"shinken demo: final screen of each episode ({shown})", fill="black", font=font)
     for i, ep in enumerate(shots):
+        x, y = (i % cols) * _TILE[0], header + (i // cols) * tile_h
         img = Image.open(io.BytesIO(ep.final_jpeg)).convert("RGB")
-        img.thumbnail(thumb)
-        x, y = (i % cols) * thumb[0], (i // cols) * (thumb[1] + 18)
-        sheet.paste(img, (x, y + 18))
-        draw.text((x + 4, y + 3), f"#{ep.index} {ep.session_id[:8]} ({len(ep.steps)} steps)", fill="black")
+        img.thumbnail(_TILE)
+        sheet.paste(img, (x, y + caption))
+        draw.rectangle((x, y + caption, x + img.width - 1, y + caption + img.height - 1), outline="gray")
+        status = "interrupted" if ep.interrupted else f"{len(ep.steps)} turns"
+        for row, text in enumerate((f"episode {ep.index}  ({status}, session {ep.session_id[:8]})",
+                                    f"last: {describe_step(ep.steps[-1] if ep.steps else None)}")):
+            while len(text) > 4 and draw.textlength(text, font=font) > _TILE[0] - 8:  # fits its tile
+                text = text[:-2] + "…"
+            draw.text((x + 4, y + 2 + row * line), text, fill="black", font=font)
     sheet.save(path)
 
 
@@ -321,13 +411,51 @@ def contact_sheet(episodes: list[Episode], path: Path, thumb: tuple[int, int] = 
 # Entry point
 
 
+def display_args(display: str) -> list[str]:
+    """shinkend flags for ``display``: on an X screen, a program that shows every action (an
+    empty X screen stays black whatever the agent does)."""
+    if display != "xvfb":
+        return []
+    from shinken_sync.demo_screen import xterm_argv
+
+    return ["--launch", shlex.join(xterm_argv(*SCREEN, title="shinken demo"))]
+
+
+def check_display(display: str) -> None:
+    """Everything ``display`` needs here, all of it reported at once, before anything starts."""
+    if display != "xvfb":
+        return
+    from shinken_sync.daemon.display.xvfb import REQUIRED_PROGRAMS, missing_prerequisites
+
+    problem = missing_prerequisites((*REQUIRED_PROGRAMS, "xterm"))
+    if problem is not None:
+        raise DemoError(f"--display xvfb: {problem}; or use --display virtual")
+
+
+def prepare_out(path: str) -> Path:
+    """The output folder, created (with its parents) if missing; never a file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {path} is a file, not a folder; pass --out with a folder (new or existing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".shinken-demo-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise DemoError(f"cannot write to --out {path}: {exc.strerror or exc}; pass --out with a writable folder") \
+            from None
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from shinken_sync.providers.local import LocalProvider
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # Every check before anything is created or started.
+    check_display(args.display)
     port = args.port or _free_port()
     _check_port_free("127.0.0.1", port)
+    out = prepare_out(args.out)
 
     print(f"shinken demo: {args.sandboxes} {args.display} sandboxes x {args.turns} turns, "
           f"session server with {args.workers} workers -> {out}/", file=sys.stderr)
@@ -338,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(args.sandboxes * args.turns)
     sandboxes: list[Any] = []
     try:
-        provider = LocalProvider(display=args.display)
+        provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
         handles = provider.create_many(args.sandboxes)
         server.wait_ready()
         for i, handle in enumerate(handles):
@@ -375,17 +503,22 @@ def run(args: argparse.Namespace) -> int:
     return write_outputs(out, episodes, progress, interrupted=stop.is_set())
 
 
+TRAJECTORIES = "trajectories.jsonl"
+ROUTED_EXPERTS = "routed_experts.bin"
+
+
 def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interrupted: bool) -> int:
     elapsed = progress.elapsed()
     finished = [ep for ep in episodes if ep.finished]
-    with open(out / "trajectories.jsonl", "w") as f:
+    with open(out / TRAJECTORIES, "w") as f, open(out / ROUTED_EXPERTS, "wb") as r3:
         for ep in finished:
             line = {"episode": ep.index, "sandbox": ep.sandbox_id, "session_id": ep.session_id,
-                    "interrupted": ep.interrupted, "steps": ep.steps, "records": ep.records, "metadata": ep.metadata,
+                    "interrupted": ep.interrupted, "first_observation": ep.first_observation, "steps": ep.steps,
+                    "records": compact_records(ep.records, r3, ROUTED_EXPERTS), "metadata": ep.metadata,
                     "check": check_episode(ep)}
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
     if finished:
-        contact_sheet(finished, out / "contact_sheet.png")
+        contact_sheet(finished, out / "contact_sheet.png", total=len(episodes))
     errors = {ep.index: ep.error for ep in episodes if ep.error}
     outcomes = dict(progress.outcomes)
     if errors:
@@ -401,8 +534,8 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
         "observe_latency_p50_s": round(percentile(progress.observes, 50), 4),
         "observe_latency_p95_s": round(percentile(progress.observes, 95), 4),
         "outcomes": outcomes, "episode_errors": errors,
-        "consistent": all(all(v for k, v in check_episode(ep).items() if isinstance(v, bool))
-                          for ep in finished),
+        "observation_changes": sum(observation_changes(ep) for ep in finished),
+        "consistent": run_consistent(finished),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary, out)
@@ -420,6 +553,7 @@ def print_table(s: dict[str, Any], out: Path) -> None:
         ("chat turn p50/p95", f"{s['chat_latency_p50_s'] * 1e3:.1f} / {s['chat_latency_p95_s'] * 1e3:.1f} ms"),
         ("first observe p50/p95", f"{s['observe_latency_p50_s'] * 1e3:.1f} / {s['observe_latency_p95_s'] * 1e3:.1f} ms"),
         ("outcomes", ", ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items())) or "-"),
+        ("screen changed", f"after {s['observation_changes']} of {s['steps']} steps"),
         ("records consistent", "yes" if s["consistent"] else "NO"),
         ("outputs", str(out)),
     ]
@@ -428,3 +562,6 @@ def print_table(s: dict[str, Any], out: Path) -> None:
         print(f"{k:<{width}}  {v}")
     for idx, err in s["episode_errors"].items():
         print(f"episode {idx} failed: {err}", file=sys.stderr)
+    if s["steps"] and not s["observation_changes"]:
+        print("shinken demo: no step changed any screen, so the run tested nothing: the display shows "
+              "nothing the actions act on", file=sys.stderr)

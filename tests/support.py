@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 
 def native_thread_count(settle_to: int | None = None) -> int:
@@ -37,3 +39,63 @@ def clean_stdout(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
     return result.stdout
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_process(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` for a process a test will interrupt (SIGINT): SIGINT is reset to its
+    default in the child. A non-interactive shell starts background jobs (``tox &``) with SIGINT
+    ignored, every descendant inherits that across exec, and a Ctrl-C test would then interrupt
+    nothing."""
+    return subprocess.Popen(argv, preexec_fn=_default_sigint, **popen_kwargs)  # noqa: PLW1509
+
+
+def sigint_ignored(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _alive(procs: list) -> list[str]:
+    import psutil
+
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def sigkill_and_expect_no_descendant(proc: subprocess.Popen, expected: tuple[str, ...], min_descendants: int,
+                                     bound_s: float = 45.0) -> None:
+    """SIGKILL ``proc`` (no ``finally`` of its runs) and assert that every process below it is
+    gone within ``bound_s``. Before the kill, its descendants must number at least
+    ``min_descendants`` and their command lines contain each of ``expected`` (so the check sees
+    the whole tree). Whatever survives is SIGKILLed afterwards, so a failure leaks nothing."""
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        cmdlines = " | ".join(" ".join(p.cmdline()) for p in tree)
+        for part in expected:
+            assert part in cmdlines, cmdlines
+        assert len(tree) >= min_descendants, cmdlines
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + bound_s
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(tree), _alive(tree)
+    finally:
+        for leftover in tree:
+            try:
+                leftover.kill()
+            except psutil.NoSuchProcess:
+                pass

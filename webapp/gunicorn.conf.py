@@ -25,3 +25,13 @@ def worker_exit(server, worker):
     from webapp.router import stop_supervisor
 
     stop_supervisor(worker.wsgi)
+
+
+def post_fork(server, worker):
+    # The router worker dies with the gunicorn master however the master dies (SIGTERM: the
+    # worker's graceful stop runs worker_exit, which stops the session workers).
+    import signal
+
+    from shinken_sync.lifetime import die_with_parent
+
+    die_with_parent(server.pid, signal.SIGTERM)

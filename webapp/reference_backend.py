@@ -37,7 +37,6 @@ import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
 from array import array
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from shinken_sync.lifetime import watch_parent
 from webapp.settings import parse_bind
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
@@ -71,7 +71,6 @@ MAX_REQUEST_BYTES = 256 << 20
 # 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
 _R3_BLOCK_INTS = 3 * 4096
 READY_TIMEOUT = 30.0
-PARENT_POLL_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +193,9 @@ def _input_ids(request: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY on every connection: with Nagle on, a reply's last small segment waits for
+    # the client's delayed ACK (~40 ms per call on a keep-alive connection).
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: stdout carries the ready line
@@ -203,11 +205,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps(obj, separators=(",", ":")).encode())
 
     def _send_bytes(self, status: int, body: bytes) -> None:
+        """The whole reply in one write: headers and body in one buffer (``end_headers`` would
+        send the headers alone, leaving the body to wait on the peer's ACK)."""
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self._headers_buffer.append(b"\r\n")
+        self._headers_buffer.append(body)
+        self.flush_headers()
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -254,12 +259,6 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_INTERVAL)
-    os._exit(0)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m webapp.reference_backend", description=__doc__.split("\n")[0])
     parser.add_argument("--bind", default="127.0.0.1:0", type=parse_bind,
@@ -272,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="exit when the parent process dies (no orphan after a killed server)")
     args = parser.parse_args(argv)
     if args.exit_with_parent:
-        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        watch_parent()  # polled, not PR_SET_PDEATHSIG: a launcher may start this from any thread
     server = _Server(args.bind, load_tokenizer(args.tokenizer),
                      R3Shape(args.r3_layers, args.r3_topk, args.r3_experts))
     host, port = server.server_address[:2]

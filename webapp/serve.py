@@ -16,7 +16,11 @@ until ``/health`` answers 200, then prints one JSON line on stdout::
     {"ready": true, "url": "http://127.0.0.1:PORT", "workers": N, "backend_url": "...", "pid": ...}
 
 SIGTERM, SIGINT and SIGHUP become a graceful SIGTERM to gunicorn; when it exits, the embedded backend is stopped and
-this process exits with gunicorn's exit code (see docs/session-server-ops.md).
+this process exits with gunicorn's exit code (see docs/session-server-ops.md). Whatever this
+process starts dies with it however it dies, SIGKILL included (:mod:`shinken_sync.lifetime`):
+gunicorn gets SIGTERM from the kernel, its router worker in turn (``gunicorn.conf.py``), the
+session workers SIGKILL from theirs, and the reference backend watches its parent pid. A usage
+error (a taken port, a bad number) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shinken_sync.cliargs import Parser, non_negative_int
+from shinken_sync.lifetime import parent_death_preexec
 from webapp.settings import parse_bind
 
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
@@ -75,45 +81,54 @@ def _health_ok(host: str, port: int) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shinken-session-server", description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=1,
+    parser = Parser(prog="shinken-session-server",
+                    description="Run the Shinken session server (router + session workers) under gunicorn.")
+    parser.add_argument("--workers", type=non_negative_int, default=1,
                         help="session worker processes (0: the single-process server)")
     parser.add_argument("--backend-url", default=None,
-                        help="inference backend base URL (default: start the reference backend)")
+                        help="inference backend base URL (default: start the embedded reference backend)")
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
-                        help="HOST:PORT to listen on (default 127.0.0.1:8000; port 0 picks a free one)")
-    parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template")
+                        help="HOST:PORT to listen on; port 0 picks a free one (default: 127.0.0.1:8000)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="dir with tokenizer.json + chat template (default: the byte tokenizer)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on all routes but /health "
-                             "(default: $SHINKEN_API_KEY; router mode only)")
-    parser.add_argument("--reference-r3-layers", type=int, default=4,
+                        help="require 'Authorization: Bearer KEY' on all routes but /health, router mode only "
+                             "(default: $SHINKEN_API_KEY, else no key)")
+    parser.add_argument("--reference-r3-layers", type=non_negative_int, default=4,
                         help="routed-expert layers the embedded reference backend returns per token "
                              "(0: none; ignored with --backend-url)")
-    parser.add_argument("--routing-replay-layers", type=int, default=None,
+    parser.add_argument("--routing-replay-layers", type=non_negative_int, default=None,
                         help="routing replay (R3): ask the backend for routed_experts; the model's MoE "
                              "layer count, which /samples shapes R3 with (0: off; default: off, or "
                              "--reference-r3-layers with the embedded reference backend)")
     parser.add_argument("--indexer-replay", action="store_true",
-                        help="indexer replay: ask the backend for indexer_topk")
+                        help="indexer replay: ask the backend for indexer_topk (default: off)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None,
-                        help="seconds a session worker may miss heartbeats before it is restarted")
-    parser.add_argument("--read-timeout", type=float, default=None, help="backend read timeout per turn")
+                        help="seconds a session worker may miss heartbeats before it is restarted "
+                             "(default: $SHINKEN_HEARTBEAT_TIMEOUT, else the built-in setting)")
+    parser.add_argument("--read-timeout", type=float, default=None,
+                        help="backend read timeout per turn, seconds "
+                             "(default: $SHINKEN_READ_TIMEOUT, else the built-in setting)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.workers < 0:
-        raise SystemExit("--workers must be >= 0")
+    parser = build_parser()
+    args = parser.parse_args(argv)
     host, port = args.bind
     api_key = args.api_key or os.environ.get("SHINKEN_API_KEY") or None
     if api_key and args.workers == 0:
-        raise SystemExit("--api-key is enforced by the router: use --workers >= 1")
+        parser.error("--api-key is enforced by the router: use --workers >= 1")
+    # Bound before anything starts: a taken port is a one-line usage error, not a traceback
+    # after the backend is already up.
+    try:
+        listener = _listen(host, port)
+    except OSError as exc:
+        parser.error(f"cannot listen on {host}:{port}: {exc.strerror}; pass --bind with a free port (or port 0)")
+    port = listener.getsockname()[1]
     backend = None
     backend_url = args.backend_url
     replay_layers = args.routing_replay_layers
-    if replay_layers is not None and replay_layers < 0:
-        raise SystemExit("--routing-replay-layers must be >= 0")
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
@@ -122,8 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend_url = backend.url
         if replay_layers is None:
             replay_layers = args.reference_r3_layers
-    listener = _listen(host, port)
-    port = listener.getsockname()[1]
     env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
     env.pop("SHINKEN_API_KEY", None)
     for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key),
@@ -136,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"
     argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
                      "--no-control-socket", "--worker-class", "gevent", "--workers", "1", app_uri]
-    gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL)
+    # gunicorn dies with this process however it dies (SIGTERM: a graceful stop of its worker, which
+    # stops the session workers); this process is single-threaded here, see shinken_sync.lifetime.
+    gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
+                                preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509
     listener.close()
 
     def forward(signum: int, _frame: object) -> None:

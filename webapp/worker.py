@@ -19,30 +19,20 @@ watch every second, and EOF on the channel (the router closing it, or dying).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import sys
 from typing import Any
 
+from shinken_sync.lifetime import die_with_parent
+
 __all__ = ["PROCESS_TITLE", "run"]
 
 PROCESS_TITLE = "shinken-session-worker[{shard}/{shards}]"
-_PR_SET_PDEATHSIG = 1
 _PARENT_CHECK_INTERVAL = 1.0
 
 log = logging.getLogger("webapp.worker")
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent-pid watch still covers it
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_pid: int) -> None:
@@ -55,7 +45,7 @@ def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_
     from gevent import monkey
 
     monkey.patch_all()
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid, signal.SIGKILL)
     # Ctrl-C reaches the whole process group; the router decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import setproctitle

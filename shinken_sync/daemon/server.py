@@ -103,20 +103,26 @@ def _parse_screen(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shinkend", description="The Shinken in-sandbox ACI daemon.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; keep loopback unless a network in front authenticates "
+                        "(default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
     p.add_argument("--token-file", required=True, help="file holding the bearer token")
-    p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual")
-    p.add_argument("--screen", type=_parse_screen, default=(1920, 1080), help="WIDTHxHEIGHT")
-    p.add_argument("--fleet", type=int, default=0, metavar="N", help="serve N virtual sandboxes")
-    p.add_argument("--rtt-ms", type=float, default=0.0, help="hold every outgoing message this long")
-    p.add_argument("--sandbox-id", default="", help="id reported in hello (fleet: prefix, '-<index>' added)")
+    p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual",
+                   help="virtual: a drawn desktop in this process; xvfb: a real X server with xdotool input "
+                        "(needs Xvfb, xdotool and the [xvfb] extra) (default: virtual)")
+    p.add_argument("--screen", type=_parse_screen, default=(1920, 1080), help="WIDTHxHEIGHT (default: 1920x1080)")
+    p.add_argument("--fleet", type=int, default=0, metavar="N", help="serve N virtual sandboxes from this process (default: 0, one sandbox)")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="hold every outgoing message this long, emulating a WAN round trip (default: 0)")
+    p.add_argument("--sandbox-id", default="", help="id reported in hello (fleet: prefix, '-<index>' added) (default: shinkend-<pid>)")
     p.add_argument("--stream-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                   help="how long a detached screencast waits for resume_screencast")
-    p.add_argument("--seed", type=int, default=0, help="virtual desktop content seed")
+                   help="how long a detached screencast waits for resume_screencast (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="virtual desktop content seed (default: 0)")
     p.add_argument("--launch", default="", metavar="COMMAND",
-                   help="xvfb: start this program on the screen once it is up (e.g. xterm) and focus it")
-    p.add_argument("--log-level", default="INFO")
+                   help="xvfb: start this program on the screen once it is up (e.g. xterm) and focus it "
+                        "(default: none)")
+    p.add_argument("--log-level", default="INFO",
+                   help="stderr log threshold: DEBUG, INFO, WARNING or ERROR (default: INFO)")
     return p
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -41,6 +40,8 @@ import time
 import weakref
 from typing import IO, Any
 
+from shinken_sync.lifetime import parent_death_preexec
+
 from .base import Liveness
 from .errors import DaemonStartError
 
@@ -53,26 +54,9 @@ STDERR_TAIL_BYTES = 4000
 #: A ready line longer than this is not a ready line (fleet lines list N URLs).
 MAX_READY_LINE = 4 * 2**20
 
-_PR_SET_PDEATHSIG = 1
 _live: weakref.WeakSet[DaemonProcess] = weakref.WeakSet()
 _spawner_lock = threading.Lock()
 _spawner: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-
-try:  # resolved in the parent: nothing may be loaded between fork and exec
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent(parent_pid: int):
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
 
 def _spawn_thread() -> concurrent.futures.ThreadPoolExecutor:
     global _spawner
@@ -111,7 +95,7 @@ class DaemonProcess:
             stderr=self._stderr,
             close_fds=True,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (one spawner thread; see docstring)
+            preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
 
     @property

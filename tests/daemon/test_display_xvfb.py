@@ -70,6 +70,17 @@ def test_missing_programs_raise_display_unavailable(monkeypatch):
     assert "apt-get install xvfb xdotool" in str(info.value)
 
 
+def test_every_missing_prerequisite_is_reported_at_once(monkeypatch):
+    monkeypatch.setattr(xvfb_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(xvfb_module, "mss", None)
+    with pytest.raises(DisplayUnavailable) as info:
+        make_display("xvfb", W, H)
+    message = str(info.value)
+    assert "Xvfb and xdotool" in message and "apt-get install xvfb xdotool" in message, message
+    assert "mss" in message and "pip install 'shinken[xvfb]'" in message, message
+    assert "\n" not in message
+
+
 def test_keysyms_of_latin1_and_beyond():
     assert keysym_for("a") == 0x61 and keysym_for("ü") == 0xFC
     assert keysym_for("✓") == 0x01000000 + 0x2713

@@ -1,18 +1,25 @@
 """`shinken demo` end to end: real session server, real shinkend sandboxes, real files."""
 
+import base64
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from shinken_sync.trajectory_file import expand_records
+from tests.support import sigint_ignored, sigkill_and_expect_no_descendant, start_process
+
 pytestmark = pytest.mark.integration
+XVFB_MISSING = [name for name in ("Xvfb", "xdotool", "xterm") if shutil.which(name) is None]
 
 
 def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -31,7 +38,9 @@ def test_demo_writes_consistent_trajectories(tmp_path):
     assert summary["episodes"] == 2 and summary["steps"] == 4
     assert summary["consistent"] is True and not summary["episode_errors"]
 
-    lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    stored = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert all("prompt_token_ids" not in ep["records"][1] for ep in stored)  # stored as what turn 1 added
+    lines = _trajectories(out)
     assert len(lines) == 2
     assert len({line["session_id"] for line in lines}) == 2
     for ep in lines:
@@ -41,7 +50,9 @@ def test_demo_writes_consistent_trajectories(tmp_path):
         for step, record in zip(steps, records):
             content = record["response"]["choices"][0]["message"]["content"]
             assert json.loads(content)["action"] == step["action"]
-            assert record["response"]["choices"][0]["meta_info"]["routed_experts"]  # R3 kept for training
+            # R3 kept for training: one int32 row of layers x top_k (4 x 8) per token but the last
+            r3 = base64.b64decode(record["response"]["choices"][0]["meta_info"]["routed_experts"])
+            assert len(r3) == (len(record["prompt_token_ids"]) + len(record["output_token_ids"]) - 1) * 4 * 8 * 4
             assert step["outcome"] in {"ok", "error"}
             assert step["observation"]["format"] == "jpeg"
             assert record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
@@ -60,6 +71,62 @@ def test_demo_writes_consistent_trajectories(tmp_path):
     assert sheet.width >= 480 and sheet.height >= 270
 
 
+def _trajectories(out: Path) -> list[dict]:
+    """trajectories.jsonl with every episode's records expanded to what the session server returned."""
+    r3 = (out / "routed_experts.bin").read_bytes()
+    lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["records"] = expand_records(line["records"], r3)
+    return lines
+
+
+def _output_bytes(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.iterdir() if f.name in ("trajectories.jsonl", "routed_experts.bin"))
+
+
+@pytest.mark.timeout(300)
+def test_output_size_grows_linearly_with_turns(tmp_path):
+    """Each record used to repeat the whole sequence (token ids, messages, routed experts): 3x the
+    turns gave ~7x the bytes. Stored once, 3x the turns is at most ~3x the bytes."""
+    sizes = {}
+    for turns in (3, 9):
+        out = tmp_path / f"t{turns}"
+        proc = _demo("--sandboxes", "1", "--turns", str(turns), "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sizes[turns] = _output_bytes(out)
+    assert sizes[9] < 3.6 * sizes[3], sizes
+
+
+def _start_long_demo(out: Path, log: Path) -> subprocess.Popen:
+    """A 2 x 500-turn demo in its own session, returned once it has taken a step."""
+    with open(log, "w") as sink:
+        proc = start_process([sys.executable, "-m", "shinken_sync.cli", "demo", "--sandboxes", "2", "--turns", "500",
+                              "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not re.search(r"\] [1-9]\d*/1000 steps", log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_demo_leaves_no_process_behind(tmp_path):
+    proc = _start_long_demo(tmp_path / "out", tmp_path / "demo.log")
+    try:
+        # serve, backend, gunicorn, its worker, 2 session workers, 2 shinkend
+        sigkill_and_expect_no_descendant(
+            proc, ("webapp.serve", "gunicorn", "webapp.reference_backend", "shinken_sync.daemon.server"), 8)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_demo_refuses_a_taken_port(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -73,24 +140,89 @@ def test_demo_refuses_a_taken_port(tmp_path):
 @pytest.mark.timeout(180)
 def test_ctrl_c_keeps_every_episodes_records_so_far(tmp_path):
     out, log = tmp_path / "out", tmp_path / "demo.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shinken_sync.cli", "demo", "--sandboxes", "2", "--turns", "500",
-             "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 90
-            while not re.search(r"\] [1-9]\d*/1000 steps", log.read_text()):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-            assert proc.wait(timeout=60) == 130, log.read_text()[-2000:]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    proc = _start_long_demo(out, log)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=60) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = _trajectories(out)
     assert len(lines) == 2 and all(ep["interrupted"] for ep in lines)
     for ep in lines:
         assert 0 < len(ep["steps"]) < 500
         assert len(ep["records"]) == len(ep["steps"])
         assert ep["check"]["accumulated_matches_last_record"] and ep["check"]["actions_match_records"]
     assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+
+
+def test_started_processes_take_ctrl_c_even_when_the_test_runner_ignores_it():
+    """`tox &` from a non-interactive shell runs everything with SIGINT ignored; the processes the
+    Ctrl-C tests start must take SIGINT anyway."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = start_process([sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        proc.stdout.readline()  # the interpreter is up: its handlers are set
+        assert not sigint_ignored(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) != 0  # KeyboardInterrupt
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--out", "/proc/shinken-demo-test"], ["--out", "/proc/shinken-demo-test", "writable"]),
+    (["--out", "{file}"], ["--out", "is a file", "folder"]),
+    (["--port", "99999"], ["--port", "99999", "65535"]),
+    (["--workers", "-1"], ["--workers", "-1", ">= 0"]),
+    (["--turns", "abc"], ["--turns", "'abc'", "integer >= 1"]),
+    (["--sandboxes", "0"], ["--sandboxes", "integer >= 1"]),
+])
+def test_cli_errors_are_one_line_with_exit_code_2_and_create_nothing(tmp_path, args, names):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    out = tmp_path / "never-created"
+    args = [a.replace("{file}", str(afile)) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(out)]
+    proc = _demo("--sandboxes", "1", "--turns", "1", *args, timeout=60)  # a later flag wins
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for name in names:
+        assert name in lines[0], lines[0]
+    assert "_positive" not in lines[0]
+    assert not out.exists() and afile.read_text() == "x"
+
+
+def test_xvfb_prerequisites_are_reported_at_once(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path))  # none of Xvfb, xdotool, xterm on PATH
+    proc = subprocess.run([sys.executable, "-m", "shinken_sync.cli", "demo", "--display", "xvfb",
+                           "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "Xvfb and xdotool and xterm" in line and "apt-get install xvfb xdotool xterm" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.xvfb
+@pytest.mark.skipif(bool(XVFB_MISSING), reason=f"needs {', '.join(XVFB_MISSING)} (apt-get install xvfb xdotool xterm)")
+@pytest.mark.timeout(300)
+def test_xvfb_demo_screens_show_the_actions(tmp_path):
+    out = tmp_path / "out"
+    proc = _demo("--sandboxes", "2", "--turns", "4", "--display", "xvfb", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["consistent"] is True
+    # a program on each screen shows each action: nearly every step changes what the agent sees
+    assert summary["observation_changes"] >= summary["steps"] // 2, summary
+    for ep in _trajectories(out):
+        shas = [ep["first_observation"]["sha256"]] + [s["observation"]["sha256"] for s in ep["steps"]]
+        assert len(set(shas)) > 1, shas

@@ -21,6 +21,7 @@ from shinken_sync.providers import (
     StaticProvider,
     UnknownHandle,
 )
+from tests.support import start_process
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +111,7 @@ def test_children_die_with_a_killed_parent(tmp_path):
         print(" ".join(str(h.pid) for h in handles), flush=True)
         threading.Event().wait(60)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = start_process([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2
@@ -191,7 +192,7 @@ def test_ctrl_c_in_the_parent_stops_its_daemons():
         print(provider.create().pid, flush=True)
         threading.Event().wait(60)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = start_process([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(parent.stdout.readline())
         parent.send_signal(signal.SIGINT)  # only the parent: the daemon must be stopped by it

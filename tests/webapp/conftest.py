@@ -191,6 +191,7 @@ def stub_backend_factory() -> Iterator[Callable[[Callable[[dict], tuple[int, byt
     def start(handler: Callable[[dict], tuple[int, bytes] | None]) -> str:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # it writes headers and body apart: no delayed-ACK stall
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -122,3 +124,53 @@ def test_http_server_decodes_through_a_given_tokenizer(reference_backend_factory
     assert out_ids[-1] == tok.eos_token_id
     assert tok.decode(out_ids[:-1]) == choice["message"]["content"]
     check_action(choice["message"]["content"])
+
+
+class _CountingWriter:
+    """Stands in for a handler's ``wfile``: counts the writes one reply takes."""
+
+    def __init__(self, inner, writes: list[int]) -> None:
+        self._inner, self._writes = inner, writes
+
+    def write(self, data: bytes) -> int:
+        self._writes.append(len(data))
+        return self._inner.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("r3_layers", [0, 4])
+def test_each_reply_is_one_write_on_a_no_delay_socket(r3_layers):
+    """Headers and body in two writes on a Nagle socket: a keep-alive client's delayed ACK held
+    the body back ~40 ms on every call (the demo's chat p50 was mostly that)."""
+    from webapp import reference_backend as rb
+
+    writes: list[int] = []
+    nodelay: list[int] = []
+
+    class Recording(rb._Handler):
+        def setup(self) -> None:
+            super().setup()
+            nodelay.append(self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            self.wfile = _CountingWriter(self.wfile, writes)
+
+    server = rb._Server(("127.0.0.1", 0), TOK, R3Shape(r3_layers, 8))
+    server.RequestHandlerClass = Recording
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with requests.Session() as http:  # one keep-alive connection
+            for n in range(3):
+                writes.clear()
+                reply = http.post(url + "/v1/chat/completions", timeout=30,
+                                  json={"input_ids": TOK.encode(f"turn {n}"), "return_routed_experts": True})
+                assert reply.status_code == 200
+                assert len(writes) == 1, writes
+                assert writes[0] > len(reply.content)  # the headers went with the body
+            assert http.get(url + "/health", timeout=30).json() == {"status": "ok"} and len(writes) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert nodelay and all(nodelay), nodelay

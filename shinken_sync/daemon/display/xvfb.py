@@ -94,19 +94,34 @@ WINDOW_MANAGERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _BUTTONS = {"left": "1", "middle": "2", "right": "3"}
 
 
-def _require_programs() -> dict[str, str]:
-    found = {name: shutil.which(name) for name in ("Xvfb", "xdotool")}
-    missing = [name for name, path in found.items() if path is None]
+#: program -> the Debian package that provides it (for the install hint).
+APT_PACKAGES = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm"}
+REQUIRED_PROGRAMS = ("Xvfb", "xdotool")
+
+
+def missing_prerequisites(programs: Sequence[str] = REQUIRED_PROGRAMS) -> str | None:
+    """Everything the xvfb display (and ``programs``) lacks here, in one message with every
+    fix; None when nothing is missing."""
+    missing = [name for name in programs if shutil.which(name) is None]
+    needs, fixes = [], []
     if missing:
-        packages = " ".join({"Xvfb": "xvfb", "xdotool": "xdotool"}[m] for m in missing)
-        raise DisplayUnavailable(
-            f"the xvfb display needs {' and '.join(missing)} on PATH: apt-get install {packages}"
-        )
+        needs.append(f"{' and '.join(missing)} on PATH")
+        fixes.append("apt-get install " + " ".join(APT_PACKAGES.get(name, name) for name in missing))
     if mss is None:
-        raise DisplayUnavailable("the xvfb display needs the mss package: pip install 'shinken[xvfb]'")
+        needs.append("the mss package")
+        fixes.append("pip install 'shinken[xvfb]'")
+    if not needs:
+        return None
+    return f"the xvfb display needs {' and '.join(needs)}: {'; '.join(fixes)}"
+
+
+def _require_programs() -> dict[str, str]:
+    problem = missing_prerequisites()
+    if problem is not None:
+        raise DisplayUnavailable(problem)
     if _SETPRIV is None:
         log.warning("setpriv (util-linux) not found: Xvfb will outlive a SIGKILLed daemon")
-    return found  # type: ignore[return-value]
+    return {name: shutil.which(name) for name in REQUIRED_PROGRAMS}  # type: ignore[misc]
 
 
 class XvfbDisplay(Display):

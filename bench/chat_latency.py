@@ -1,0 +1,97 @@
+"""Tiny-chat latency: straight to the reference backend, and through the session server.
+
+    python bench/chat_latency.py [--n 200] [--workers 2]
+
+A "tiny chat" is one short user message, answered by the embedded reference backend (no R3),
+on one keep-alive connection (``requests.Session``, as the demo and OpenAI clients use):
+
+1. straight to ``python -m webapp.reference_backend``: ``POST /v1/chat/completions``;
+2. through ``shinken-session-server --workers W`` (router + worker + the same backend):
+   a fresh session per sample (its ``POST /sessions`` not timed), then one timed
+   ``POST /sessions/{id}/v1/chat/completions``.
+
+Prints p50 / p95 / max and the first call's time for each. A reply written in two pieces on
+a socket with Nagle's algorithm on costs a delayed ACK (~40 ms) per call from the second call
+of a keep-alive connection on; the first call does not show it (TCP quick-ACK mode). Compare
+with an older tree by pointing PYTHONPATH at it. Everything shares the machine's cores: read
+the figures against each other within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import requests
+
+from webapp.reference_backend import start_reference_backend
+from webapp.serve import READY_URL_PATTERN, server_argv
+
+BODY = {"model": "reference", "messages": [{"role": "user", "content": "Click the OK button."}]}
+
+
+def _summary(name: str, samples: list[float]) -> str:
+    ms = sorted(s * 1e3 for s in samples[1:])
+    p95 = ms[min(len(ms) - 1, int(0.95 * len(ms)))]
+    return (f"{name:<34} p50 {statistics.median(ms):7.2f} ms  p95 {p95:7.2f} ms  max {ms[-1]:7.2f} ms  "
+            f"(first call {samples[0] * 1e3:.2f} ms, n={len(ms)})")
+
+
+def straight(n: int) -> list[float]:
+    backend = start_reference_backend()
+    try:
+        with requests.Session() as http:
+            samples = []
+            for _ in range(n + 1):
+                t0 = time.perf_counter()
+                reply = http.post(backend.url + "/v1/chat/completions", json=BODY, timeout=30)
+                samples.append(time.perf_counter() - t0)
+                reply.raise_for_status()
+            return samples
+    finally:
+        backend.close()
+
+
+def through_server(n: int, workers: int) -> list[float]:
+    proc = subprocess.Popen(server_argv(workers, None, "127.0.0.1:0", "--reference-r3-layers", "0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    try:
+        match = re.search(READY_URL_PATTERN, proc.stdout.readline())
+        if not match:
+            raise RuntimeError("the session server did not get ready")
+        url = match.group(1)
+        with requests.Session() as http:
+            samples = []
+            for _ in range(n + 1):
+                session = http.post(url + "/sessions", timeout=30).json()["session_id"]
+                t0 = time.perf_counter()
+                reply = http.post(f"{url}/sessions/{session}/v1/chat/completions", json=BODY, timeout=30)
+                samples.append(time.perf_counter() - t0)
+                reply.raise_for_status()
+                http.delete(f"{url}/sessions/{session}", timeout=30)
+            return samples
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        proc.stdout.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="timed calls per case (after the first)")
+    parser.add_argument("--workers", type=int, default=2, help="session-server workers")
+    args = parser.parse_args()
+    results = {"straight": straight(args.n), "through": through_server(args.n, args.workers)}
+    print(_summary("tiny chat, straight to the backend", results["straight"]))
+    print(_summary(f"tiny chat, session server (W={args.workers})", results["through"]))
+    print(json.dumps({k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

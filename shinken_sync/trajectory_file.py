@@ -1,0 +1,110 @@
+"""The demo's trajectory files: records stored once, so the output grows linearly with turns.
+
+A session's records each repeat the whole conversation: turn k's ``prompt_token_ids`` and
+``request.messages`` hold every earlier turn, and its ``routed_experts`` (base64 int32, one
+row of ``layers x top_k`` per token) cover every token so far. Written as they are, an
+episode's records grow with the square of its turns (about 6 GB for 8 x 200 turns with R3).
+
+:func:`compact_records` stores what each record adds:
+
+* ``prompt_token_ids`` -> ``prompt_from_previous: n`` + ``prompt_new_token_ids`` when the prompt
+  starts with the previous record's prompt + output (n ids; always, for append-only chats);
+* ``request.messages`` -> ``request.messages_from_previous: n`` + ``request.messages_new``
+  when they start with the previous request's n messages;
+* each choice's ``meta_info.routed_experts`` -> ``{"file", "offset", "first_row", "rows",
+  "row_bytes"}``: the raw rows (int32 LE) for the tokens from ``first_row`` on, appended to a
+  binary side file. ``first_row`` is the first token the previous record had no row for, so
+  every token's routing is stored once, as recorded by the turn that added the token.
+
+A record whose prompt does not extend the previous one (a rollback) is stored whole.
+:func:`expand_records` rebuilds full records (routed experts as base64 again; the prefix
+rows taken from the turns that recorded them).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from typing import Any, BinaryIO
+
+__all__ = ["compact_records", "expand_records"]
+
+
+def _sequence(record: dict[str, Any]) -> list[int]:
+    return list(record["prompt_token_ids"]) + list(record["output_token_ids"])
+
+
+def _choices(record: dict[str, Any]) -> list[dict[str, Any]]:
+    response = record.get("response")
+    return response.get("choices", []) if isinstance(response, dict) else []
+
+
+def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: str) -> list[dict[str, Any]]:
+    """``records`` as written to trajectories.jsonl; routed-expert rows go to ``r3_file``
+    (named ``r3_name`` in the records), appended at its current position."""
+    out: list[dict[str, Any]] = []
+    prev: dict[str, Any] | None = None
+    for record in records:
+        rec = copy.deepcopy(record)
+        prompt = list(record["prompt_token_ids"])
+        extends = prev is not None and prompt[: len(_sequence(prev))] == _sequence(prev)
+        if extends:
+            n = len(_sequence(prev))
+            del rec["prompt_token_ids"]
+            rec["prompt_from_previous"], rec["prompt_new_token_ids"] = n, prompt[n:]
+        request, prev_request = rec.get("request"), (prev or {}).get("request")
+        if (isinstance(request, dict) and isinstance(prev_request, dict)
+                and isinstance(request.get("messages"), list) and isinstance(prev_request.get("messages"), list)):
+            n = len(prev_request["messages"])
+            if request["messages"][:n] == prev_request["messages"]:
+                request["messages_from_previous"], request["messages_new"] = n, request.pop("messages")[n:]
+        # rows the previous record already stored: its prompt + output, less the last output token
+        # (never fed back, so it has no routing)
+        first_row = len(_sequence(prev)) - 1 if extends else 0
+        for choice in _choices(rec):
+            meta = choice.get("meta_info") or {}
+            if not isinstance(meta.get("routed_experts"), str):
+                continue
+            raw = base64.b64decode(meta["routed_experts"])
+            rows = len(prompt) + int(meta.get("completion_tokens", len(record["output_token_ids"]))) - 1
+            row_bytes = len(raw) // rows if rows > 0 else 0
+            start = min(first_row, rows) if row_bytes else 0
+            offset = r3_file.tell()
+            r3_file.write(raw[start * row_bytes:])
+            meta["routed_experts"] = {"file": r3_name, "offset": offset, "first_row": start,
+                                      "rows": rows - start if row_bytes else 0, "row_bytes": row_bytes,
+                                      "bytes": len(raw) - start * row_bytes}
+        out.append(rec)
+        prev = record
+    return out
+
+
+def expand_records(compact: list[dict[str, Any]], r3_data: bytes) -> list[dict[str, Any]]:
+    """The inverse of :func:`compact_records` (``r3_data``: the side file's bytes)."""
+    out: list[dict[str, Any]] = []
+    prev_rows: dict[int, bytes] = {}  # choice index -> that choice's full rows, previous record
+    for rec in compact:
+        full = copy.deepcopy(rec)
+        prev = out[-1] if out else None
+        if "prompt_from_previous" in full:
+            if prev is None:
+                raise ValueError("the first compact record refers to a previous record")
+            n = full.pop("prompt_from_previous")
+            full["prompt_token_ids"] = _sequence(prev)[:n] + full.pop("prompt_new_token_ids")
+        request = full.get("request")
+        if isinstance(request, dict) and "messages_from_previous" in request:
+            n = request.pop("messages_from_previous")
+            request["messages"] = prev["request"]["messages"][:n] + request.pop("messages_new")
+        rows_now: dict[int, bytes] = {}
+        for i, choice in enumerate(_choices(full)):
+            meta = choice.get("meta_info") or {}
+            ref = meta.get("routed_experts")
+            if not isinstance(ref, dict):
+                continue
+            new = r3_data[ref["offset"]: ref["offset"] + ref["bytes"]]
+            prefix = prev_rows.get(0, b"")[: ref["first_row"] * ref["row_bytes"]]
+            rows_now[i] = prefix + new
+            meta["routed_experts"] = base64.b64encode(rows_now[i]).decode("ascii")
+        prev_rows = rows_now or prev_rows
+        out.append(full)
+    return out

@@ -1,0 +1,65 @@
+"""``shinken-session-server`` as a process tree: it dies whole with its parent, and usage
+errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import sigkill_and_expect_no_descendant
+from webapp.serve import READY_URL_PATTERN, server_argv
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [2, 0])
+def test_sigkill_of_the_server_takes_its_whole_tree(workers):
+    """gunicorn, its worker, the session workers and the embedded reference backend all go when
+    webapp.serve is SIGKILLed (no finally runs): they used to live on under PID 1."""
+    proc = subprocess.Popen(server_argv(workers), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert re.search(READY_URL_PATTERN, line), line
+        # backend, gunicorn master + worker, session workers
+        sigkill_and_expect_no_descendant(proc, ("gunicorn", "webapp.reference_backend"), 3 + workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "webapp.serve", *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_a_taken_port_is_one_line_and_exit_code_2():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _serve("--bind", f"127.0.0.1:{port}")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"127.0.0.1:{port}" in line and "--bind" in line and "Traceback" not in result.stderr, line
+    assert result.stdout == ""  # nothing started, so no ready line either
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--workers", "-1"], ["--workers", "-1", ">= 0"]),
+    (["--workers", "two"], ["--workers", "'two'", "whole number"]),
+    (["--bind", "127.0.0.1:99999"], ["--bind", "99999"]),
+])
+def test_bad_arguments_are_one_line_and_exit_code_2(args, names):
+    result = _serve(*args)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    for name in names:
+        assert name in line, line
