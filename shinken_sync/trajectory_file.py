@@ -1,14 +1,16 @@
 """The demo's trajectory files: records stored once, so the output grows linearly with turns.
 
-A session's records each repeat the whole conversation: turn k's ``prompt_token_ids`` and
-``request.messages`` hold every earlier turn, and its ``routed_experts`` (base64 int32, one
-row of ``layers x top_k`` per token) cover every token so far. Written as they are, an
+A session's records (miles' ``SessionRecord``) each repeat the whole conversation: turn k's
+``request.input_ids`` and ``request.messages`` hold every earlier turn, and its
+``routed_experts`` (base64 int32, one row of ``layers x top_k`` per token) cover every token so
+far. Written as they are, an
 episode's records grow with the square of its turns (about 6 GB for 8 x 200 turns with R3).
 
 :func:`compact_records` stores what each record adds:
 
-* ``prompt_token_ids`` -> ``prompt_from_previous: n`` + ``prompt_new_token_ids`` when the prompt
-  starts with the previous record's prompt + output (n ids; always, for append-only chats);
+* ``request.input_ids`` -> ``request.input_ids_from_previous: n`` + ``request.input_ids_new``
+  when the prompt starts with the previous record's prompt + output (n ids; always, for
+  append-only chats);
 * ``request.messages`` -> ``request.messages_from_previous: n`` + ``request.messages_new``
   when they start with the previous request's n messages;
 * each choice's ``meta_info.routed_experts`` -> ``{"file", "offset", "first_row", "rows",
@@ -30,8 +32,19 @@ from typing import Any, BinaryIO
 __all__ = ["compact_records", "expand_records"]
 
 
+def _prompt(record: dict[str, Any]) -> list[int]:
+    return list(record["request"]["input_ids"])
+
+
+def _output(record: dict[str, Any]) -> list[int]:
+    """The first choice's sampled ids, from SGLang's ``[[logprob, token_id, ...], ...]``."""
+    choices = _choices(record)
+    pairs = (choices[0].get("meta_info") or {}).get("output_token_logprobs") if choices else None
+    return [pair[1] for pair in pairs or ()]
+
+
 def _sequence(record: dict[str, Any]) -> list[int]:
-    return list(record["prompt_token_ids"]) + list(record["output_token_ids"])
+    return _prompt(record) + _output(record)
 
 
 def _choices(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,13 +59,13 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
     prev: dict[str, Any] | None = None
     for record in records:
         rec = copy.deepcopy(record)
-        prompt = list(record["prompt_token_ids"])
+        prompt = _prompt(record)
         extends = prev is not None and prompt[: len(_sequence(prev))] == _sequence(prev)
+        request, prev_request = rec["request"], (prev or {}).get("request")
         if extends:
             n = len(_sequence(prev))
-            del rec["prompt_token_ids"]
-            rec["prompt_from_previous"], rec["prompt_new_token_ids"] = n, prompt[n:]
-        request, prev_request = rec.get("request"), (prev or {}).get("request")
+            del request["input_ids"]
+            request["input_ids_from_previous"], request["input_ids_new"] = n, prompt[n:]
         if (isinstance(request, dict) and isinstance(prev_request, dict)
                 and isinstance(request.get("messages"), list) and isinstance(prev_request.get("messages"), list)):
             n = len(prev_request["messages"])
@@ -66,7 +79,7 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
             if not isinstance(meta.get("routed_experts"), str):
                 continue
             raw = base64.b64decode(meta["routed_experts"])
-            rows = len(prompt) + int(meta.get("completion_tokens", len(record["output_token_ids"]))) - 1
+            rows = len(prompt) + int(meta.get("completion_tokens", len(_output(record)))) - 1
             row_bytes = len(raw) // rows if rows > 0 else 0
             start = min(first_row, rows) if row_bytes else 0
             offset = r3_file.tell()
@@ -86,12 +99,12 @@ def expand_records(compact: list[dict[str, Any]], r3_data: bytes) -> list[dict[s
     for rec in compact:
         full = copy.deepcopy(rec)
         prev = out[-1] if out else None
-        if "prompt_from_previous" in full:
+        request = full.get("request")
+        if isinstance(request, dict) and "input_ids_from_previous" in request:
             if prev is None:
                 raise ValueError("the first compact record refers to a previous record")
-            n = full.pop("prompt_from_previous")
-            full["prompt_token_ids"] = _sequence(prev)[:n] + full.pop("prompt_new_token_ids")
-        request = full.get("request")
+            n = request.pop("input_ids_from_previous")
+            request["input_ids"] = _sequence(prev)[:n] + request.pop("input_ids_new")
         if isinstance(request, dict) and "messages_from_previous" in request:
             n = request.pop("messages_from_previous")
             request["messages"] = prev["request"]["messages"][:n] + request.pop("messages_new")

@@ -39,7 +39,7 @@ def test_demo_writes_consistent_trajectories(tmp_path):
     assert summary["consistent"] is True and not summary["episode_errors"]
 
     stored = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert all("prompt_token_ids" not in ep["records"][1] for ep in stored)  # stored as what turn 1 added
+    assert all("input_ids" not in ep["records"][1]["request"] for ep in stored)  # stored as what turn 1 added
     lines = _trajectories(out)
     assert len(lines) == 2
     assert len({line["session_id"] for line in lines}) == 2
@@ -52,7 +52,8 @@ def test_demo_writes_consistent_trajectories(tmp_path):
             assert json.loads(content)["action"] == step["action"]
             # R3 kept for training: one int32 row of layers x top_k (4 x 8) per token but the last
             r3 = base64.b64decode(record["response"]["choices"][0]["meta_info"]["routed_experts"])
-            assert len(r3) == (len(record["prompt_token_ids"]) + len(record["output_token_ids"]) - 1) * 4 * 8 * 4
+            output = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+            assert len(r3) == (len(record["request"]["input_ids"]) + len(output) - 1) * 4 * 8 * 4
             assert step["outcome"] in {"ok", "error"}
             assert step["observation"]["format"] == "jpeg"
             assert record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]

@@ -37,8 +37,9 @@ def _episode(index: int, shas: list[str]) -> Episode:
     for turn, sha in enumerate(shas[1:]):
         ep.steps.append({"turn": turn, "action": ACTION, "outcome": "ok", "error": None,
                          "observation": {"sha256": sha}})
-        ep.records.append({"prompt_token_ids": [1, 2], "output_token_ids": [3],
-                           "response": {"choices": [{"message": {"content": content}}]}})
+        ep.records.append({"request": {"input_ids": [1, 2]},
+                           "response": {"choices": [{"message": {"content": content},
+                                                     "meta_info": {"output_token_logprobs": [[-0.1, 3]]}}]}})
     ep.metadata = {"accumulated_token_ids": [1, 2, 3]}
     return ep
 
@@ -80,10 +81,12 @@ def _r3(rows: int, salt: int) -> str:
 
 
 def _record(prompt: list[int], output: list[int], messages: list[dict], salt: int = 0) -> dict:
-    return {"prompt_token_ids": prompt, "output_token_ids": output, "output_token_logprobs": [[-0.1, t] for t in output],
-            "request": {"model": "m", "messages": messages},
+    """A miles SessionRecord: the backend request (input_ids) and its verbatim reply."""
+    return {"timestamp": 1.0, "method": "POST", "path": "/v1/chat/completions", "status_code": 200,
+            "request": {"model": "m", "messages": messages, "input_ids": prompt},
             "response": {"choices": [{"message": {"content": "x"},
                                       "meta_info": {"completion_tokens": len(output),
+                                                    "output_token_logprobs": [[-0.1, t] for t in output],
                                                     "routed_experts": _r3(len(prompt) + len(output) - 1, salt)}}]}}
 
 
@@ -99,9 +102,10 @@ def test_trajectory_records_are_stored_once_and_expand_back(tmp_path):
     with open(tmp_path / "r3.bin", "wb") as r3:
         compact = compact_records(records, r3, "r3.bin")
     data = (tmp_path / "r3.bin").read_bytes()
-    assert compact[1]["prompt_from_previous"] == 5 and compact[1]["prompt_new_token_ids"] == [6, 7]
+    assert compact[1]["request"]["input_ids_from_previous"] == 5
+    assert compact[1]["request"]["input_ids_new"] == [6, 7] and "input_ids" not in compact[1]["request"]
     assert compact[1]["request"]["messages_new"] == m2[1:] and "messages" not in compact[1]["request"]
-    assert "prompt_token_ids" in compact[3]
+    assert compact[3]["request"]["input_ids"] == [1, 2, 30]
     refs = [c["response"]["choices"][0]["meta_info"]["routed_experts"] for c in compact]
     assert [r["first_row"] for r in refs] == [0, 4, 8, 0]
     # every token's row is stored once, plus the rollback's whole sequence
