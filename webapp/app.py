@@ -9,7 +9,8 @@ from the arguments or, when ``config`` is None, from the environment:
 - ``SHINKEN_REFERENCE_R3_LAYERS`` / ``SHINKEN_REFERENCE_R3_TOPK``: R3 shape of an embedded
   reference backend (default: no R3).
 - ``SHINKEN_<FIELD>`` for every number of :class:`webapp.core.CoreConfig`, e.g.
-  ``SHINKEN_READ_TIMEOUT`` (what ``shinken-session-server --read-timeout`` sets).
+  ``SHINKEN_READ_TIMEOUT`` (what ``shinken-session-server --read-timeout`` sets) or
+  ``SHINKEN_MAX_SESSIONS``.
 
 The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
 chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
@@ -35,7 +36,7 @@ from webapp.core import (
     error_response,
 )
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.settings import float_settings_from_env
+from webapp.settings import number_settings_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
 
@@ -66,8 +67,9 @@ def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendPr
             r3_topk=int(os.environ.get("SHINKEN_REFERENCE_R3_TOPK", "8")),
         )
         backend_url = reference.url
-    # The same SHINKEN_<FIELD> numbers the router passes its workers (``--read-timeout``...).
-    settings = {**float_settings_from_env(CoreConfig), **kw}
+    # The same SHINKEN_<FIELD> numbers the router passes its workers (``--read-timeout``,
+    # ``--max-prompt-tokens``...).
+    settings = {**number_settings_from_env(CoreConfig), **kw}
     return CoreConfig(backend_url=backend_url, tokenizer=tokenizer, **settings), reference
 
 

@@ -24,6 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
+from webapp.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_TTL,
+    RequestLimits,
+    SessionExpiry,
+    loads_strict,
+)
 from webapp.session_errors import (
     BackendMalformed,
     BodyTooLarge,
@@ -105,12 +114,18 @@ class CoreConfig:
     pool_maxsize: int = 64  # pooled backend connections per core (one per concurrent turn)
     turn_wait_timeout: float | None = None  # wait for a session's previous turn; None: connect+read+30
     request_routed_experts: bool = True  # ask the backend for R3 (``return_routed_experts``)
+    # Work and session bounds; see webapp.limits.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
 
 
 @dataclass(eq=False)
 class Session:
     session_id: str
     created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)  # for the idle expiry
     turn_lock: threading.Lock = field(default_factory=threading.Lock)
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
@@ -152,7 +167,8 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
-    def create_session(self, session_id: str | None = None) -> Session:
+    def create_session(self, session_id: str | None = None, admit: Any = None) -> Session:
+        """``admit(live_count)`` may refuse (raise) before a session is added."""
         if session_id is None:
             session_id = uuid.uuid4().hex
         elif not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
@@ -160,6 +176,8 @@ class SessionRegistry:
         with self._lock:
             if session_id in self._sessions:
                 raise SessionExists(session_id)
+            if admit is not None:
+                admit(len(self._sessions))
             session = self._sessions[session_id] = Session(session_id)
         return session
 
@@ -167,7 +185,12 @@ class SessionRegistry:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(session_id)
+        session.last_used = time.monotonic()
         return session
+
+    def idle_since(self) -> list[tuple[str, float]]:
+        """``(session_id, last_used)`` of every session without a turn in flight."""
+        return [(sid, s.last_used) for sid, s in list(self._sessions.items()) if not s.turn_lock.locked()]
 
     def remove(self, session_id: str) -> Session:
         with self._lock:
@@ -185,10 +208,7 @@ class SessionRegistry:
 def _parse_chat_body(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
-    try:
-        request = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidJSON(f"request body is not UTF-8 JSON: {exc}") from exc
+    request = loads_strict(body)
     if not isinstance(request, dict):
         raise InvalidJSON("request body must be a JSON object")
     if not isinstance(request.get("stream", False), bool):
@@ -288,23 +308,30 @@ class SessionCore:
 
     def __init__(self, tokenizer: ChatTokenizer, backend: BackendClient, *,
                  registry: SessionRegistry | None = None, turn_wait_timeout: float = 630.0,
-                 request_routed_experts: bool = True) -> None:
+                 request_routed_experts: bool = True, limits: RequestLimits | None = None,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.registry = registry if registry is not None else SessionRegistry()
+        self.limits = limits if limits is not None else RequestLimits()
+        self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
+                                    self.registry.remove)
         self.turn_wait_timeout = turn_wait_timeout
         self.forced_fields = dict(FORCED_BACKEND_FIELDS)
         if request_routed_experts:
             self.forced_fields["return_routed_experts"] = True
 
     def create_session(self, session_id: str | None = None) -> Reply:
+        self.expiry.sweep()
         try:
-            session = self.registry.create_session(session_id)
+            session = self.registry.create_session(session_id, admit=self.expiry.admit)
         except SessionError as exc:
             return _reply_for(exc)
         return json_response(200, {"session_id": session.session_id})
 
     def get_session(self, session_id: str) -> Reply:
+        self.expiry.sweep()
         try:
             session = self.registry.get(session_id)
         except SessionError as exc:
@@ -328,6 +355,7 @@ class SessionCore:
         return Reply(204, b"", content_type="")
 
     def health(self) -> Reply:
+        self.expiry.sweep()
         return json_response(200, {"status": "ok", "sessions": len(self.registry)})
 
     def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
@@ -339,6 +367,7 @@ class SessionCore:
         never committed after its caller was told it failed. None: the core's timeouts only.
         """
         deadline = None if budget is None else time.monotonic() + budget
+        self.expiry.sweep()
         try:
             return self._chat(session_id, body, deadline)
         except SessionError as exc:
@@ -350,6 +379,7 @@ class SessionCore:
     def _chat(self, session_id: str, body: bytes, deadline: float | None) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
+        self.limits.check_messages(request.get("messages"))
         wait = self.turn_wait_timeout
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -360,6 +390,7 @@ class SessionCore:
                 raise SessionNotFound(session_id)
             plan = plan_turn(session.state, session.previous, request.get("messages"),
                              request.get("tools"), self.tokenizer)
+            self.limits.check_prompt(plan.prompt_ids)
             payload = self._backend_payload(request, plan)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
@@ -413,4 +444,6 @@ def build_session_core(config: CoreConfig) -> SessionCore:
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
     return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=wait,
-                       request_routed_experts=config.request_routed_experts)
+                       request_routed_experts=config.request_routed_experts,
+                       limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
+                       max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl)

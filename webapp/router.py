@@ -26,7 +26,13 @@ from werkzeug.exceptions import HTTPException
 
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.settings import float_settings_from_env
+from webapp.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_TTL,
+)
+from webapp.settings import number_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
 
@@ -58,6 +64,11 @@ class RouterConfig:
     startup_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    # The session core's work and session bounds, per worker (webapp.limits).
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
 
     @property
     def chat_timeout(self) -> float:
@@ -73,7 +84,7 @@ class RouterConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RouterConfig:
         """``SHINKEN_WORKERS``, ``SHINKEN_BACKEND_URL``, ``SHINKEN_TOKENIZER``, ``SHINKEN_API_KEY``,
-        and ``SHINKEN_<FIELD>`` (upper case) for every float field."""
+        and ``SHINKEN_<FIELD>`` (upper case) for every other number field."""
         env = os.environ if environ is None else environ
         try:
             backend_url = env["SHINKEN_BACKEND_URL"]
@@ -81,13 +92,15 @@ class RouterConfig:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **float_settings_from_env(cls, env))
+                   **{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"})
 
     def supervisor_config(self) -> SupervisorConfig:
         return SupervisorConfig(
             workers=self.workers,
             core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
-                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout},
+                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
+                  "max_message_bytes": self.max_message_bytes, "max_prompt_tokens": self.max_prompt_tokens,
+                  "max_sessions": self.max_sessions, "session_idle_ttl": self.session_idle_ttl},
             startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout)
 

@@ -3,7 +3,8 @@
 ::
 
     shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
-                           [--tokenizer PATH] [--api-key KEY]
+                           [--tokenizer PATH] [--api-key-file PATH] [--max-prompt-tokens N]
+                           [--max-message-bytes N] [--max-sessions N] [--session-idle-ttl S] ...
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -32,6 +33,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from webapp.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_TTL,
+)
 from webapp.settings import parse_bind
 
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
@@ -73,6 +80,27 @@ def _health_ok(host: str, port: int) -> bool:
         conn.close()
 
 
+# Numeric settings passed on as SHINKEN_<DEST> (upper case): the router (RouterConfig) and the
+# single-process app (CoreConfig) both read them from the environment, so each works in both modes.
+_ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
+    ("--heartbeat-timeout", float, ("seconds a session worker may miss heartbeats (with no CPU progress) "
+                                   "before it is restarted; router mode")),
+    ("--read-timeout", float, "backend read timeout per turn"),
+    ("--max-message-bytes", int, (f"413 for a message whose text is over this many UTF-8 bytes "
+                                 f"(default {DEFAULT_MAX_MESSAGE_BYTES})")),
+    ("--max-prompt-tokens", int, (f"413 for a turn whose prompt is over this many tokens "
+                                 f"(default {DEFAULT_MAX_PROMPT_TOKENS})")),
+    ("--max-sessions", int, (f"429 for a new session past this many live ones per worker "
+                            f"(default {DEFAULT_MAX_SESSIONS})")),
+    ("--session-idle-ttl", float, (f"seconds after which a session nobody used is deleted "
+                                  f"(default {DEFAULT_SESSION_IDLE_TTL:g})")),
+)
+
+
+def _env_name(flag: str) -> str:
+    return "SHINKEN_" + flag.lstrip("-").replace("-", "_").upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shinken-session-server", description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=1,
@@ -88,9 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-r3-layers", type=int, default=4,
                         help="routed-expert layers the embedded reference backend returns per token "
                              "(0: none; ignored with --backend-url)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=None,
-                        help="seconds a session worker may miss heartbeats before it is restarted")
-    parser.add_argument("--read-timeout", type=float, default=None, help="backend read timeout per turn")
+    for flag, kind, help_text in _ENV_SETTINGS:
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
     return parser
 
 
@@ -114,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = listener.getsockname()[1]
     env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
     env.pop("SHINKEN_API_KEY", None)
-    for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key),
-                        ("SHINKEN_HEARTBEAT_TIMEOUT", args.heartbeat_timeout),
-                        ("SHINKEN_READ_TIMEOUT", args.read_timeout)):
+    settings = [(_env_name(flag), getattr(args, _env_name(flag)[len("SHINKEN_"):].lower()))
+                for flag, _kind, _help in _ENV_SETTINGS]
+    for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key), *settings):
         if value is not None:
             env[name] = str(value)
     app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"

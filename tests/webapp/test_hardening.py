@@ -1,0 +1,161 @@
+"""Issue 18 (hostile input costs nothing), session server: each limit and refusal against a real
+``shinken-session-server`` in both modes (``--workers 0`` and router mode), so every new
+setting is shown to reach the core either way."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from webapp.limits import MAX_JSON_DEPTH, RequestLimits, json_depth_exceeds, loads_strict
+from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.session_errors import InvalidJSON
+
+pytestmark = pytest.mark.integration
+
+MODES = {"single-process": 0, "router": 1}
+LIMIT_FLAGS = ("--max-message-bytes", "2000", "--max-prompt-tokens", "3000", "--max-sessions", "3")
+
+
+@pytest.fixture(scope="module")
+def backend(reference_backend_factory):
+    return reference_backend_factory()
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def limited(request, backend, session_server_factory) -> str:
+    """A server with small limits; one per mode."""
+    server = session_server_factory(server_argv(MODES[request.param], backend.url, "127.0.0.1:0", *LIMIT_FLAGS),
+                                    ready_pattern=READY_URL_PATTERN)
+    return server.url
+
+
+@pytest.fixture
+def sid(limited):
+    """A fresh session on ``limited``, deleted afterwards (the servers hold only 3)."""
+    session_id = _session(limited)
+    yield session_id
+    requests.delete(f"{limited}/sessions/{session_id}", timeout=30)
+
+
+def _chat(url: str, sid: str, body: bytes | dict) -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(f"{url}/sessions/{sid}/v1/chat/completions", data=data, timeout=60,
+                         headers={"Content-Type": "application/json"})
+
+
+def _session(url: str) -> str:
+    resp = requests.post(f"{url}/sessions", timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["session_id"]
+
+
+def _raw(url: str, request: bytes, *, reuse: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    conn = reuse or http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    if conn.sock is None:
+        conn.connect()
+    conn.sock.sendall(request)
+    resp = http.client.HTTPResponse(conn.sock, method="POST")
+    resp.begin()
+    return resp.status, resp.read()
+
+
+def test_a_message_over_max_message_bytes_is_413_naming_the_limit(limited, sid) -> None:
+    resp = _chat(limited, sid, {"messages": [{"role": "user", "content": "x" * 2001}]})
+    assert resp.status_code == 413 and "max_message_bytes=2000" in resp.json()["error"]
+    ok = _chat(limited, sid, {"messages": [{"role": "user", "content": "x" * 1900}]})
+    assert ok.status_code == 200, ok.text  # nothing was stored by the refused turn
+
+
+def test_a_prompt_over_max_prompt_tokens_is_413_naming_the_limit(limited, sid) -> None:
+    # Each message passes max_message_bytes; together they tokenize (1 token per byte) past 3000.
+    messages = [{"role": "user", "content": "y" * 1500}, {"role": "assistant", "content": "z" * 1500},
+                {"role": "user", "content": "w" * 100}]
+    resp = _chat(limited, sid, {"messages": messages})
+    assert resp.status_code == 413 and "max_prompt_tokens=3000" in resp.json()["error"]
+    assert requests.get(f"{limited}/sessions/{sid}", timeout=30).json()["records"] == []
+
+
+def test_sessions_past_max_sessions_are_429_until_one_is_deleted(limited) -> None:
+    before = []
+    while len(before) < 10:
+        resp = requests.post(f"{limited}/sessions", timeout=30)
+        if resp.status_code == 429:
+            break
+        assert resp.status_code == 200
+        before.append(resp.json()["session_id"])
+    assert resp.status_code == 429 and "max_sessions=3" in resp.json()["error"], before
+    assert len(before) == 3
+    assert requests.delete(f"{limited}/sessions/{before[-1]}", timeout=30).status_code == 204
+    again = requests.post(f"{limited}/sessions", timeout=30)
+    assert again.status_code == 200
+    for session_id in [*before[:-1], again.json()["session_id"]]:
+        assert requests.delete(f"{limited}/sessions/{session_id}", timeout=30).status_code == 204
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_idle_sessions_expire_after_the_ttl(mode, backend, session_server_factory) -> None:
+    server = session_server_factory(server_argv(MODES[mode], backend.url, "127.0.0.1:0",
+                                                "--session-idle-ttl", "2.0"), ready_pattern=READY_URL_PATTERN)
+    idle, used = _session(server.url), _session(server.url)
+    # Touch one session (each request also runs the lazy sweep) for well over the TTL; any
+    # request on the idle one would count as use, so it is only asked at the end.
+    until = time.monotonic() + 5.0
+    while time.monotonic() < until:
+        assert requests.get(f"{server.url}/sessions/{used}", timeout=30).status_code == 200
+        time.sleep(0.2)
+    assert requests.get(f"{server.url}/sessions/{idle}", timeout=30).status_code == 404
+    assert requests.get(f"{server.url}/sessions/{used}", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    b'{"messages":' + b"[" * 1000 + b"]" * 1000 + b"}",
+    b'{"messages":' + b"[" * 100_000,
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+], ids=["deep-1000", "deep-100k-unclosed", "nan", "infinity"])
+def test_deep_nesting_and_non_finite_numbers_are_400_and_the_connection_is_kept(limited, sid, body) -> None:
+    parts = urlsplit(limited)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    head = (f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    status, reply = _raw(limited, head + body, reuse=conn)
+    assert status == 400, reply
+    sock = conn.sock
+    status, reply = _raw(limited, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", reuse=conn)
+    assert status == 200 and conn.sock is sock  # the same keep-alive connection
+    conn.close()
+
+
+def test_loads_strict_unit() -> None:
+    assert loads_strict(b'{"a": [1, {"b": [2.5]}]}') == {"a": [1, {"b": [2.5]}]}
+    deep_ok = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    assert loads_strict(deep_ok) is not None
+    with pytest.raises(InvalidJSON, match="deeper"):
+        loads_strict(b"[" + deep_ok + b"]")
+    # brackets inside strings do not count
+    assert not json_depth_exceeds(json.dumps(["[" * 500]).encode(), 4)
+    assert json_depth_exceeds(b'[[[["]"]]]]', 3) and not json_depth_exceeds(b'[[[["]"]]]]', 4)
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        with pytest.raises(InvalidJSON, match="not a JSON number"):
+            loads_strict(b'{"x": ' + literal + b"}")
+
+
+def test_request_limits_unit() -> None:
+    limits = RequestLimits(max_message_bytes=10, max_prompt_tokens=2)
+    limits.check_messages([{"role": "user", "content": "012345"}])  # role counts too
+    with pytest.raises(Exception, match="max_message_bytes=10"):
+        limits.check_messages([{"role": "user", "content": [{"type": "text", "text": "☃" * 4}]}])
+    with pytest.raises(Exception, match="max_message_bytes=10"):
+        limits.check_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                                  "arguments": "x" * 10}}]}])
+    with pytest.raises(Exception, match="max_prompt_tokens=2"):
+        limits.check_messages([{"role": "user", "content": "x" * 6}] * 6)
+    with pytest.raises(Exception, match="max_prompt_tokens=2"):
+        limits.check_prompt([1, 2, 3])
