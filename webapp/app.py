@@ -8,6 +8,7 @@ from the arguments or, when ``config`` is None, from the environment:
 - ``SHINKEN_TOKENIZER``: a directory with ``tokenizer.json`` + chat template (unset: bytes).
 - ``SHINKEN_REFERENCE_R3_LAYERS`` / ``SHINKEN_REFERENCE_R3_TOPK``: R3 shape of an embedded
   reference backend (default: no R3).
+- ``SHINKEN_BODY_TIMEOUT``: see :class:`webapp.http_limits.HttpLimits`.
 - ``SHINKEN_<FIELD>`` for every number of :class:`webapp.core.CoreConfig`, e.g.
   ``SHINKEN_READ_TIMEOUT`` (what ``shinken-session-server --read-timeout`` sets) or
   ``SHINKEN_MAX_SESSIONS``.
@@ -35,6 +36,7 @@ from webapp.core import (
     build_session_core,
     error_response,
 )
+from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.settings import number_settings_from_env
 
@@ -95,11 +97,15 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
     app.extensions[CORE_EXTENSION_KEY] = core
-    _add_routes(app, core)
+    _add_routes(app, core, HttpLimits.from_env())
     return app
 
 
-def _add_routes(app: Flask, core: SessionCore) -> None:
+def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits) -> None:
+    @app.errorhandler(BodyError)
+    def body_error(exc: BodyError) -> Response:
+        return to_flask_response(error_response(exc.status, str(exc)))
+
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
         return to_flask_response(error_response(exc.code or 500, exc.description or exc.name))
@@ -122,4 +128,5 @@ def _add_routes(app: Flask, core: SessionCore) -> None:
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return to_flask_response(core.chat(session_id, request.get_data(cache=False)))
+        body = read_body(request.stream, http_limits.body_timeout)
+        return to_flask_response(core.chat(session_id, body))

@@ -24,6 +24,7 @@ import gevent
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.limits import (
@@ -159,9 +160,11 @@ def stop_supervisor(app: Flask) -> None:
         supervisor.stop()
 
 
-def create_app(config: RouterConfig | None = None) -> Flask:
-    """The router app; with no ``config``, :meth:`RouterConfig.from_env`."""
+def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | None = None) -> Flask:
+    """The router app; with no ``config``, :meth:`RouterConfig.from_env` (and
+    :meth:`HttpLimits.from_env` without ``http_limits``)."""
     config = config if config is not None else RouterConfig.from_env()
+    http_limits = http_limits if http_limits is not None else HttpLimits.from_env()
     supervisor = Supervisor(config.supervisor_config())
     app = Flask("webapp.router")
     app.extensions[_EXTENSION] = supervisor
@@ -205,6 +208,10 @@ def create_app(config: RouterConfig | None = None) -> Flask:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
+    @app.errorhandler(BodyError)
+    def _body_error(exc: BodyError) -> Response:
+        return _error(exc.status, str(exc))
+
     @app.get("/health")
     def health() -> Response:
         def ask(shard: int) -> str | None:
@@ -241,7 +248,8 @@ def create_app(config: RouterConfig | None = None) -> Flask:
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return call(session_id, "chat", request.get_data(cache=False), timeout=config.chat_timeout,
+        return call(session_id, "chat", read_body(request.stream, http_limits.body_timeout),
+                    timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     return app

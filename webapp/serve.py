@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from webapp.http_limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS
 from webapp.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -92,6 +93,10 @@ _ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
                                  f"(default {DEFAULT_MAX_PROMPT_TOKENS})")),
     ("--max-sessions", int, (f"429 for a new session past this many live ones per worker "
                             f"(default {DEFAULT_MAX_SESSIONS})")),
+    ("--body-timeout", float, (f"408 for a request body not received within this many seconds "
+                              f"(default {DEFAULT_BODY_TIMEOUT:g})")),
+    ("--max-client-connections", int, (f"429 for a connection past this many open ones from one client "
+                                      f"address (default {DEFAULT_MAX_CLIENT_CONNECTIONS})")),
     ("--session-idle-ttl", float, (f"seconds after which a session nobody used is deleted "
                                   f"(default {DEFAULT_SESSION_IDLE_TTL:g})")),
 )
@@ -148,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env[name] = str(value)
     app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"
     argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
-                     "--no-control-socket", "--worker-class", "gevent", "--workers", "1", app_uri]
+                     "--no-control-socket", "--worker-class", "webapp.gunicorn_worker.SessionServerWorker",
+                     "--workers", "1", app_uri]
     gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL)
     listener.close()
 
