@@ -115,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on (default 127.0.0.1:8000; port 0 picks a free one)")
     parser.add_argument("--tokenizer", default=None, help="dir with tokenizer.json + chat template")
+    parser.add_argument("--api-key-file", default=None, type=Path,
+                        help="require 'Authorization: Bearer KEY' on all routes but /health, KEY being "
+                             "this file's content (owner-only permissions; router mode only). "
+                             "Or set $SHINKEN_API_KEY")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on all routes but /health "
-                             "(default: $SHINKEN_API_KEY; router mode only)")
+                        help="the key itself: visible to every user in ps, so deprecated "
+                             "(use --api-key-file or $SHINKEN_API_KEY)")
     parser.add_argument("--reference-r3-layers", type=int, default=4,
                         help="routed-expert layers the embedded reference backend returns per token "
                              "(0: none; ignored with --backend-url)")
@@ -126,12 +130,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class ApiKeyFileError(SystemExit):
+    """The ``--api-key-file`` cannot be used: unreadable, empty, or readable by others."""
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key-file``, ``--api-key`` (with a warning: anyone can read it in
+    ``ps``, so the flag is scrubbed from this process's title) or ``$SHINKEN_API_KEY``."""
+    if args.api_key_file is not None and args.api_key is not None:
+        raise SystemExit("give --api-key-file or --api-key, not both")
+    if args.api_key_file is not None:
+        try:
+            mode = args.api_key_file.stat().st_mode
+            key = args.api_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiKeyFileError(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
+        if mode & 0o077:
+            raise ApiKeyFileError(f"--api-key-file: {args.api_key_file} is readable by other users "
+                                  f"(mode {mode & 0o777:o}); chmod 600 it")
+        if not key:
+            raise ApiKeyFileError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    if args.api_key is not None:
+        print("warning: --api-key shows the key to every user of this machine (ps); "
+              "use --api-key-file or SHINKEN_API_KEY", file=sys.stderr, flush=True)
+        _scrub_title(args.api_key)
+        return args.api_key or None
+    return os.environ.get("SHINKEN_API_KEY") or None
+
+
+def _scrub_title(secret: str) -> None:
+    # Rewrites /proc/self/cmdline, which ps reads; the key was visible only until now.
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(arg.replace(secret, "***") for arg in sys.orig_argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 0:
         raise SystemExit("--workers must be >= 0")
     host, port = args.bind
-    api_key = args.api_key or os.environ.get("SHINKEN_API_KEY") or None
+    api_key = _api_key(args)
     if api_key and args.workers == 0:
         raise SystemExit("--api-key is enforced by the router: use --workers >= 1")
     backend = None

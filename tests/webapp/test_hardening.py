@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 import time
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 import requests
 
@@ -159,3 +161,47 @@ def test_request_limits_unit() -> None:
         limits.check_messages([{"role": "user", "content": "x" * 6}] * 6)
     with pytest.raises(Exception, match="max_prompt_tokens=2"):
         limits.check_prompt([1, 2, 3])
+
+
+SECRET = "k3y-" + "s" * 28
+
+
+def _visible_in_ps(root_pid: int) -> list[str]:
+    procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    return [" ".join(p.cmdline()) for p in procs if SECRET in " ".join(p.cmdline())]
+
+
+def _requires_key(url: str) -> None:
+    assert requests.post(f"{url}/sessions", timeout=30).status_code == 401
+    assert requests.post(f"{url}/sessions", headers={"Authorization": f"Bearer {SECRET}"},
+                         timeout=30).status_code == 200
+
+
+def test_api_key_from_a_file_never_shows_in_ps(tmp_path, backend, session_server_factory) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(SECRET + "\n")
+    key_file.chmod(0o600)
+    server = session_server_factory(server_argv(1, backend.url, "127.0.0.1:0", "--api-key-file", str(key_file)),
+                                    ready_pattern=READY_URL_PATTERN)
+    _requires_key(server.url)
+    assert _visible_in_ps(server.proc.pid) == []
+    assert "warning" not in server.output()
+
+
+def test_api_key_flag_still_works_with_a_warning_and_is_scrubbed_from_ps(backend, session_server_factory) -> None:
+    server = session_server_factory(server_argv(1, backend.url, "127.0.0.1:0", "--api-key", SECRET),
+                                    ready_pattern=READY_URL_PATTERN)
+    _requires_key(server.url)
+    assert "warning: --api-key shows the key" in server.output()
+    assert _visible_in_ps(server.proc.pid) == []
+
+
+@pytest.mark.parametrize("problem", ["readable-by-others", "empty", "missing"])
+def test_a_bad_api_key_file_is_refused_before_serving(tmp_path, backend, problem) -> None:
+    key_file = tmp_path / "key"
+    if problem != "missing":
+        key_file.write_text("" if problem == "empty" else SECRET)
+        key_file.chmod(0o644 if problem == "readable-by-others" else 0o600)
+    run = subprocess.run(server_argv(1, backend.url, "127.0.0.1:0", "--api-key-file", str(key_file)),
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "--api-key-file" in run.stderr and "ready" not in run.stdout
