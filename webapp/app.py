@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 from typing import Any
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from webapp.backend_liveness import probe_backend
 from webapp.core import (
     MAX_CHAT_BODY_BYTES,
     CoreConfig,
@@ -35,6 +37,7 @@ from webapp.core import (
     SessionCore,
     build_session_core,
     error_response,
+    json_response,
 )
 from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
@@ -97,11 +100,11 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
     app.extensions[CORE_EXTENSION_KEY] = core
-    _add_routes(app, core, HttpLimits.from_env())
+    _add_routes(app, core, HttpLimits.from_env(), config.backend_url)
     return app
 
 
-def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits) -> None:
+def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:
     @app.errorhandler(BodyError)
     def body_error(exc: BodyError) -> Response:
         return to_flask_response(error_response(exc.status, str(exc)))
@@ -112,7 +115,12 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits) -> None:
 
     @app.get("/health")
     def health() -> Response:
-        return to_flask_response(core.health())
+        reply = core.health()
+        problem = probe_backend(backend_url)
+        if reply.status != 200 or problem is None:
+            body = {**json.loads(reply.body), "backend": "ok"} if reply.status == 200 else None
+            return to_flask_response(reply if body is None else Reply(200, json.dumps(body).encode()))
+        return to_flask_response(json_response(503, {"error": problem, "backend": "unreachable"}))
 
     @app.post("/sessions")
     def create_session() -> Response:

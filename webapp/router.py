@@ -24,15 +24,10 @@ import gevent
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from webapp.backend_liveness import probe_backend
 from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.limits import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_SESSION_IDLE_TTL,
-)
 from webapp.settings import number_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
@@ -45,6 +40,8 @@ API_KEY_ENV = "SHINKEN_API_KEY"
 _EXTENSION = "shinken_supervisor"
 # Mirrors the session core's chat body limit, so the router refuses (413) before reading more.
 MAX_REQUEST_BODY_BYTES = 256 << 20
+# RouterConfig fields passed to every worker's CoreConfig when set.
+_CORE_LIMITS = ("max_message_bytes", "max_prompt_tokens", "max_sessions", "session_idle_ttl")
 # Headers the router's own server owns; a worker's copy would duplicate them.
 _OWN_HEADERS = frozenset({"server", "date", "content-length", "content-type", "transfer-encoding",
                           "connection", "keep-alive"})
@@ -65,11 +62,12 @@ class RouterConfig:
     startup_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
-    # The session core's work and session bounds, per worker (webapp.limits).
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
+    # The session core's work and session bounds, per worker; None: the core's default
+    # (webapp.limits, which the router does not import: it pulls in the core's errors).
+    max_message_bytes: int | None = None
+    max_prompt_tokens: int | None = None
+    max_sessions: int | None = None
+    session_idle_ttl: float | None = None
 
     @property
     def chat_timeout(self) -> float:
@@ -96,12 +94,11 @@ class RouterConfig:
                    **{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"})
 
     def supervisor_config(self) -> SupervisorConfig:
+        limits = {name: getattr(self, name) for name in _CORE_LIMITS if getattr(self, name) is not None}
         return SupervisorConfig(
             workers=self.workers,
             core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
-                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
-                  "max_message_bytes": self.max_message_bytes, "max_prompt_tokens": self.max_prompt_tokens,
-                  "max_sessions": self.max_sessions, "session_idle_ttl": self.session_idle_ttl},
+                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout, **limits},
             startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout)
 
@@ -222,7 +219,11 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             return None if reply.status == 200 else f"health status {reply.status}"
 
         jobs = [gevent.spawn(ask, shard) for shard in range(supervisor.workers)]
-        gevent.joinall(jobs, timeout=config.health_timeout + 1.0)
+        backend_job = gevent.spawn(probe_backend, config.backend_url, config.health_timeout)
+        gevent.joinall([*jobs, backend_job], timeout=config.health_timeout + 1.0)
+        backend_problem = (backend_job.value if backend_job.successful()
+                           else f"backend probe failed: {backend_job.exception!r}" if backend_job.ready()
+                           else "backend probe timed out")
         # A probe that crashed (any exception ``ask`` does not expect) is a problem too.
         problems = {shard: ("health check timed out" if not job.ready()
                             else f"health check failed: {job.exception!r}" if job.exception is not None
@@ -231,8 +232,13 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         bad = {shard: why for shard, why in problems.items() if why is not None}
         if bad:
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
-            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad))
-        return Response('{"status":"ok"}', status=200, content_type="application/json")
+            if backend_problem is not None:
+                detail += f"; {backend_problem}"
+            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad),
+                          backend="ok" if backend_problem is None else "unreachable")
+        if backend_problem is not None:
+            return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
+        return Response('{"status":"ok","backend":"ok"}', status=200, content_type="application/json")
 
     @app.post("/sessions")
     def create_session() -> Response:

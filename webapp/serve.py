@@ -9,7 +9,7 @@
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
 (``webapp.app:create_app()``) under the same gunicorn. Without ``--backend-url`` the
-reference backend is started as the embedded default. This process binds the listening
+reference backend is started as the embedded default, and restarted whenever it exits. This process binds the listening
 socket itself (so ``--bind 127.0.0.1:0`` works), hands it to gunicorn as ``fd://``, waits
 until ``/health`` answers 200, then prints one JSON line on stdout::
 
@@ -32,7 +32,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from webapp.backend_liveness import SupervisedBackend
 from webapp.http_limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS
 from webapp.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -41,6 +43,9 @@ from webapp.limits import (
     DEFAULT_SESSION_IDLE_TTL,
 )
 from webapp.settings import parse_bind
+
+if TYPE_CHECKING:
+    from webapp.reference_backend import ReferenceBackendProcess
 
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
 
@@ -179,8 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
-        # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
-        backend = start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers)
+        def start_backend(bind: str | None) -> ReferenceBackendProcess:
+            # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
+            return start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers,
+                                           **({"bind": bind} if bind else {}))
+
+        # Restarted on the same address whenever it dies: the workers keep its URL.
+        backend = SupervisedBackend(start_backend)
         backend_url = backend.url
     listener = _listen(host, port)
     port = listener.getsockname()[1]

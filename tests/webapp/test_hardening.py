@@ -205,3 +205,40 @@ def test_a_bad_api_key_file_is_refused_before_serving(tmp_path, backend, problem
     run = subprocess.run(server_argv(1, backend.url, "127.0.0.1:0", "--api-key-file", str(key_file)),
                          check=False, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--api-key-file" in run.stderr and "ready" not in run.stdout
+
+
+def _embedded_backend(server) -> psutil.Process:
+    found = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+             if "webapp.reference_backend" in " ".join(p.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_killed_embedded_backend_is_restarted(mode, session_server_factory) -> None:
+    server = session_server_factory(server_argv(MODES[mode]), ready_pattern=READY_URL_PATTERN)
+    sid = _session(server.url)
+    first = _embedded_backend(server)
+    first.kill()
+    first.wait(10)
+    deadline = time.monotonic() + 60
+    while True:
+        chat = _chat(server.url, sid, {"messages": [{"role": "user", "content": "hi"}]})
+        if chat.status_code == 200:
+            break
+        assert chat.status_code == 502 and time.monotonic() < deadline, chat.text
+        time.sleep(0.2)
+    assert _embedded_backend(server).pid != first.pid
+    health = requests.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["backend"] == "ok"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_health_reports_an_unreachable_backend(mode, reference_backend_factory, session_server_factory) -> None:
+    backend = reference_backend_factory()
+    server = session_server_factory(server_argv(MODES[mode], backend.url), ready_pattern=READY_URL_PATTERN)
+    assert requests.get(f"{server.url}/health", timeout=30).json()["backend"] == "ok"
+    backend.close()
+    health = requests.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["backend"] == "unreachable"
+    assert backend.url in health.json()["error"]
