@@ -62,6 +62,7 @@ class RouterConfig:
     startup_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    busy_timeout: float = 600.0  # see SupervisorConfig
     # The session core's work and session bounds, per worker; None: the core's default
     # (webapp.limits, which the router does not import: it pulls in the core's errors).
     max_message_bytes: int | None = None
@@ -100,7 +101,7 @@ class RouterConfig:
             core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
                   "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout, **limits},
             startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout)
+            heartbeat_timeout=self.heartbeat_timeout, busy_timeout=self.busy_timeout)
 
 
 def _error(status: int, message: str, **extra: object) -> Response:

@@ -91,6 +91,8 @@ def _health_ok(host: str, port: int) -> bool:
 _ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("--heartbeat-timeout", float, ("seconds a session worker may miss heartbeats (with no CPU progress) "
                                    "before it is restarted; router mode")),
+    ("--busy-timeout", float, ("seconds a session worker may miss heartbeats while using CPU before it is "
+                              "restarted; router mode (default 600)")),
     ("--read-timeout", float, "backend read timeout per turn"),
     ("--max-message-bytes", int, (f"413 for a message whose text is over this many UTF-8 bytes "
                                  f"(default {DEFAULT_MAX_MESSAGE_BYTES})")),

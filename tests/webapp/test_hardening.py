@@ -242,3 +242,23 @@ def test_health_reports_an_unreachable_backend(mode, reference_backend_factory, 
     health = requests.get(f"{server.url}/health", timeout=30)
     assert health.status_code == 503 and health.json()["backend"] == "unreachable"
     assert backend.url in health.json()["error"]
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_server_factory) -> None:
+    # issue 18 item 1: a worker tokenizing and encoding a big prompt misses heartbeats for
+    # seconds; it uses CPU meanwhile, so it is busy, not hung, and its shard keeps its sessions.
+    server = session_server_factory(
+        server_argv(1, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "0.3",
+                    "--max-message-bytes", str(64 << 20), "--max-prompt-tokens", str(64 << 20)),
+        env={"SHINKEN_HEARTBEAT_INTERVAL": "0.1"}, ready_pattern=READY_URL_PATTERN)
+    keep = _session(server.url)
+    assert _chat(server.url, keep, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    worker = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+              if "shinken-session-worker" in " ".join(p.cmdline())]
+    big = _session(server.url)
+    resp = _chat(server.url, big, {"messages": [{"role": "user", "content": "x" * (24 << 20)}], "max_tokens": 2})
+    assert resp.status_code == 200, resp.text[:300]
+    assert "is busy" in server.output()  # it did miss heartbeats
+    assert "hung" not in server.output() and len(worker) == 1 and worker[0].is_running()
+    assert requests.get(f"{server.url}/sessions/{keep}", timeout=30).status_code == 200
