@@ -3,7 +3,8 @@
 ``webapp.router:create_app()`` is the gunicorn app (gevent worker class, one gunicorn
 worker: the session workers belong to it). It imports neither the session core nor any
 tokenizer; it mints session ids, picks the owning shard with
-:func:`webapp.sharding.shard_for`, and relays the worker's status, content type, headers and
+:func:`webapp.sharding.shard_for`, streams a chat's request body on to the worker as it
+arrives (bounded memory, see :meth:`webapp.ipc_channel.IpcClient.request`), and relays the worker's status, content type, headers and
 body without parsing them — a streamed records body goes out chunk by chunk as it arrives.
 
 Configuration: a :class:`RouterConfig`, or the ``SHINKEN_*`` environment variables read by
@@ -25,7 +26,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from webapp.backend_liveness import probe_backend
-from webapp.http_limits import BodyError, HttpLimits, read_body
+from webapp.http_limits import BodyError, HttpLimits, iter_body
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.settings import number_settings_from_env
@@ -170,13 +171,14 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BODY_BYTES
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
-    def call(session_id: str, op: str, body: bytes = b"", timeout: float | None = None,
-             **meta: object) -> Response:
+    def call(session_id: str, op: str, body_stream: Iterator[bytes] | None = None,
+             body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
-            reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
+            reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta},
                                        timeout=timeout or config.control_timeout,
-                                       chunk_timeout=config.chunk_timeout)
+                                       chunk_timeout=config.chunk_timeout, body_stream=body_stream,
+                                       body_length=body_length)
         except ShardUnavailable as exc:
             return _error(503, str(exc), shard=shard)
         except IpcTimeout as exc:
@@ -255,8 +257,9 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return call(session_id, "chat", read_body(request.stream, http_limits.body_timeout),
-                    timeout=config.chat_timeout,
+        # Streamed on to the worker as it arrives: the router never holds a whole body.
+        return call(session_id, "chat", iter_body(request.stream, http_limits.body_timeout),
+                    request.content_length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     return app

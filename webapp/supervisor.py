@@ -23,7 +23,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +120,10 @@ class Supervisor:
                  "pid": s.pid} for s in self._slots]
 
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
-                timeout: float, chunk_timeout: float = 60.0) -> IpcReply:
-        """One request to the worker owning ``shard``.
+                timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
+                body_length: int | None = None) -> IpcReply:
+        """One request to the worker owning ``shard`` (``body_stream``, ``body_length``: a
+        streamed body, see :meth:`IpcClient.request`).
 
         Raises:
             ShardUnavailable: the worker is not serving (at once, without waiting), or died
@@ -134,7 +136,8 @@ class Supervisor:
         if slot.state != "ready" or client is None:
             raise ShardUnavailable(shard, slot.reason)
         try:
-            return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout)
+            return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout,
+                                  body_stream=body_stream, body_length=body_length)
         except IpcChannelClosed as exc:
             raise ShardUnavailable(shard, f"worker lost mid-request ({exc.reason})") from exc
 

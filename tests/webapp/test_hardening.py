@@ -4,9 +4,11 @@ setting is shown to reach the core either way."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import subprocess
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -262,3 +264,30 @@ def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_se
     assert "is busy" in server.output()  # it did miss heartbeats
     assert "hung" not in server.output() and len(worker) == 1 and worker[0].is_running()
     assert requests.get(f"{server.url}/sessions/{keep}", timeout=30).status_code == 200
+
+
+@pytest.mark.timeout(300)
+def test_the_router_streams_request_bodies_in_bounded_memory(backend, session_server_factory) -> None:
+    # issue 18 item 6: 4 x 200 MB bodies cost the router +823 MB when it buffered them whole.
+    server = session_server_factory(server_argv(1, backend.url), ready_pattern=READY_URL_PATTERN)
+    router = next(p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                  if "gunicorn: worker" in " ".join(p.cmdline()))
+    sid = _session(server.url)
+    size = 64 << 20
+    body = b'{"messages": [{"role": "user", "content": "' + b"x" * size + b'"}]}'
+    baseline = router.memory_info().rss
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], router.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: _chat(server.url, sid, body).status_code, range(4)))
+    done.set()
+    sampler.join()
+    assert statuses == [413] * 4  # each arrived whole at the worker, which refused the message
+    assert peak[0] - baseline < 48 << 20, f"router grew by {(peak[0] - baseline) >> 20} MiB"
