@@ -136,5 +136,5 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        body = read_body(request.stream, http_limits.body_timeout)
+        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
         return to_flask_response(core.chat(session_id, body))

@@ -72,14 +72,17 @@ class HttpLimits:
         return cls(**number_settings_from_env(cls, environ))
 
 
-def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK) -> Iterator[bytes]:
+def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,
+              length: int | None = None) -> Iterator[bytes]:
     """The body from ``stream`` (a werkzeug request stream: length and size limits applied)
-    in pieces of at most ``chunk`` bytes, all within ``timeout`` seconds.
+    in pieces of at most ``chunk`` bytes, all within ``timeout`` seconds; with ``length`` (the
+    Content-Length), a body that ends short of it is malformed.
 
     Raises :class:`BodyTimeout` past the deadline, :class:`MalformedBody` for a malformed or
     truncated body; werkzeug's ``RequestEntityTooLarge`` passes through (413).
     """
     deadline = time.monotonic() + timeout
+    received = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -94,10 +97,13 @@ def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK) -> Ite
             # the server's message quotes the offending bytes: bounded, never echoed in full
             raise MalformedBody(f"malformed request body: {str(exc)[:200]}") from exc
         if not piece:
+            if length is not None and received != length:
+                raise MalformedBody(f"request body of {received} bytes, Content-Length {length}")
             return
+        received += len(piece)
         yield piece
 
 
-def read_body(stream: IO[bytes], timeout: float) -> bytes:
+def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> bytes:
     """The whole body (see :func:`iter_body`)."""
-    return b"".join(iter_body(stream, timeout))
+    return b"".join(iter_body(stream, timeout, length=length))

@@ -543,23 +543,28 @@ class _InBody:
 
     def __init__(self, meta: dict[str, Any], length: Any, pool: ReceiveBufferPool) -> None:
         self.meta = meta
-        self.length = length if isinstance(length, int) and not isinstance(length, bool) and length >= 0 else None
-        if self.length is not None and self.length > MAX_FRAME_BYTES:
-            raise IpcProtocolError(f"streamed request body of {self.length} bytes")
+        valid = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= MAX_FRAME_BYTES
+        self.length = length if valid else None
         self.buffer: Any = pool.acquire(self.length) if self.length else bytearray()
         self.received = 0
 
-    def add(self, piece: bytes) -> None:
+    def add(self, piece: bytes) -> str | None:
+        """Append ``piece``; a reason (the request fails, the channel stays up) if it does not fit."""
         end = self.received + len(piece)
+        limit = MAX_FRAME_BYTES if self.length is None else self.length
+        if end > limit:
+            return f"streamed request body over {'its announced' if self.length is not None else 'the'} {limit} bytes"
         if self.length is not None:
-            if end > self.length:
-                raise IpcProtocolError(f"streamed request body over its announced {self.length} bytes")
             self.buffer[self.received:end] = piece
         else:
-            if end > MAX_FRAME_BYTES:
-                raise IpcProtocolError(f"streamed request body over {MAX_FRAME_BYTES} bytes")
             self.buffer += piece
         self.received = end
+        return None
+
+    def short(self) -> str | None:
+        if self.length is not None and self.received != self.length:
+            return f"streamed request body of {self.received} bytes, {self.length} announced"
+        return None
 
     def payload(self) -> Any:
         """The received body; a view of a pool buffer goes back to the pool after the handler."""
@@ -626,13 +631,14 @@ class IpcServer:
             incoming = self._incoming.get(rid)
             if incoming is None:  # cancelled: the rest of its body is dropped
                 return
+            problem = incoming.add(frame.payload) if frame.payload else incoming.short()
+            if problem is not None:  # this request fails; the channel and every other one go on
+                self._drop_incoming(rid)
+                self._transport.send(encode_error_frame(rid, IpcRemoteError("BodyMismatch", problem)))
+                return
             if frame.payload:
-                incoming.add(frame.payload)
                 return
             del self._incoming[rid]
-            if incoming.length is not None and incoming.received != incoming.length:
-                raise IpcProtocolError(f"streamed request body of {incoming.received} bytes, "
-                                       f"{incoming.length} announced")
             payload = incoming.payload()
             gevent.spawn(self._serve, rid, incoming.meta, payload, memoryview(payload))
         elif frame.type is FrameType.CREDIT:
@@ -641,16 +647,19 @@ class IpcServer:
                 out.inflight -= decode_credit(frame.payload)
                 out.changed.set()
         elif frame.type is FrameType.CANCEL:
-            incoming = self._incoming.pop(rid, None)
-            if incoming is not None:  # its handler never started: nothing else holds the request
-                self._inflight.pop(rid, None)
-                self.receive_pool.release(incoming.payload())
+            self._drop_incoming(rid)
             out = self._inflight.get(rid)
             if out is not None:
                 out.cancelled = True
                 out.changed.set()
         else:
             raise IpcProtocolError(f"unexpected {frame.type.name} frame from the router")
+
+    def _drop_incoming(self, rid: int) -> None:
+        incoming = self._incoming.pop(rid, None)
+        if incoming is not None:  # its handler never started: nothing else holds the request
+            self._inflight.pop(rid, None)
+            self.receive_pool.release(incoming.payload())
 
     def _serve(self, rid: int, meta: dict[str, Any], payload: Buffer, body: memoryview) -> None:
         out = self._inflight[rid]

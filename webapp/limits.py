@@ -5,7 +5,8 @@ with a 124 MiB message kept a worker busy for seconds (tokenizing, then encoding
 ids). These limits match the work instead, and are checked before it is done:
 
 - JSON: ``NaN``/``Infinity`` literals are refused at decode, nesting deeper than
-  :data:`MAX_JSON_DEPTH` is refused (400, ``InvalidJSON``) before any code walks it.
+  :data:`MAX_JSON_DEPTH` is refused (400, ``InvalidJSON``) before any code walks it, and so
+  is a lone surrogate escape (``"\\ud800"``: not text, it cannot be encoded into a record).
 - ``max_message_bytes``: the UTF-8 size of one message's text (content, text parts, tool-call
   names and arguments), checked before rendering (413, :class:`LimitExceeded`).
 - ``max_prompt_tokens``: the prompt token ids of one turn (stored + new), checked right after
@@ -58,6 +59,8 @@ MAX_BYTES_PER_TOKEN = 16
 _SWEEP_INTERVAL = 1.0  # idle sessions are looked for at most this often
 _PAIR = re.compile(rb"\[\]|\{\}")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A \uD800-\uDFFF escape: the only way a surrogate gets into a decoded JSON string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class LimitExceeded(BodyTooLarge):
@@ -121,6 +124,11 @@ def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise InvalidJSON(f"request body is not UTF-8 JSON: {exc}") from exc
     if json_depth_exceeds(body, max_depth):
         raise InvalidJSON(f"request body nests deeper than {max_depth} levels")
+    if _SURROGATE_ESCAPE.search(body):  # rare: only then pay for a full re-encode
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJSON("request body has a lone surrogate (\\ud800-\\udfff) in a string") from None
     return value
 
 

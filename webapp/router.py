@@ -258,8 +258,9 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
         # Streamed on to the worker as it arrives: the router never holds a whole body.
-        return call(session_id, "chat", iter_body(request.stream, http_limits.body_timeout),
-                    request.content_length, timeout=config.chat_timeout,
+        length = request.content_length
+        return call(session_id, "chat", iter_body(request.stream, http_limits.body_timeout, length=length),
+                    length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     return app

@@ -146,6 +146,10 @@ def test_loads_strict_unit() -> None:
     # brackets inside strings do not count
     assert not json_depth_exceeds(json.dumps(["[" * 500]).encode(), 4)
     assert json_depth_exceeds(b'[[[["]"]]]]', 3) and not json_depth_exceeds(b'[[[["]"]]]]', 4)
+    # a lone surrogate escape is not text (found by the fuzz suite: it made the core answer 500)
+    with pytest.raises(InvalidJSON, match="surrogate"):
+        loads_strict(b'{"x": "\\ud800"}')
+    assert loads_strict(b'{"x": "\\ud83d\\ude00", "y": "\\\\ud800"}') == {"x": "\U0001f600", "y": "\\ud800"}
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         with pytest.raises(InvalidJSON, match="not a JSON number"):
             loads_strict(b'{"x": ' + literal + b"}")

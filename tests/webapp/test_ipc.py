@@ -551,3 +551,14 @@ def test_a_failing_body_cancels_its_request_and_the_worker_forgets_it(pooled_pai
         client.request({"op": "echo"}, timeout=5, body_stream=broken(), body_length=10 << 20)
     until(lambda: not server._incoming and not server._inflight and server.receive_pool.lent == 0)
     assert client.request({"op": "echo"}, b"still up", timeout=5).body == b"still up"
+
+
+@pytest.mark.parametrize("announced", [10, 1000])
+def test_a_streamed_body_unlike_its_length_fails_only_its_request(pooled_pair, announced) -> None:
+    # found by the HTTP fuzz suite: a mismatch used to tear the channel (and every shard's session) down
+    client, server, _ = pooled_pair
+    with pytest.raises(IpcRemoteError, match="announced") as caught:
+        client.request({"op": "echo"}, timeout=5, body_stream=iter([b"y" * 100]), body_length=announced)
+    assert caught.value.remote_type == "BodyMismatch"
+    assert client.request({"op": "echo"}, b"still up", timeout=5).body == b"still up"
+    until(lambda: not server._incoming and not server._inflight and server.receive_pool.lent == 0)
