@@ -29,8 +29,8 @@ import requests
 pytestmark = [pytest.mark.fuzz, pytest.mark.integration]
 
 SEED = int(os.environ.get("SHINKEN_FUZZ_SEED", "18"))
-CASES_PER_ROUND = 200
-ROUNDS = 6
+CASES_PER_ROUND = 300
+ROUNDS = 8
 ANSWER_TIMEOUT = 15.0  # per case; a truncated body ends with our half-close, so none needs body_timeout
 FD_SLACK = 16  # pooled backend connections, the receive-buffer pool... may settle at a few more
 RSS_SLACK = 96 << 20
