@@ -27,7 +27,7 @@ from werkzeug.exceptions import HTTPException
 
 from webapp.backend_liveness import probe_backend
 from webapp.http_limits import BodyError, HttpLimits, iter_body
-from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
+from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.settings import number_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
@@ -171,11 +171,11 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BODY_BYTES
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
-    def call(session_id: str, op: str, body_stream: Iterator[bytes] | None = None,
+    def call(session_id: str, op: str, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
-            reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta},
+            reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
                                        timeout=timeout or config.control_timeout,
                                        chunk_timeout=config.chunk_timeout, body_stream=body_stream,
                                        body_length=body_length)
@@ -257,10 +257,13 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        # Streamed on to the worker as it arrives: the router never holds a whole body.
         length = request.content_length
-        return call(session_id, "chat", iter_body(request.stream, http_limits.body_timeout, length=length),
-                    length, timeout=config.chat_timeout,
+        pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
+        if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
+            return call(session_id, "chat", b"".join(pieces), timeout=config.chat_timeout,
+                        budget=config.chat_budget)
+        # Streamed on to the worker as it arrives: the router never holds a whole large body.
+        return call(session_id, "chat", body_stream=pieces, body_length=length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     return app
