@@ -4,7 +4,8 @@ The body cap (``MAX_CHAT_BODY_BYTES``) bounds bytes on the wire, not work: one l
 with a 124 MiB message kept a worker busy for seconds (tokenizing, then encoding 130 M token
 ids). These limits match the work instead, and are checked before it is done:
 
-- JSON: ``NaN``/``Infinity`` literals are refused at decode, nesting deeper than
+- JSON: more than :data:`MAX_JSON_CONTAINERS` brackets are refused before decoding (413),
+  ``NaN``/``Infinity`` literals are refused at decode, nesting deeper than
   :data:`MAX_JSON_DEPTH` is refused (400, ``InvalidJSON``) before any code walks it, and so
   is a lone surrogate escape (``"\\ud800"``: not text, it cannot be encoded into a record).
 - ``max_message_bytes``: the UTF-8 size of one message's text (content, text parts, tool-call
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_MAX_PROMPT_TOKENS",
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_IDLE_TTL",
+    "MAX_JSON_CONTAINERS",
     "MAX_JSON_DEPTH",
     "LimitExceeded",
     "RequestLimits",
@@ -53,6 +55,10 @@ DEFAULT_SESSION_IDLE_TTL = 86_400.0  # one day without a request: the client is 
 # Requests nest a handful of levels (messages -> content parts -> image_url); tool schemas a
 # few more. Far below the interpreter's recursion limit, which a 1,000-level body reached.
 MAX_JSON_DEPTH = 64
+# Each '[' or '{' becomes a Python list or dict of ~60-250 bytes: a 256 MiB body of "[]" would
+# decode to gigabytes. Counted in the raw body (brackets inside strings too, so conservative);
+# a chat has a few thousand, a huge message of source code a few hundred thousand.
+MAX_JSON_CONTAINERS = 2_000_000
 # Byte-level BPE vocabularies average ~4 bytes per token; a request with more text than this
 # many bytes per allowed token cannot fit, whatever the tokenizer.
 MAX_BYTES_PER_TOKEN = 16
@@ -112,8 +118,14 @@ def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
 def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode a UTF-8 JSON request body, refusing ``NaN``/``Infinity`` and deep nesting.
 
-    Raises ``InvalidJSON`` (400) for anything else than strict JSON of bounded depth.
+    Raises ``InvalidJSON`` (400) for anything else than strict JSON of bounded depth, and
+    :class:`LimitExceeded` (413) for a body with more than :data:`MAX_JSON_CONTAINERS` brackets
+    (before decoding it).
     """
+    containers = body.count(b"[") + body.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:
+        raise LimitExceeded("max_json_containers", MAX_JSON_CONTAINERS, containers,
+                            "the '[' and '{' characters in the request body")
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
     except RecursionError:

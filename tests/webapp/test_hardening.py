@@ -16,7 +16,14 @@ import psutil
 import pytest
 import requests
 
-from webapp.limits import MAX_JSON_DEPTH, RequestLimits, json_depth_exceeds, loads_strict
+from webapp.limits import (
+    MAX_JSON_CONTAINERS,
+    MAX_JSON_DEPTH,
+    LimitExceeded,
+    RequestLimits,
+    json_depth_exceeds,
+    loads_strict,
+)
 from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.session_errors import InvalidJSON
 
@@ -150,6 +157,9 @@ def test_loads_strict_unit() -> None:
     with pytest.raises(InvalidJSON, match="surrogate"):
         loads_strict(b'{"x": "\\ud800"}')
     assert loads_strict(b'{"x": "\\ud83d\\ude00", "y": "\\\\ud800"}') == {"x": "\U0001f600", "y": "\\ud800"}
+    # a container bomb is refused before decoding (it would decode to gigabytes of lists)
+    with pytest.raises(LimitExceeded, match="max_json_containers=2000000"):
+        loads_strict(b"[" + b"[]," * (MAX_JSON_CONTAINERS) + b"[]]")
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         with pytest.raises(InvalidJSON, match="not a JSON number"):
             loads_strict(b'{"x": ' + literal + b"}")
