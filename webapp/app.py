@@ -15,6 +15,8 @@ from the arguments or, when ``config`` is None, from the environment:
 
 Errors are ``{"error": "<text>"}`` on the session-management routes and OpenAI's
 ``{"error": {"message", "type", "code"}}`` under ``/sessions/<id>/v1/``.
+- ``SHINKEN_BODY_TIMEOUT``: see :class:`webapp.http_limits.HttpLimits`; ``SHINKEN_MAX_SESSIONS``
+  and the other integer limits of :class:`webapp.core.CoreConfig` likewise.
 
 The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
 chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 from typing import Any
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from webapp.backend_liveness import probe_backend
 from webapp.core import (
     MAX_CHAT_BODY_BYTES,
     CoreConfig,
@@ -39,10 +43,12 @@ from webapp.core import (
     build_session_core,
     error_response,
     openai_error_response,
+    json_response,
 )
+from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import PROXY_METHODS, is_openai_path
-from webapp.settings import float_settings_from_env, replay_settings_from_env
+from webapp.settings import number_settings_from_env, replay_settings_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
 
@@ -66,8 +72,9 @@ def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendPr
     tokenizer = kw.pop("tokenizer", None) or os.environ.get("SHINKEN_TOKENIZER") or None
     backend_url = kw.pop("backend_url", None) or os.environ.get("SHINKEN_BACKEND_URL") or None
     reference = None
-    # The same SHINKEN_<FIELD> settings the router passes its workers (``--read-timeout``...).
-    settings = {**float_settings_from_env(CoreConfig), **replay_settings_from_env(), **kw}
+    # The same SHINKEN_<FIELD> settings the router passes its workers (``--read-timeout``,
+    # ``--max-prompt-tokens``, the replay settings...).
+    settings = {**number_settings_from_env(CoreConfig), **replay_settings_from_env(), **kw}
     if backend_url is None:
         r3_layers = int(os.environ.get("SHINKEN_REFERENCE_R3_LAYERS", "0"))
         reference = start_reference_backend(
@@ -100,11 +107,15 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
     app.extensions[CORE_EXTENSION_KEY] = core
-    _add_routes(app, core)
+    _add_routes(app, core, HttpLimits.from_env(), config.backend_url)
     return app
 
 
-def _add_routes(app: Flask, core: SessionCore) -> None:
+def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:
+    @app.errorhandler(BodyError)
+    def body_error(exc: BodyError) -> Response:
+        return to_flask_response(error_response(exc.status, str(exc)))
+
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
         status, message = exc.code or 500, exc.description or exc.name
@@ -115,7 +126,12 @@ def _add_routes(app: Flask, core: SessionCore) -> None:
 
     @app.get("/health")
     def health() -> Response:
-        return to_flask_response(core.health())
+        reply = core.health()
+        problem = probe_backend(backend_url)
+        if reply.status != 200 or problem is None:
+            body = {**json.loads(reply.body), "backend": "ok"} if reply.status == 200 else None
+            return to_flask_response(reply if body is None else Reply(200, json.dumps(body).encode()))
+        return to_flask_response(json_response(503, {"error": problem, "backend": "unreachable"}))
 
     @app.post("/sessions")
     def create_session() -> Response:
@@ -131,13 +147,16 @@ def _add_routes(app: Flask, core: SessionCore) -> None:
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return to_flask_response(core.chat(session_id, request.get_data(cache=False)))
+        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
+        return to_flask_response(core.chat(session_id, body))
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return to_flask_response(core.samples(session_id, request.get_data(cache=False)))
+        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
+        return to_flask_response(core.samples(session_id, body))
 
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:
+        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
         return to_flask_response(core.proxy(session_id, request.method, path, request.query_string.decode(),
-                                            request.get_data(cache=False), dict(request.headers)))
+                                            body, dict(request.headers)))

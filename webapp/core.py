@@ -32,6 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
+from webapp.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_TTL,
+    RequestLimits,
+    SessionExpiry,
+    loads_strict,
+)
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import SAMPLE_META_KEYS, TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
@@ -144,6 +153,11 @@ class CoreConfig:
     # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
     routing_replay_layers: int = 0
     indexer_replay: bool = False  # ask for ``indexer_topk`` (miles' --use-rollout-indexer-replay)
+    # Work and session bounds; see webapp.limits.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
 
 
 @dataclass(frozen=True)
@@ -156,6 +170,7 @@ class Record:
 class Session:
     session_id: str
     created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)  # for the idle expiry
     turn_lock: threading.Lock = field(default_factory=threading.Lock)
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
@@ -195,7 +210,8 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
-    def create_session(self, session_id: str | None = None) -> Session:
+    def create_session(self, session_id: str | None = None, admit: Any = None) -> Session:
+        """``admit(live_count)`` may refuse (raise) before a session is added."""
         if session_id is None:
             session_id = uuid.uuid4().hex
         elif not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
@@ -203,6 +219,8 @@ class SessionRegistry:
         with self._lock:
             if session_id in self._sessions:
                 raise SessionExists(session_id)
+            if admit is not None:
+                admit(len(self._sessions))
             session = self._sessions[session_id] = Session(session_id)
         return session
 
@@ -210,7 +228,12 @@ class SessionRegistry:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(session_id)
+        session.last_used = time.monotonic()
         return session
+
+    def idle_since(self) -> list[tuple[str, float]]:
+        """``(session_id, last_used)`` of every session without a turn in flight."""
+        return [(sid, s.last_used) for sid, s in list(self._sessions.items()) if not s.turn_lock.locked()]
 
     def remove(self, session_id: str) -> Session:
         with self._lock:
@@ -228,10 +251,7 @@ class SessionRegistry:
 def _parse_chat_body(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
-    try:
-        request = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    request = loads_strict(body)
     if not isinstance(request, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
     if not isinstance(request.get("stream", False), bool):
@@ -362,10 +382,15 @@ class SessionCore:
 
     def __init__(self, tokenizer: ChatTokenizer, backend: BackendClient, *,
                  registry: SessionRegistry | None = None, turn_wait_timeout: float = 630.0,
-                 routing_replay_layers: int = 0, indexer_replay: bool = False) -> None:
+                 routing_replay_layers: int = 0, indexer_replay: bool = False,
+                 limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.registry = registry if registry is not None else SessionRegistry()
+        self.limits = limits if limits is not None else RequestLimits()
+        self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
+                                    self.registry.remove)
         self.turn_wait_timeout = turn_wait_timeout
         self.routing_replay_layers = routing_replay_layers
         self.forced_fields = dict(FORCED_BACKEND_FIELDS)
@@ -378,8 +403,9 @@ class SessionCore:
         self.instance_id = uuid.uuid4().hex
 
     def create_session(self, session_id: str | None = None) -> Reply:
+        self.expiry.sweep()
         try:
-            session = self.registry.create_session(session_id)
+            session = self.registry.create_session(session_id, admit=self.expiry.admit)
         except SessionError as exc:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
@@ -409,6 +435,7 @@ class SessionCore:
         return records, state, metadata, encoded
 
     def get_session(self, session_id: str) -> Reply:
+        self.expiry.sweep()
         try:
             session = self.registry.get(session_id)
         except SessionError as exc:
@@ -464,6 +491,7 @@ class SessionCore:
         return Reply(204, b"", content_type="")
 
     def health(self) -> Reply:
+        self.expiry.sweep()
         return json_response(200, {"status": "ok", "session_server_instance_id": self.instance_id,
                                    "sessions": len(self.registry)})
 
@@ -477,6 +505,7 @@ class SessionCore:
         """
         request_timestamp = time.time()
         deadline = None if budget is None else time.monotonic() + budget
+        self.expiry.sweep()
         try:
             return self._chat(session_id, body, deadline, request_timestamp)
         except SessionError as exc:
@@ -488,6 +517,7 @@ class SessionCore:
     def _chat(self, session_id: str, body: bytes, deadline: float | None, request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
+        self.limits.check_messages(request.get("messages"))
         wait = self.turn_wait_timeout
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -498,6 +528,7 @@ class SessionCore:
                 raise SessionNotFound(session_id)
             plan = plan_turn(session.state, session.previous, request.get("messages"),
                              request.get("tools"), self.tokenizer)
+            self.limits.check_prompt(plan.prompt_ids)
             payload = self._backend_payload(request, plan)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
@@ -553,10 +584,7 @@ class SessionCore:
 
 def _parse_samples_body(body: bytes) -> int | None:
     """``{"max_seq_len": int | null}`` (an empty body is ``{}``) -> max_seq_len."""
-    try:
-        params = json.loads(body.decode("utf-8")) if body.strip() else {}
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    params = loads_strict(body) if body.strip() else {}
     if not isinstance(params, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
     value = params.get("max_seq_len")
@@ -574,4 +602,6 @@ def build_session_core(config: CoreConfig) -> SessionCore:
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
     return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=wait,
                        routing_replay_layers=int(config.routing_replay_layers),
-                       indexer_replay=bool(config.indexer_replay))
+                       indexer_replay=bool(config.indexer_replay),
+                       limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
+                       max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl)

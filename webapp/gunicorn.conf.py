@@ -1,17 +1,20 @@
 # ruff: noqa: N999  (gunicorn looks for this file name)
 """gunicorn settings for ``shinken-session-server`` (router and single-process modes).
 
-One gunicorn worker with the gevent worker class: in router mode that worker owns the
+One gunicorn worker with the gevent worker class (``webapp.gunicorn_worker``): in router mode that worker owns the
 session worker subprocesses, so a second one would hold a second, disjoint set of sessions.
 The hooks start the session workers after gevent's patching (``post_worker_init`` runs in
 the worker, after patching; never in the master) and stop them when the worker exits.
 """
 
-worker_class = "gevent"
+# gevent, plus a cap on connections per client address (webapp.gunicorn_worker)
+worker_class = "webapp.gunicorn_worker.SessionServerWorker"
 workers = 1
-worker_connections = 2000
+worker_connections = 4096
 control_socket_disable = True
 graceful_timeout = 20
+# Also bounds the read of each request head (the gevent worker's timeout), so a client
+# trickling headers is dropped after this many seconds; bodies: webapp.http_limits.
 keepalive = 5
 
 

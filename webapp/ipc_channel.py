@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,6 +130,8 @@ class FrameTransport:
         self._control: deque[list[Buffer]] = deque()
         self._bulk: deque[list[Buffer]] = deque()
         self._wake = gevent.event.Event()
+        self.bulk_bytes = 0  # bytes of queued bulk frames not yet written
+        self._bulk_drained = gevent.event.Event()
         self._writing = False  # the writer is inside a frame (it may be waiting to write more)
         self.closed: IpcChannelClosed | None = None
         self._reader = gevent.spawn(self._read_loop)
@@ -146,6 +148,7 @@ class FrameTransport:
             raise IpcChannelClosed(self.closed.reason) from self.closed
         if bulk:
             self._bulk.append(frame)
+            self.bulk_bytes += sum(len(b) for b in frame)
         elif self._writing or self._control or self._bulk:
             self._control.append(frame)
         else:
@@ -160,6 +163,18 @@ class FrameTransport:
             self._control.append(views[first:])
         self._wake.set()
 
+    def wait_bulk_below(self, limit: int, timeout: float) -> None:
+        """Block until at most ``limit`` bytes of bulk frames are queued (the producer's
+        backpressure), the channel closed, or ``timeout`` passed (:class:`IpcTimeout`)."""
+        with gevent.Timeout(timeout, False):
+            while self.bulk_bytes > limit and self.closed is None:
+                self._bulk_drained.clear()
+                self._bulk_drained.wait()
+            if self.closed is not None:
+                raise IpcChannelClosed(self.closed.reason) from self.closed
+            return
+        raise IpcTimeout(f"{self.name}: the channel took no bulk bytes for {timeout} s")
+
     def close(self, reason: str = "closed locally", cause: BaseException | None = None) -> None:
         if self.closed is not None:
             return
@@ -171,6 +186,8 @@ class FrameTransport:
         gevent.killall([g for g in (self._reader, self._writer) if g is not current], timeout=1.0)
         self._control.clear()
         self._bulk.clear()
+        self.bulk_bytes = 0
+        self._bulk_drained.set()
         try:
             self._sock.close()
         finally:
@@ -216,12 +233,13 @@ class FrameTransport:
         try:
             while True:
                 if self._control:
-                    frame = self._control.popleft()
+                    frame, size = self._control.popleft(), 0
                 elif self._bulk:
                     bulk_turn()
                     if self._control or not self._bulk:  # something small arrived meanwhile: it goes first
                         continue
                     frame = self._bulk.popleft()
+                    size = sum(len(b) for b in frame)
                 else:
                     self._wake.clear()
                     self._wake.wait()
@@ -229,6 +247,9 @@ class FrameTransport:
                 self._writing = True
                 self._write_frame(frame)
                 self._writing = False
+                if size:
+                    self.bulk_bytes -= size
+                    self._bulk_drained.set()
         except OSError as exc:
             self.close(f"write failed: {exc!r}", exc)
         except gevent.GreenletExit:
@@ -371,24 +392,37 @@ class IpcClient:
         *,
         timeout: float,
         chunk_timeout: float = 60.0,
+        body_stream: Iterable[Buffer] | None = None,
+        body_length: int | None = None,
     ) -> IpcReply:
         """Send one REQUEST and wait up to ``timeout`` s for its REPLY (head).
+
+        With ``body_stream`` (instead of ``body``) the request body is streamed: its pieces
+        go out as BODY frames as the iterator yields them, at most :data:`STREAM_WINDOW`
+        bytes queued at a time, so the caller never holds the whole body; ``body_length``
+        (if known) lets the worker receive it into one buffer of that size. An exception from
+        the iterator cancels the request and propagates. ``timeout`` starts once the body is sent.
 
         A streamed reply's :attr:`IpcReply.stream` must be iterated or closed by the caller.
 
         Raises:
             FrameTooLarge: the request is over the frame cap (nothing was sent).
-            IpcTimeout: no reply within ``timeout``; the request is cancelled.
+            IpcTimeout: no reply within ``timeout``, or the channel took no body bytes for
+                ``chunk_timeout``; the request is cancelled.
             IpcChannelClosed: the channel is or went down.
             IpcRemoteError: the worker answered with an ERROR frame.
         """
         request_id = next(self._ids)
+        if body_stream is not None:
+            meta = {**meta, "body": "streamed", "length": body_length}
         frame = encode_envelope_frame(request_id, FrameType.REQUEST, meta, body)
         pending = _Pending(chunk_timeout=chunk_timeout)
         self._pending[request_id] = pending
         answered = False
         try:
             self._transport.send(frame)
+            if body_stream is not None:
+                self._send_body(request_id, pending, body_stream, chunk_timeout)
             try:
                 reply = pending.result.get(timeout=timeout)
             except gevent.Timeout:
@@ -402,6 +436,15 @@ class IpcClient:
             self._pending.pop(request_id, None)
             if not answered:
                 self._cancel(request_id, pending)
+
+    def _send_body(self, request_id: int, pending: _Pending, pieces: Iterable[Buffer], stall: float) -> None:
+        for piece in pieces:
+            if pending.result.ready():  # the worker answered already (an error): stop reading
+                return
+            for chunk in split_body(piece):
+                self._transport.send(encode_frame(request_id, FrameType.BODY, [chunk]), bulk=True)
+            self._transport.wait_bulk_below(STREAM_WINDOW, stall)
+        self._transport.send(encode_frame(request_id, FrameType.BODY), bulk=True)  # empty: the end
 
     def _cancel(self, request_id: int, pending: _Pending) -> None:
         if pending.result.ready() and pending.result.successful():
@@ -494,6 +537,42 @@ class _OutStream:
         self.changed = gevent.event.Event()
 
 
+class _InBody:
+    """A streamed request body being received: into one pool buffer when its length is
+    known, else a growing bytearray."""
+
+    def __init__(self, meta: dict[str, Any], length: Any, pool: ReceiveBufferPool) -> None:
+        self.meta = meta
+        valid = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= MAX_FRAME_BYTES
+        self.length = length if valid else None
+        self.buffer: Any = pool.acquire(self.length) if self.length else bytearray()
+        self.received = 0
+
+    def add(self, piece: bytes) -> str | None:
+        """Append ``piece``; a reason (the request fails, the channel stays up) if it does not fit."""
+        end = self.received + len(piece)
+        limit = MAX_FRAME_BYTES if self.length is None else self.length
+        if end > limit:
+            return f"streamed request body over {'its announced' if self.length is not None else 'the'} {limit} bytes"
+        if self.length is not None:
+            self.buffer[self.received:end] = piece
+        else:
+            self.buffer += piece
+        self.received = end
+        return None
+
+    def short(self) -> str | None:
+        if self.length is not None and self.received != self.length:
+            return f"streamed request body of {self.received} bytes, {self.length} announced"
+        return None
+
+    def payload(self) -> Any:
+        """The received body; a view of a pool buffer goes back to the pool after the handler."""
+        if isinstance(self.buffer, bytearray):
+            return self.buffer
+        return memoryview(self.buffer)[: self.received]
+
+
 class IpcServer:
     """Worker side of a channel: runs ``handler(meta, body)`` in a greenlet per request.
 
@@ -516,6 +595,7 @@ class IpcServer:
     ) -> None:
         self._handler = handler
         self._inflight: dict[int, _OutStream] = {}
+        self._incoming: dict[int, _InBody] = {}  # streamed request bodies still arriving
         self._stopped = gevent.event.Event()
         self.receive_pool = receive_pool if receive_pool is not None else ReceiveBufferPool()
         self._transport = FrameTransport(sock, self._on_frame, self._on_close, name, self.receive_pool.acquire)
@@ -542,19 +622,44 @@ class IpcServer:
                 return
             meta, body = decode_envelope(frame.payload)
             self._inflight[rid] = _OutStream()
+            if meta.get("body") == "streamed":  # the body follows as BODY frames, then an empty one
+                self._incoming[rid] = _InBody(meta, meta.get("length"), self.receive_pool)
+                self.receive_pool.release(frame.payload)
+                return
             gevent.spawn(self._serve, rid, meta, frame.payload, body)
+        elif frame.type is FrameType.BODY:
+            incoming = self._incoming.get(rid)
+            if incoming is None:  # cancelled: the rest of its body is dropped
+                return
+            problem = incoming.add(frame.payload) if frame.payload else incoming.short()
+            if problem is not None:  # this request fails; the channel and every other one go on
+                self._drop_incoming(rid)
+                self._transport.send(encode_error_frame(rid, IpcRemoteError("BodyMismatch", problem)))
+                return
+            if frame.payload:
+                return
+            del self._incoming[rid]
+            payload = incoming.payload()
+            gevent.spawn(self._serve, rid, incoming.meta, payload, memoryview(payload))
         elif frame.type is FrameType.CREDIT:
             out = self._inflight.get(rid)
             if out is not None:
                 out.inflight -= decode_credit(frame.payload)
                 out.changed.set()
         elif frame.type is FrameType.CANCEL:
+            self._drop_incoming(rid)
             out = self._inflight.get(rid)
             if out is not None:
                 out.cancelled = True
                 out.changed.set()
         else:
             raise IpcProtocolError(f"unexpected {frame.type.name} frame from the router")
+
+    def _drop_incoming(self, rid: int) -> None:
+        incoming = self._incoming.pop(rid, None)
+        if incoming is not None:  # its handler never started: nothing else holds the request
+            self._inflight.pop(rid, None)
+            self.receive_pool.release(incoming.payload())
 
     def _serve(self, rid: int, meta: dict[str, Any], payload: Buffer, body: memoryview) -> None:
         out = self._inflight[rid]
@@ -609,6 +714,9 @@ class IpcServer:
             self._transport.send(encode_frame(rid, FrameType.BODY, [chunk]), bulk=True)
 
     def _on_close(self, exc: IpcChannelClosed) -> None:
+        incoming, self._incoming = self._incoming, {}
+        for body in incoming.values():
+            self.receive_pool.release(body.payload())
         for out in self._inflight.values():
             out.cancelled = True
             out.changed.set()

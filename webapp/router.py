@@ -3,7 +3,8 @@
 ``webapp.router:create_app()`` is the gunicorn app (gevent worker class, one gunicorn
 worker: the session workers belong to it). It imports neither the session core nor any
 tokenizer; it mints session ids, picks the owning shard with
-:func:`webapp.sharding.shard_for`, and relays the worker's status, content type, headers and
+:func:`webapp.sharding.shard_for`, streams a chat's request body on to the worker as it
+arrives (bounded memory, see :meth:`webapp.ipc_channel.IpcClient.request`), and relays the worker's status, content type, headers and
 body without parsing them — a streamed records body goes out chunk by chunk as it arrives.
 
 Configuration: a :class:`RouterConfig`, or the ``SHINKEN_*`` environment variables read by
@@ -26,10 +27,12 @@ from flask import Flask, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
-from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
+from webapp.backend_liveness import probe_backend
+from webapp.http_limits import BodyError, HttpLimits, iter_body
+from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
-from webapp.settings import float_settings_from_env, replay_settings_from_env
+from webapp.settings import number_settings_from_env, replay_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
 
@@ -41,6 +44,8 @@ API_KEY_ENV = "SHINKEN_API_KEY"
 _EXTENSION = "shinken_supervisor"
 # Mirrors the session core's chat body limit, so the router refuses (413) before reading more.
 MAX_REQUEST_BODY_BYTES = 256 << 20
+# RouterConfig fields passed to every worker's CoreConfig when set.
+_CORE_LIMITS = ("max_message_bytes", "max_prompt_tokens", "max_sessions", "session_idle_ttl")
 # Headers the router's own server owns; a worker's copy would duplicate them.
 _OWN_HEADERS = frozenset({"server", "date", "content-length", "content-type", "transfer-encoding",
                           "connection", "keep-alive"})
@@ -63,6 +68,13 @@ class RouterConfig:
     heartbeat_timeout: float = 10.0
     routing_replay_layers: int = 0  # the workers' replay settings (webapp.settings.REPLAY_SETTINGS)
     indexer_replay: bool = False
+    busy_timeout: float = 600.0  # see SupervisorConfig
+    # The session core's work and session bounds, per worker; None: the core's default
+    # (webapp.limits, which the router does not import: it pulls in the core's errors).
+    max_message_bytes: int | None = None
+    max_prompt_tokens: int | None = None
+    max_sessions: int | None = None
+    session_idle_ttl: float | None = None
 
     @property
     def chat_timeout(self) -> float:
@@ -78,7 +90,7 @@ class RouterConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RouterConfig:
         """``SHINKEN_WORKERS``, ``SHINKEN_BACKEND_URL``, ``SHINKEN_TOKENIZER``, ``SHINKEN_API_KEY``,
-        and ``SHINKEN_<FIELD>`` (upper case) for every float field."""
+        and ``SHINKEN_<FIELD>`` (upper case) for every other number field."""
         env = os.environ if environ is None else environ
         try:
             backend_url = env["SHINKEN_BACKEND_URL"]
@@ -86,16 +98,19 @@ class RouterConfig:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **float_settings_from_env(cls, env), **replay_settings_from_env(env))
+                   **{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"},
+                   **replay_settings_from_env(env))
 
     def supervisor_config(self) -> SupervisorConfig:
+        limits = {name: getattr(self, name) for name in _CORE_LIMITS if getattr(self, name) is not None}
         return SupervisorConfig(
             workers=self.workers,
             core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
                   "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
-                  "routing_replay_layers": self.routing_replay_layers, "indexer_replay": self.indexer_replay},
+                  "routing_replay_layers": self.routing_replay_layers, "indexer_replay": self.indexer_replay,
+                  **limits},
             startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout)
+            heartbeat_timeout=self.heartbeat_timeout, busy_timeout=self.busy_timeout)
 
 
 def _error(status: int, message: str, **extra: object) -> Response:
@@ -159,9 +174,11 @@ def stop_supervisor(app: Flask) -> None:
         supervisor.stop()
 
 
-def create_app(config: RouterConfig | None = None) -> Flask:
-    """The router app; with no ``config``, :meth:`RouterConfig.from_env`."""
+def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | None = None) -> Flask:
+    """The router app; with no ``config``, :meth:`RouterConfig.from_env` (and
+    :meth:`HttpLimits.from_env` without ``http_limits``)."""
     config = config if config is not None else RouterConfig.from_env()
+    http_limits = http_limits if http_limits is not None else HttpLimits.from_env()
     supervisor = Supervisor(config.supervisor_config())
     app = Flask("webapp.router")
     app.extensions[_EXTENSION] = supervisor
@@ -172,13 +189,14 @@ def create_app(config: RouterConfig | None = None) -> Flask:
     # die with it), so a client can tell after a restart that its sessions are gone.
     instance_id = uuid.uuid4().hex
 
-    def call(session_id: str, op: str, body: bytes = b"", timeout: float | None = None,
-             **meta: object) -> Response:
+    def call(session_id: str, op: str, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
+             body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
             reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
                                        timeout=timeout or config.control_timeout,
-                                       chunk_timeout=config.chunk_timeout)
+                                       chunk_timeout=config.chunk_timeout, body_stream=body_stream,
+                                       body_length=body_length)
         except ShardUnavailable as exc:
             return _error(503, str(exc), shard=shard)
         except IpcTimeout as exc:
@@ -208,6 +226,10 @@ def create_app(config: RouterConfig | None = None) -> Flask:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
+    @app.errorhandler(BodyError)
+    def _body_error(exc: BodyError) -> Response:
+        return _error(exc.status, str(exc))
+
     @app.get("/health")
     def health() -> Response:
         def ask(shard: int) -> str | None:
@@ -218,7 +240,11 @@ def create_app(config: RouterConfig | None = None) -> Flask:
             return None if reply.status == 200 else f"health status {reply.status}"
 
         jobs = [gevent.spawn(ask, shard) for shard in range(supervisor.workers)]
-        gevent.joinall(jobs, timeout=config.health_timeout + 1.0)
+        backend_job = gevent.spawn(probe_backend, config.backend_url, config.health_timeout)
+        gevent.joinall([*jobs, backend_job], timeout=config.health_timeout + 1.0)
+        backend_problem = (backend_job.value if backend_job.successful()
+                           else f"backend probe failed: {backend_job.exception!r}" if backend_job.ready()
+                           else "backend probe timed out")
         # A probe that crashed (any exception ``ask`` does not expect) is a problem too.
         problems = {shard: ("health check timed out" if not job.ready()
                             else f"health check failed: {job.exception!r}" if job.exception is not None
@@ -227,8 +253,13 @@ def create_app(config: RouterConfig | None = None) -> Flask:
         bad = {shard: why for shard, why in problems.items() if why is not None}
         if bad:
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
-            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad))
-        return Response(json.dumps({"status": "ok", "session_server_instance_id": instance_id}),
+            if backend_problem is not None:
+                detail += f"; {backend_problem}"
+            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad),
+                          backend="ok" if backend_problem is None else "unreachable")
+        if backend_problem is not None:
+            return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
+        return Response(json.dumps({"status": "ok", "backend": "ok", "session_server_instance_id": instance_id}),
                         status=200, content_type="application/json")
 
     @app.post("/sessions")
@@ -245,17 +276,27 @@ def create_app(config: RouterConfig | None = None) -> Flask:
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        return call(session_id, "chat", request.get_data(cache=False), timeout=config.chat_timeout,
+        length = request.content_length
+        pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
+        if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
+            return call(session_id, "chat", b"".join(pieces), timeout=config.chat_timeout,
+                        budget=config.chat_budget)
+        # Streamed on to the worker as it arrives: the router never holds a whole large body.
+        return call(session_id, "chat", body_stream=pieces, body_length=length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
+
+    def _small_body() -> bytes:
+        # A body relayed in one frame, read within the body timeout like a chat's.
+        return b"".join(iter_body(request.stream, http_limits.body_timeout, length=request.content_length))
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return call(session_id, "samples", request.get_data(cache=False))
+        return call(session_id, "samples", _small_body())
 
     # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:
-        return call(session_id, "proxy", request.get_data(cache=False), timeout=config.chat_timeout,
+        return call(session_id, "proxy", _small_body(), timeout=config.chat_timeout,
                     method=request.method, path=path, query=request.query_string.decode(),
                     headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
 

@@ -1,5 +1,5 @@
 """Parsing of the settings the session server's entry points share: ``HOST:PORT`` binds and
-``SHINKEN_<FIELD>`` numbers from the environment.
+``SHINKEN_<FIELD>`` numbers (float and int fields) from the environment.
 
 Imports nothing of the session core or the tokenizers, so the router may use it.
 """
@@ -11,7 +11,8 @@ import os
 import typing
 from collections.abc import Mapping
 
-__all__ = ["ENV_PREFIX", "REPLAY_SETTINGS", "float_settings_from_env", "parse_bind", "replay_settings_from_env"]
+__all__ = ["ENV_PREFIX", "REPLAY_SETTINGS", "float_settings_from_env", "number_settings_from_env", "parse_bind",
+           "replay_settings_from_env"]
 
 ENV_PREFIX = "SHINKEN_"
 DEFAULT_HOST = "127.0.0.1"
@@ -36,28 +37,36 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or DEFAULT_HOST, int(port)
 
 
-def float_settings_from_env(config_class: type, environ: Mapping[str, str] | None = None) -> dict[str, float]:
-    """``SHINKEN_<FIELD>`` (upper case) for every float field of the dataclass ``config_class``
-    that the environment sets, as keyword arguments for it.
+def number_settings_from_env(config_class: type, environ: Mapping[str, str] | None = None,
+                             kinds: tuple[type, ...] = (float, int)) -> dict[str, float | int]:
+    """``SHINKEN_<FIELD>`` (upper case) for every number field (of ``kinds``: float, int, or
+    either of them ``| None``) of the dataclass ``config_class`` that the environment sets, as
+    keyword arguments for it.
 
-    Raises ``ValueError`` naming the variable when one is not a number.
+    Raises ``ValueError`` naming the variable when one is not a number of the field's kind.
     """
     env = os.environ if environ is None else environ
-    settings: dict[str, float] = {}
+    settings: dict[str, float | int] = {}
     for name, hint in typing.get_type_hints(config_class).items():
-        if hint is not float and hint != (float | None):
+        kind = next((k for k in kinds if hint is k or hint == (k | None)), None)
+        if kind is None:
             continue
         key = f"{ENV_PREFIX}{name.upper()}"
         if key in env:
-            settings[name] = _number(key, env[key])
+            settings[name] = _number(key, env[key], kind)
     return settings
 
 
-def _number(key: str, raw: str) -> float:
+def float_settings_from_env(config_class: type, environ: Mapping[str, str] | None = None) -> dict[str, float]:
+    """:func:`number_settings_from_env` for the float fields only."""
+    return number_settings_from_env(config_class, environ, (float,))  # type: ignore[return-value]
+
+
+def _number(key: str, raw: str, kind: type = float) -> float | int:
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"{key} must be a number, got {raw!r}") from None
+        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
 
 
 def replay_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int | bool]:

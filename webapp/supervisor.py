@@ -3,7 +3,11 @@
 Each shard has one slot run by one greenlet: spawn the worker (multiprocessing *spawn*
 context, a duplex ``Pipe`` = socketpair per worker), wait for its first heartbeat, then
 watch it — process sentinel, channel EOF, and a ``ping`` every ``heartbeat_interval`` that
-must answer within ``heartbeat_timeout``. A dead or hung worker marks its shard down at
+must answer within ``heartbeat_timeout``. A worker's hub answers pings between requests, so a
+worker busy in one long CPU-bound call (tokenizing a large prompt) misses them without being
+hung: a missed ping only counts while the process makes no progress — it is stopped, or used
+no CPU time since the last check (:class:`_Progress`, from ``/proc``) — or after
+``busy_timeout`` of missed pings in a row. A dead or hung worker marks its shard down at
 once (its requests get :class:`ShardUnavailable` -> 503 without waiting), is killed and
 reaped, and is restarted with exponential backoff. Its in-memory sessions are gone; the
 other shards never notice.
@@ -18,7 +22,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +59,8 @@ class SupervisorConfig:
     core: dict[str, Any]  # keyword arguments of webapp.core.CoreConfig (plain data: no core import)
     startup_timeout: float = 60.0  # spawn to first heartbeat (tokenizer loading included)
     heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0  # a worker that cannot answer a ping this long is hung
+    heartbeat_timeout: float = 10.0  # a worker that cannot answer a ping this long, making no progress, is hung
+    busy_timeout: float = 600.0  # ... and one missing pings this long is hung even while using CPU
     restart_backoff: float = 0.1  # first restart delay, doubled per consecutive failure
     restart_backoff_max: float = 5.0
 
@@ -114,8 +120,10 @@ class Supervisor:
                  "pid": s.pid} for s in self._slots]
 
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
-                timeout: float, chunk_timeout: float = 60.0) -> IpcReply:
-        """One request to the worker owning ``shard``.
+                timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
+                body_length: int | None = None) -> IpcReply:
+        """One request to the worker owning ``shard`` (``body_stream``, ``body_length``: a
+        streamed body, see :meth:`IpcClient.request`).
 
         Raises:
             ShardUnavailable: the worker is not serving (at once, without waiting), or died
@@ -128,7 +136,8 @@ class Supervisor:
         if slot.state != "ready" or client is None:
             raise ShardUnavailable(shard, slot.reason)
         try:
-            return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout)
+            return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout,
+                                  body_stream=body_stream, body_length=body_length)
         except IpcChannelClosed as exc:
             raise ShardUnavailable(shard, f"worker lost mid-request ({exc.reason})") from exc
 
@@ -204,13 +213,27 @@ class Supervisor:
             return False
         slot.state, slot.reason = "ready", "ready"
         log.info("session worker for shard %d ready (pid %d)", slot.shard, slot.pid)
+        progress = _Progress(slot.pid)
+        missed_since: float | None = None
         while not lost.wait(cfg.heartbeat_interval):
             try:
                 client.request({"op": "ping"}, timeout=cfg.heartbeat_timeout)
             except IpcTimeout:
-                self._mark_down(slot, lost, f"hung: no heartbeat within {cfg.heartbeat_timeout} s", hung=True)
+                now = time.monotonic()
+                missed_since = now - cfg.heartbeat_timeout if missed_since is None else missed_since
+                busy = progress.advanced()
+                if busy and now - missed_since < cfg.busy_timeout:
+                    log.warning("session worker for shard %d is busy (using CPU, %.1f s without a heartbeat)",
+                             slot.shard, now - missed_since)
+                    continue
+                why = (f"busy for {now - missed_since:.0f} s without a heartbeat (busy_timeout {cfg.busy_timeout} s)"
+                       if busy else f"no heartbeat within {cfg.heartbeat_timeout} s and no progress")
+                self._mark_down(slot, lost, f"hung: {why}", hung=True)
             except IpcError as exc:
                 self._mark_down(slot, lost, f"lost ({exc})")
+            else:
+                missed_since = None
+                progress.advanced()  # a fresh reference for the next missed ping
         return True
 
     def _mark_down(self, slot: _Slot, lost: gevent.event.Event, reason: str, *, hung: bool = False) -> None:
@@ -224,6 +247,32 @@ class Supervisor:
         wait_read(process.sentinel)  # readable once the process is gone; killed with its slot
         code = process.exitcode  # None when SIGCHLD has not been processed yet
         self._mark_down(slot, lost, "worker process exited" + (f" with code {code}" if code is not None else ""))
+
+
+class _Progress:
+    """Whether a process made progress since the last call: not stopped (or dead) and it used
+    CPU time meanwhile. Linux ``/proc``; elsewhere it never reports progress (a missed ping
+    is then a hang, as before)."""
+
+    _STOPPED = frozenset("TtZX")
+
+    def __init__(self, pid: int | None) -> None:
+        self._path = f"/proc/{pid}/stat"
+        self._cpu = self._sample()[1]
+
+    def _sample(self) -> tuple[str, int | None]:
+        try:
+            with open(self._path, "rb") as f:
+                # the command name (field 2) may hold spaces and parens: split after its last ')'
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            return "X", None
+        return fields[0].decode(), int(fields[11]) + int(fields[12])  # state, utime + stime (ticks)
+
+    def advanced(self) -> bool:
+        state, cpu = self._sample()
+        previous, self._cpu = self._cpu, cpu
+        return state not in self._STOPPED and cpu is not None and previous is not None and cpu > previous
 
 
 def _watch_child(pid: int) -> None:

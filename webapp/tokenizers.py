@@ -4,11 +4,18 @@ Two implementations share the ``ChatTokenizer`` protocol:
 
 - ``ByteChatTokenizer``: the embedded default, no dependencies. One id per UTF-8 byte
   (0..255) plus three ChatML special tokens; exact and reversible
-  (``decode(encode(s)) == s`` for every str).
+  (``decode(encode(s)) == s`` for every str without U+F0000).
 - ``HFChatTokenizer``: a real model's ``tokenizer.json`` (via the ``tokenizers`` package) and
   its Jinja2 chat template, without importing ``transformers``.
 
 ``load_tokenizer(None)`` gives the byte tokenizer; ``load_tokenizer(path)`` the HF adapter.
+
+Text never forges a control token: a message or tool definition may contain ``<|im_end|>``
+(a tool's output, a web page), and both tokenizers must turn it into ordinary text tokens, or
+untrusted text could close a turn and open a forged one in a token-exact record. ``render``
+therefore escapes every special token's text inside message and tool fields (see
+:class:`SpecialText`); ``encode`` maps the template's own special tokens to their ids and an
+escaped one back to its text, tokenized as text (docs/session-server.md, "Hostile input").
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ __all__ = [
     "ByteChatTokenizer",
     "ChatTokenizer",
     "HFChatTokenizer",
+    "SpecialText",
     "TokenizerLoadError",
     "content_text",
     "decode_lenient",
@@ -56,6 +64,66 @@ class ChatTokenizer(Protocol):
     ) -> str: ...
 
 
+# The escape of special-token text inside rendered fields: a Unicode private-use code point
+# (plane 15), doubled when it occurs in a field itself, so escaping is reversible for every str.
+_ESC = "\U000F0000"
+_MARKER_BASE = 0xF0001  # ESC + chr(_MARKER_BASE + k): the text of special token k
+
+
+class SpecialText:
+    """Keeps special tokens out of text fields: the escape ``render`` applies to fields, and the
+    split of rendered text into control tokens and ordinary text that ``encode`` uses."""
+
+    def __init__(self, special_tokens: Sequence[str]) -> None:
+        self.tokens = tuple(special_tokens)
+        self._index = {tok: k for k, tok in enumerate(self.tokens)}
+        # Longest first, so a token that is a prefix of another never wins.
+        alternatives = "|".join(re.escape(t) for t in sorted(self.tokens, key=len, reverse=True))
+        self._field_re = re.compile(re.escape(_ESC) + (f"|{alternatives}" if alternatives else ""))
+        self._rendered_re = re.compile(f"{re.escape(_ESC)}(.)" + (f"|({alternatives})" if alternatives else ""),
+                                       re.DOTALL)
+
+    def escape(self, value: Any) -> Any:
+        """``value`` (str, or dicts/lists of them) with every special token's text escaped."""
+        if isinstance(value, str):
+            return self._field_re.sub(self._escape_one, value)
+        if isinstance(value, dict):
+            return {k: self.escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.escape(v) for v in value]
+        return value
+
+    def _escape_one(self, match: re.Match[str]) -> str:
+        found = match.group(0)
+        return _ESC + (_ESC if found == _ESC else chr(_MARKER_BASE + self._index[found]))
+
+    def has_escapes(self, text: str) -> bool:
+        return _ESC in text
+
+    def split(self, text: str) -> list[str | int]:
+        """Rendered ``text`` -> ordinary text pieces (str, unescaped) and the indexes (int) of
+        the special tokens the template itself wrote."""
+        pieces: list[str | int] = []
+        run: list[str] = []
+        at = 0
+        for match in self._rendered_re.finditer(text):
+            run.append(text[at:match.start()])
+            at = match.end()
+            escaped, control = match.group(1), match.group(2) if self.tokens else None
+            if control is not None:
+                pieces.extend(("".join(run), self._index[control]))
+                run = []
+            elif escaped == _ESC:
+                run.append(_ESC)
+            elif 0 <= ord(escaped) - _MARKER_BASE < len(self.tokens):
+                run.append(self.tokens[ord(escaped) - _MARKER_BASE])
+            else:  # not an escape render() made: keep it as it is
+                run.append(match.group(0))
+        run.append(text[at:])
+        pieces.append("".join(run))
+        return [p for p in pieces if p != ""]
+
+
 def content_text(content: Any) -> str:
     """The text of an OpenAI ``content`` (str, None, or a list of parts)."""
     if content is None:
@@ -74,6 +142,9 @@ def content_text(content: Any) -> str:
 class ByteChatTokenizer:
     """Byte-level ids with a ChatML template.
 
+    ``decode(encode(s)) == s`` for every str without the escape code point U+F0000, and field
+    text that ``render`` escaped (special-token text included) decodes back exactly.
+
     Template, per message: ``<|im_start|>{role}\\n{content}{tool calls}<|im_end|>\\n``; tool
     calls render as ``\\n<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``; a
     ``tools`` list renders first as a ``system`` block ``# Tools`` with one JSON per line; the
@@ -87,17 +158,17 @@ class ByteChatTokenizer:
     def __init__(self) -> None:
         self._special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
         self._special_by_id = {i: tok for tok, i in self._special_ids.items()}
-        self._special_re = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
+        self._special_text = SpecialText(self.SPECIAL_TOKENS)
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
         self.special_token_ids = frozenset(self._special_by_id)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
-        for i, piece in enumerate(self._special_re.split(text)):
-            if i % 2:
-                ids.append(self._special_ids[piece])
-            elif piece:
+        for piece in self._special_text.split(text):
+            if isinstance(piece, int):
+                ids.append(256 + piece)
+            else:
                 ids.extend(piece.encode("utf-8", "surrogatepass"))
         return ids
 
@@ -117,6 +188,7 @@ class ByteChatTokenizer:
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
+        messages, tools = self._special_text.escape(list(messages)), self._special_text.escape(tools)
         parts: list[str] = []
         if tools:
             lines = "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
@@ -160,6 +232,12 @@ class HFChatTokenizer:
         if not os.path.isfile(tok_file):
             raise TokenizerLoadError(f"{tok_file} not found")
         self._tok = Tokenizer.from_file(tok_file)
+        # Encodes field text: special tokens split into ordinary tokens, like transformers'
+        # split_special_tokens; a second instance, so the flag never changes under a caller.
+        self._text_tok = Tokenizer.from_file(tok_file)
+        self._text_tok.encode_special_tokens = True
+        self._special_text = SpecialText(
+            [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special])
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
@@ -203,7 +281,15 @@ class HFChatTokenizer:
         self._template = env.from_string(template)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if not self._special_text.has_escapes(text):  # nothing but template text: exactly as the model's
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece in self._special_text.split(text):
+            if isinstance(piece, int):
+                ids.append(self._tok.token_to_id(self._special_text.tokens[piece]))
+            else:
+                ids.extend(self._text_tok.encode(piece, add_special_tokens=False).ids)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -212,7 +298,8 @@ class HFChatTokenizer:
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
         return self._template.render(
-            messages=list(messages), tools=list(tools) if tools else None,
+            messages=self._special_text.escape(list(messages)),
+            tools=self._special_text.escape(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )
 

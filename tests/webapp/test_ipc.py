@@ -24,7 +24,7 @@ from webapp.ipc import (
     encode_envelope_frame,
     iter_frames,
 )
-from webapp.ipc_channel import IpcClient, IpcServer, open_socket
+from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcServer, open_socket
 
 GiB = 1024**3
 
@@ -501,3 +501,64 @@ def test_busy_worker_gives_the_refused_body_back(pooled_pair, monkeypatch) -> No
     slow.join(timeout=5)
     assert slow.value.body == _body(1)
     until(lambda: server.receive_pool.lent == 0)
+
+
+# -- streamed request bodies (issue 18 item 6: the router never holds a whole body) ----------
+
+def _pieces(body: bytes, size: int, seen: list[int] | None = None, client: IpcClient | None = None):
+    for i in range(0, len(body), size):
+        if seen is not None:
+            seen.append(client._transport.bulk_bytes)
+        yield body[i : i + size]
+
+
+@pytest.mark.parametrize("known_length", [True, False])
+def test_streamed_request_bodies_arrive_whole(pooled_pair, known_length) -> None:
+    client, server, _ = pooled_pair
+
+    def call(i: int) -> bytes:
+        body = _body(i, 3 * 1024 * 1024 + i)
+        reply = client.request({"op": "echo"}, timeout=10, body_stream=_pieces(body, 300_000 + i),
+                               body_length=len(body) if known_length else None)
+        return b"".join(reply.stream) if reply.stream is not None else reply.body
+
+    jobs = [gevent.spawn(call, i) for i in range(6)]
+    gevent.joinall(jobs, timeout=30, raise_error=True)
+    assert [j.value for j in jobs] == [_body(i, 3 * 1024 * 1024 + i) for i in range(6)]
+    assert client.request({"op": "echo"}, timeout=5, body_stream=iter(()), body_length=0).body == b""
+    until(lambda: server.receive_pool.lent == 0 and not server._incoming and not server._inflight)
+
+
+def test_a_streamed_body_never_queues_more_than_the_window(pair) -> None:
+    client, _ = pair
+    seen: list[int] = []
+    body = bytes(range(256)) * (256 * 1024)  # 64 MiB, produced far faster than a socket takes it
+    reply = client.request({"op": "echo"}, timeout=30, body_stream=_pieces(body, 1 << 20, seen, client),
+                           body_length=len(body))
+    assert reply.length == len(body)
+    reply.stream.close()
+    assert max(seen) <= STREAM_WINDOW + (1 << 20)
+
+
+def test_a_failing_body_cancels_its_request_and_the_worker_forgets_it(pooled_pair) -> None:
+    client, server, _ = pooled_pair
+
+    def broken():
+        yield b"x" * (2 << 20)
+        raise ValueError("client went away")
+
+    with pytest.raises(ValueError, match="went away"):
+        client.request({"op": "echo"}, timeout=5, body_stream=broken(), body_length=10 << 20)
+    until(lambda: not server._incoming and not server._inflight and server.receive_pool.lent == 0)
+    assert client.request({"op": "echo"}, b"still up", timeout=5).body == b"still up"
+
+
+@pytest.mark.parametrize("announced", [10, 1000])
+def test_a_streamed_body_unlike_its_length_fails_only_its_request(pooled_pair, announced) -> None:
+    # found by the HTTP fuzz suite: a mismatch used to tear the channel (and every shard's session) down
+    client, server, _ = pooled_pair
+    with pytest.raises(IpcRemoteError, match="announced") as caught:
+        client.request({"op": "echo"}, timeout=5, body_stream=iter([b"y" * 100]), body_length=announced)
+    assert caught.value.remote_type == "BodyMismatch"
+    assert client.request({"op": "echo"}, b"still up", timeout=5).body == b"still up"
+    until(lambda: not server._incoming and not server._inflight and server.receive_pool.lent == 0)

@@ -8,7 +8,7 @@ import pytest
 
 from webapp.core import CoreConfig
 from webapp.router import RouterConfig
-from webapp.settings import float_settings_from_env, parse_bind, replay_settings_from_env
+from webapp.settings import float_settings_from_env, number_settings_from_env, parse_bind, replay_settings_from_env
 
 
 @pytest.mark.parametrize("bind, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), (":80", ("127.0.0.1", 80)),
@@ -43,3 +43,17 @@ def test_replay_settings_from_env_reach_the_core_and_the_router_workers() -> Non
                      ("SHINKEN_INDEXER_REPLAY", "maybe")):
         with pytest.raises(ValueError, match=key):
             replay_settings_from_env({key: bad})
+
+
+def test_number_settings_from_env_reads_int_fields_too() -> None:
+    env = {"SHINKEN_MAX_SESSIONS": "3", "SHINKEN_MAX_PROMPT_TOKENS": "100", "SHINKEN_SESSION_IDLE_TTL": "2",
+           "SHINKEN_READ_TIMEOUT": "0.5"}
+    expected = {"max_sessions": 3, "max_prompt_tokens": 100, "session_idle_ttl": 2.0, "read_timeout": 0.5}
+    assert number_settings_from_env(CoreConfig, env) == expected
+    # the router holds them as optional ints (None: the core's default) and hands them to every worker
+    core = RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b", **env}).supervisor_config().core
+    assert {k: core[k] for k in ("max_sessions", "max_prompt_tokens", "session_idle_ttl")} == {
+        "max_sessions": 3, "max_prompt_tokens": 100, "session_idle_ttl": 2.0}
+    assert "max_message_bytes" not in core
+    with pytest.raises(ValueError, match="SHINKEN_MAX_SESSIONS must be an integer"):
+        number_settings_from_env(CoreConfig, {"SHINKEN_MAX_SESSIONS": "1.5"})

@@ -1,0 +1,242 @@
+"""Limits that bound the work one request or one client can make the session core do.
+
+The body cap (``MAX_CHAT_BODY_BYTES``) bounds bytes on the wire, not work: one legal chat
+with a 124 MiB message kept a worker busy for seconds (tokenizing, then encoding 130 M token
+ids). These limits match the work instead, and are checked before it is done:
+
+- JSON: more than :data:`MAX_JSON_CONTAINERS` brackets are refused before decoding (413),
+  ``NaN``/``Infinity`` literals are refused at decode, nesting deeper than
+  :data:`MAX_JSON_DEPTH` is refused (400, ``InvalidJSON``) before any code walks it, and so
+  is a lone surrogate escape (``"\\ud800"``: not text, it cannot be encoded into a record).
+- ``max_message_bytes``: the UTF-8 size of one message's text (content, text parts, tool-call
+  names and arguments), checked before rendering (413, :class:`LimitExceeded`).
+- ``max_prompt_tokens``: the prompt token ids of one turn (stored + new), checked right after
+  tokenizing and before the backend call; the request's whole text is refused before
+  tokenizing when it exceeds ``max_prompt_tokens * MAX_BYTES_PER_TOKEN`` bytes, so a request
+  whose messages each pass cannot make the tokenizer do unbounded work either.
+- ``max_sessions`` (429, :class:`TooManySessions`) and ``session_idle_ttl`` (a session nobody
+  touched that long is deleted) bound the sessions a worker holds.
+
+Every limit is named in its error (``limit`` attribute and message), so a client can tell
+which one it hit. Imports nothing of the core: the core calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from webapp.session_errors import BodyTooLarge, InvalidJSON, SessionError
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_SESSION_IDLE_TTL",
+    "MAX_JSON_CONTAINERS",
+    "MAX_JSON_DEPTH",
+    "LimitExceeded",
+    "RequestLimits",
+    "SessionExpiry",
+    "TooManySessions",
+    "json_depth_exceeds",
+    "loads_strict",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # a long tool output or document, far below the 256 MiB body cap
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20  # the longest context windows served today
+DEFAULT_MAX_SESSIONS = 10_000  # per worker (per shard); the single-process server is one worker
+DEFAULT_SESSION_IDLE_TTL = 86_400.0  # one day without a request: the client is gone
+# Requests nest a handful of levels (messages -> content parts -> image_url); tool schemas a
+# few more. Far below the interpreter's recursion limit, which a 1,000-level body reached.
+MAX_JSON_DEPTH = 64
+# Each '[' or '{' becomes a Python list or dict of ~60-250 bytes: a 256 MiB body of "[]" would
+# decode to gigabytes. Counted in the raw body (brackets inside strings too, so conservative);
+# a chat has a few thousand, a huge message of source code a few hundred thousand.
+MAX_JSON_CONTAINERS = 2_000_000
+# Byte-level BPE vocabularies average ~4 bytes per token; a request with more text than this
+# many bytes per allowed token cannot fit, whatever the tokenizer.
+MAX_BYTES_PER_TOKEN = 16
+_SWEEP_INTERVAL = 1.0  # idle sessions are looked for at most this often
+_PAIR = re.compile(rb"\[\]|\{\}")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A \uD800-\uDFFF escape: the only way a surrogate gets into a decoded JSON string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class LimitExceeded(BodyTooLarge):
+    """413: the request would make the core do more work than ``limit`` allows."""
+
+    def __init__(self, limit: str, allowed: int, actual: int, what: str) -> None:
+        super().__init__(limit, allowed, actual, what)
+        self.limit = limit
+        self.allowed = allowed
+        self.actual = actual
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"{self.what} is {self.actual}, over the limit {self.limit}={self.allowed}"
+
+
+class TooManySessions(SessionError):
+    status = 429
+
+    def __init__(self, allowed: int) -> None:
+        super().__init__(allowed)
+        self.limit = "max_sessions"
+        self.allowed = allowed
+
+    def __str__(self) -> str:
+        return f"this server holds {self.allowed} sessions, the limit max_sessions={self.allowed}; delete some"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise InvalidJSON(f"invalid JSON body: {name} is not a JSON number")
+
+
+def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
+    """True if the valid JSON ``body`` nests arrays/objects deeper than ``max_depth``.
+
+    Runs at C speed: strings are cut out, then each pass removes the innermost ``[]``/``{}``
+    pairs, exactly one level per pass.
+    """
+    if body.count(b"[") + body.count(b"{") <= max_depth:  # the common case: nothing to scan
+        return False
+    brackets = re.sub(rb"[^\[\]{}]", b"", _JSON_STRING.sub(b"", body))
+    for _ in range(max_depth):
+        brackets = _PAIR.sub(b"", brackets)
+        if not brackets:
+            return False
+    return True
+
+
+def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode a UTF-8 JSON request body, refusing ``NaN``/``Infinity`` and deep nesting.
+
+    Raises ``InvalidJSON`` (400) for anything else than strict JSON of bounded depth, and
+    :class:`LimitExceeded` (413) for a body with more than :data:`MAX_JSON_CONTAINERS` brackets
+    (before decoding it).
+    """
+    containers = body.count(b"[") + body.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:
+        raise LimitExceeded("max_json_containers", MAX_JSON_CONTAINERS, containers,
+                            "the '[' and '{' characters in the request body")
+    try:
+        value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise InvalidJSON(f"invalid JSON body: nests deeper than {max_depth} levels") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, InvalidJSON):
+            raise
+        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    if json_depth_exceeds(body, max_depth):
+        raise InvalidJSON(f"invalid JSON body: nests deeper than {max_depth} levels")
+    if _SURROGATE_ESCAPE.search(body):  # rare: only then pay for a full re-encode
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJSON("invalid JSON body: a lone surrogate (\\ud800-\\udfff) in a string") from None
+    return value
+
+
+def _utf8_size(text: str, bound: int) -> int:
+    # len() is a lower bound and 4 * len() an upper one: encode only when it matters.
+    if 4 * len(text) <= bound:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _message_texts(message: Any) -> Iterable[str]:
+    if not isinstance(message, dict):
+        return
+    for key in ("content", "name", "role", "tool_call_id"):
+        value = message.get(key)
+        if isinstance(value, str):
+            yield value
+        elif key == "content" and isinstance(value, list):
+            yield from (p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            yield from (v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_messages(self, messages: Any) -> None:
+        """Before rendering: every message's text within ``max_message_bytes``, the whole
+        text within what ``max_prompt_tokens`` could ever hold. Malformed messages pass (the
+        turn's own validation names them)."""
+        if not isinstance(messages, list):
+            return
+        total_bound = self.max_prompt_tokens * MAX_BYTES_PER_TOKEN
+        total = 0
+        for i, message in enumerate(messages):
+            size = sum(_utf8_size(t, self.max_message_bytes) for t in _message_texts(message))
+            if size > self.max_message_bytes:
+                raise LimitExceeded("max_message_bytes", self.max_message_bytes, size,
+                                    f"the text of messages[{i}] in bytes")
+            total += size
+        if total > total_bound:
+            raise LimitExceeded("max_prompt_tokens", self.max_prompt_tokens, total,
+                                f"the messages' text in bytes (more than {MAX_BYTES_PER_TOKEN} per token)")
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise LimitExceeded("max_prompt_tokens", self.max_prompt_tokens, len(prompt_ids),
+                                "the turn's prompt in tokens")
+
+
+class SessionExpiry:
+    """Admission (``max_sessions``) and idle expiry (``session_idle_ttl``) of one registry.
+
+    Expiry is lazy, so both server modes get it without a timer of their own: every core call
+    first deletes the sessions idle past the TTL, at most once per :data:`_SWEEP_INTERVAL`.
+    ``idle_since()`` lists ``(session_id, last_used)``; ``remove(session_id)`` deletes one.
+    """
+
+    def __init__(self, max_sessions: int, idle_ttl: float, idle_since: Callable[[], Iterable[tuple[str, float]]],
+                 remove: Callable[[str], object], clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions < 1 or not idle_ttl > 0:
+            raise ValueError(f"max_sessions must be >= 1 and session_idle_ttl > 0, got {max_sessions}, {idle_ttl}")
+        self.max_sessions = max_sessions
+        self.idle_ttl = idle_ttl
+        self._idle_since = idle_since
+        self._remove = remove
+        self._clock = clock
+        self._next_sweep = 0.0
+        self._lock = threading.Lock()
+        self.expired = 0
+
+    def admit(self, live: int) -> None:
+        if live >= self.max_sessions:
+            raise TooManySessions(self.max_sessions)
+
+    def sweep(self) -> None:
+        now = self._clock()
+        if now < self._next_sweep or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._next_sweep = now + min(_SWEEP_INTERVAL, self.idle_ttl)
+            stale = [sid for sid, used in list(self._idle_since()) if now - used > self.idle_ttl]
+            for session_id in stale:
+                try:
+                    self._remove(session_id)
+                except SessionError:  # deleted meanwhile
+                    continue
+                self.expired += 1
+        finally:
+            self._lock.release()
