@@ -42,8 +42,8 @@ from webapp.core import (
     SessionCore,
     build_session_core,
     error_response,
-    openai_error_response,
     json_response,
+    openai_error_response,
 )
 from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend

@@ -8,7 +8,12 @@ import pytest
 
 from webapp.core import CoreConfig
 from webapp.router import RouterConfig
-from webapp.settings import float_settings_from_env, number_settings_from_env, parse_bind, replay_settings_from_env
+from webapp.settings import (
+    float_settings_from_env,
+    number_settings_from_env,
+    parse_bind,
+    replay_settings_from_env,
+)
 
 
 @pytest.mark.parametrize("bind, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), (":80", ("127.0.0.1", 80)),
