@@ -98,8 +98,8 @@ class RouterConfig:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"},
-                   **replay_settings_from_env(env))
+                   **{k: v for k, v in {**number_settings_from_env(cls, env), **replay_settings_from_env(env)}.items()
+                      if k != "workers"})
 
     def supervisor_config(self) -> SupervisorConfig:
         limits = {name: getattr(self, name) for name in _CORE_LIMITS if getattr(self, name) is not None}
