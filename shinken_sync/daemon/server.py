@@ -8,12 +8,16 @@ connections, then serves until SIGTERM/SIGINT::
 Everything else goes to stderr. Each sandbox is served on its own URL path
 ``/sb/<index>``: ``/sb/0`` in single mode, ``/sb/0`` .. ``/sb/N-1`` with
 ``--fleet N`` (N virtual sandboxes in one process sharing one encode cache,
-for scale tests). One bearer token, read from ``--token-file``, guards them
-all. docs/protocol.md is the reference.
+for scale tests). One bearer token guards them all, read from ``--token-file``
+(a regular file the group and others cannot read) or, without that option, from
+the ``SHINKEND_TOKEN`` environment variable (removed from the daemon's
+environment at once, so ``exec`` children never see it). Never from the
+command line, where ``ps`` shows it. docs/protocol.md is the reference.
 
-Exit codes: 0 after a clean shutdown, 2 for bad command-line options or an
-unreadable token file, 3 when a display could not be started or the address
-could not be bound.
+Exit codes: 0 after a clean shutdown, 2 for bad command-line options or a token
+that cannot be used (missing, unreadable, empty, shorter than
+:data:`MIN_TOKEN_BYTES`, or in a file readable by group/others), 3 when a display
+could not be started or the address could not be bound.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ import re
 import resource
 import shlex
 import signal
+import stat
 import sys
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION
+from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote
 
 from .connection import serve_connection
 from .display import make_display
@@ -54,8 +59,13 @@ SHUTDOWN_TIMEOUT_S = 10.0
 #: Incoming frames buffered per connection before websockets stops reading;
 #: the reader drains them into the call queue at once, so a few suffice.
 WS_MAX_QUEUE = 4
+#: A shorter bearer token is refused: it could be guessed over loopback.
+MIN_TOKEN_BYTES = 16
+TOKEN_ENV = "SHINKEND_TOKEN"
 
-_PATH = re.compile(r"/sb/(\d+)")
+# At most 4 digits (MAX_FLEET): a longer index is simply not a sandbox, and
+# never reaches int(), which refuses 4,300+ digits with an exception (issue 18).
+_PATH = re.compile(r"/sb/(\d{1,4})")
 
 
 def sandbox_path(index: int) -> str:
@@ -76,7 +86,7 @@ class Daemon:
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         if self._sandbox_for(request.path) is None:
-            return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {request.path}\n")
+            return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {quote(request.path)}\n")
         return None
 
     def _sandbox_for(self, path: str) -> Sandbox | None:
@@ -105,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shinkend", description="The Shinken in-sandbox ACI daemon.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--token-file", required=True, help="file holding the bearer token")
+    p.add_argument("--token-file", default=None,
+                   help=f"file holding the bearer token, mode 0600 or stricter (default: ${TOKEN_ENV})")
     p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual")
     p.add_argument("--screen", type=_parse_screen, default=(1920, 1080), help="WIDTHxHEIGHT")
     p.add_argument("--fleet", type=int, default=0, metavar="N", help="serve N virtual sandboxes")
@@ -120,11 +131,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_token(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        token = f.read().strip()
+class TokenError(Exception):
+    """The bearer token cannot be used; the daemon exits with :data:`EXIT_USAGE`."""
+
+
+def _read_token(path: str | None) -> str:
+    if path is None:
+        # Popped: exec children inherit os.environ and must never see the token.
+        token = os.environ.pop(TOKEN_ENV, "").strip()
+        where = f"${TOKEN_ENV}"
+        if not token:
+            raise TokenError(f"no token: pass --token-file PATH or set {where}")
+    else:
+        where = f"token file {path}"
+        try:
+            # O_NONBLOCK: a FIFO planted at the path must not hang the start.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TokenError(f"{where} is not a regular file")
+            if info.st_mode & 0o077:
+                raise TokenError(
+                    f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
+                    f"chmod 600 it"
+                )
+            raw = f.read(64 * 2**10)
+        try:
+            token = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise TokenError(f"{where} is not UTF-8 text") from None
     if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise TokenError(f"{where} is empty")
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise TokenError(f"the token in {where} is shorter than {MIN_TOKEN_BYTES} bytes")
     return token
 
 
@@ -253,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     _raise_fd_limit()
     try:
         token = _read_token(args.token_file)
-    except (OSError, ValueError) as exc:
-        log.error("cannot read the token: %s", exc)
+    except TokenError as exc:
+        log.error("refusing to start: %s", exc)
         return EXIT_USAGE
     return asyncio.run(run(args, token))
 
