@@ -29,6 +29,7 @@ import hmac
 import http
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -290,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
     if args.launch and args.display != "xvfb":
         parser.error("--launch needs --display xvfb")
-    if args.stream_grace < 0:
-        parser.error("--stream-grace must be >= 0")
+    if not 0 <= args.stream_grace < math.inf:  # NaN fails both: a NaN timer breaks the loop's heap
+        parser.error("--stream-grace must be a finite number >= 0")
     _raise_fd_limit()
     try:
         token = _read_token(args.token_file)

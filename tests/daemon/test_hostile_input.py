@@ -364,3 +364,14 @@ def test_the_url_path_limit_matches_the_fleet_limit():
     assert server._PATH.fullmatch(server.sandbox_path(server.MAX_FLEET - 1))
     assert not server._PATH.fullmatch(server.sandbox_path(server.MAX_FLEET * 10))
     assert urllib.parse.quote("/sb/1") == "/sb/1"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("grace", ["nan", "inf", "-1"])
+def test_a_non_finite_stream_grace_is_a_usage_error(tmp_path, grace):  # item 3, the command line
+    path = tmp_path / "token"
+    path.write_text("a-long-enough-token-0123456789")
+    path.chmod(0o600)
+    proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(path),
+                           "--stream-grace", grace], capture_output=True, timeout=30, check=False)  # fmt: skip
+    assert proc.returncode == 2 and b"--stream-grace" in proc.stderr
