@@ -375,3 +375,28 @@ def test_a_non_finite_stream_grace_is_a_usage_error(tmp_path, grace):  # item 3,
     proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(path),
                            "--stream-grace", grace], capture_output=True, timeout=30, check=False)  # fmt: skip
     assert proc.returncode == 2 and b"--stream-grace" in proc.stderr
+
+
+def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # item 8, the backstop
+    import asyncio
+
+    from shinken_sync.daemon import verbs
+    from shinken_sync.daemon.display.base import EncodedImage
+    from shinken_sync.daemon.display.virtual import VirtualDisplay
+    from shinken_sync.daemon.screencast import StreamRegistry
+
+    async def main():
+        display = VirtualDisplay(1024, 768)
+
+        async def huge(**_):
+            return EncodedImage(b"\x89PNG" + bytes(protocol.MAX_MESSAGE_SIZE), "png", 1024, 768, 1.0)
+
+        display.screenshot = huge
+        sandbox = verbs.Sandbox("t", display, StreamRegistry(display))
+        return await verbs.execute(sandbox, None, protocol.Call(9, "screenshot", {"format": "png"}))
+
+    reply = asyncio.run(main())
+    assert isinstance(reply, str) and len(reply) < 1000
+    decoded = protocol.decode_server_message(reply)
+    assert (decoded.call_id, decoded.error.kind) == (9, protocol.ERR_FAILED)
+    assert "message limit" in decoded.error.message
