@@ -81,7 +81,12 @@ Handler = Callable[[Sandbox, Outbox, dict[str, Any]], Awaitable["dict[str, Any] 
 async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     """Run one call and return its encoded reply (text, or binary for an image)."""
     reply = await _execute(sandbox, outbox, call)
-    size = len(reply) if isinstance(reply, bytes) or reply.isascii() else len(reply.encode())
+    try:
+        # str.isascii() is O(1): only non-ASCII text replies pay for an encode.
+        size = len(reply) if isinstance(reply, bytes) or reply.isascii() else len(reply.encode())
+    except UnicodeEncodeError:  # a lone surrogate slipped into a result: a daemon bug, not a dead socket
+        log.error("%s (call %s): the reply is not valid Unicode", call.verb, quote(call.call_id))
+        return encode_error(call.call_id, ERR_INTERNAL, "the reply held a lone surrogate and could not be sent")
     if size > MAX_MESSAGE_SIZE:
         log.warning("%s (call %s): a %d-byte reply was replaced by an error", call.verb, quote(call.call_id), size)
         return encode_error(

@@ -400,3 +400,26 @@ def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # item 8, the
     decoded = protocol.decode_server_message(reply)
     assert (decoded.call_id, decoded.error.kind) == (9, protocol.ERR_FAILED)
     assert "message limit" in decoded.error.message
+
+
+def test_an_unencodable_result_becomes_an_internal_error_reply():  # item 10, the backstop
+    import asyncio
+
+    from shinken_sync.daemon import verbs
+    from shinken_sync.daemon.display.virtual import VirtualDisplay
+    from shinken_sync.daemon.screencast import StreamRegistry
+
+    async def main():
+        display = VirtualDisplay(1024, 768)
+
+        async def cursor():
+            return ("\ud800", 0)  # as if a backend leaked an undecodable name
+
+        display.cursor = cursor
+        sandbox = verbs.Sandbox("t", display, StreamRegistry(display))
+        return await verbs.execute(sandbox, None, protocol.Call(3, "cursor", {}))
+
+    reply = asyncio.run(main())
+    reply.encode()  # sendable
+    decoded = protocol.decode_server_message(reply)
+    assert (decoded.call_id, decoded.error.kind) == (3, protocol.ERR_INTERNAL)
