@@ -55,8 +55,14 @@ EXIT_USAGE = 2
 EXIT_BOOT_ERROR = 3
 MAX_FLEET = 4096
 MAX_RTT_MS = 10_000
-#: How long shutdown waits for connections to close and displays to stop.
+#: How long shutdown waits for the displays to stop.
 SHUTDOWN_TIMEOUT_S = 10.0
+#: The closing handshake's bound (the SDK's too): a client that does not answer
+#: the close frame is dropped after it, so SIGTERM never waits on one.
+CLOSE_TIMEOUT_S = 2.0
+#: How long shutdown waits for connections; handshakes still incomplete then
+#: (they would have 10 s) are dropped with the process.
+CONNECTIONS_SHUTDOWN_S = CLOSE_TIMEOUT_S + 1.0
 #: Incoming frames buffered per connection before websockets stops reading;
 #: the reader drains them into the call queue at once, so a few suffice.
 WS_MAX_QUEUE = 4
@@ -220,6 +226,7 @@ async def run(args: argparse.Namespace, token: str) -> int:
                 compression=None,
                 max_size=MAX_MESSAGE_SIZE,
                 max_queue=WS_MAX_QUEUE,
+                close_timeout=CLOSE_TIMEOUT_S,
                 logger=logging.getLogger("shinkend.ws"),
             )
         except OSError as exc:
@@ -254,9 +261,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         if server is not None:
             server.close()
             try:
-                await asyncio.wait_for(server.wait_closed(), SHUTDOWN_TIMEOUT_S)
+                await asyncio.wait_for(server.wait_closed(), CONNECTIONS_SHUTDOWN_S)
             except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
-                log.warning("connections still open after %.0f s; closing anyway", SHUTDOWN_TIMEOUT_S)
+                log.warning("connections still open after %.0f s; closing anyway", CONNECTIONS_SHUTDOWN_S)
         try:
             await asyncio.wait_for(daemon.close(), SHUTDOWN_TIMEOUT_S)
         except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
