@@ -274,6 +274,11 @@ class Generator:
         if shape == 9:
             msg["type"] = r.choice(["reply", "hello", 7, None, "x" * 10_000])
             return json.dumps(msg), ANY
+        if shape == 10 and r.random() < 0.1:  # a few MB in one value, under the 16 MiB message limit
+            huge = r.choice(["\x00", "a", "é", "\U0001f600"]) * r.randrange(2**19, 2**20)
+            slot = r.choice(["verb", "call_id", "args", "type"])
+            msg[slot] = huge if slot != "args" else {r.choice([*daemon_args.SPECS.get(verb, {}), "k"]): huge}
+            return json.dumps(msg), ANY  # escaped: at most 12 bytes a character
         return json.dumps(msg), call_id
 
 
