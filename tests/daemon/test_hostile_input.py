@@ -423,3 +423,30 @@ def test_an_unencodable_result_becomes_an_internal_error_reply():  # item 10, th
     reply.encode()  # sendable
     decoded = protocol.decode_server_message(reply)
     assert (decoded.call_id, decoded.error.kind) == (3, protocol.ERR_INTERNAL)
+
+
+def test_screenshots_do_not_share_threads_with_blocked_calls():  # item 5
+    import asyncio
+    import threading
+
+    from shinken_sync.daemon import verbs
+    from shinken_sync.daemon.display.virtual import VirtualDisplay
+
+    release = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        # Every thread file calls or asyncio's default executor could lend is stuck.
+        stuck = [loop.run_in_executor(None, release.wait) for _ in range(64)]
+        files = getattr(verbs, "FILE_THREADS", None)  # (absent before issue 18: files used the default pool)
+        stuck += [loop.run_in_executor(files, release.wait) for _ in range(16)]
+        try:
+            display = VirtualDisplay(1024, 768)
+            await asyncio.wait_for(display.start(), 30)
+            return await asyncio.wait_for(display.screenshot(format="png", max_long_edge=64), 30)
+        finally:
+            release.set()
+            await asyncio.gather(*stuck)
+
+    image = asyncio.run(main())
+    assert image.format == "png" and image.width == 64
