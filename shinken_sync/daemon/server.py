@@ -143,9 +143,11 @@ class TokenError(Exception):
 
 
 def _read_token(path: str | None) -> str:
+    # Popped whether used or not: exec children inherit os.environ and must
+    # never see a token.
+    from_env = os.environ.pop(TOKEN_ENV, "").strip()
     if path is None:
-        # Popped: exec children inherit os.environ and must never see the token.
-        token = os.environ.pop(TOKEN_ENV, "").strip()
+        token = from_env
         where = f"${TOKEN_ENV}"
         if not token:
             raise TokenError(f"no token: pass --token-file PATH or set {where}")

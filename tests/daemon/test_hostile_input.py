@@ -353,6 +353,18 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+    # With a token file too, the variable is still scrubbed (and the file wins).
+    path = tmp_path / "token"
+    path.write_text("file-token-" + os.urandom(12).hex())
+    path.chmod(0o600)
+    proc = _start(tmp_path, token_file=path, env_token=token)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        client = aci(ready["url"], path.read_text())
+        assert client.ok("exec", cmd='printf "%s" "${SHINKEND_TOKEN-unset}"')["stdout"] == "unset"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
     no_token = _start(tmp_path)
     _, err = no_token.communicate(timeout=30)
     assert no_token.returncode == 2 and b"SHINKEND_TOKEN" in err
