@@ -65,6 +65,11 @@ BATCHES = 250  # x 16 pipelined messages
 CHURNS = 1000
 HALF_OPEN = 500
 
+#: Connections reset with a backlog per round of the leak test, and the growth
+#: allowed between two rounds (old shinkend: ~25 KB a connection, 12 MB a round).
+LEAK_ROUND = 500
+LEAK_SLACK = 4 * 2**20
+
 ANY = object()  # the expected call_id of a message too mangled to predict
 
 
@@ -446,3 +451,35 @@ def test_half_open_handshakes(daemon, bystander):
         finally:
             for sock in held:
                 sock.close()
+
+
+def _settled_rss(proc: psutil.Process, fds: int) -> int:
+    deadline = time.monotonic() + 20
+    while proc.num_fds() > fds + FD_SLACK and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    return proc.memory_info().rss
+
+
+def test_reset_connections_with_a_backlog_do_not_leak(daemon, bystander):
+    """Old shinkend kept ~25 KB per such connection (a handler stuck behind a
+    swallowed cancel); the allocator's first-round high-water mark aside,
+    memory must stay flat from one round to the next."""
+    note = f"SHINKEN_FUZZ_SEED={SEED}"
+    proc = psutil.Process(daemon.proc.pid)
+    backlog = _frames(("exec", {"cmd": "true"}) if i % 3 == 0 else ("cursor", {}) for i in range(100))
+    fds = proc.num_fds()
+
+    def round_() -> int:
+        for _ in range(LEAK_ROUND):
+            raw = RawWs(daemon.url, daemon.token)
+            assert isinstance(raw.recv(), str)
+            raw.sock.sendall(backlog)
+            raw.reset()
+        return _settled_rss(proc, fds)
+
+    round_()
+    first = round_()
+    second = round_()
+    assert second - first <= LEAK_SLACK, f"RSS +{(second - first) >> 10} KiB over {LEAK_ROUND} connections ({note})"
+    assert bystander.ok("screen_size")["width"] == SCREEN[0]
