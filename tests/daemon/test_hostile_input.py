@@ -339,7 +339,11 @@ def test_an_unsafe_or_short_token_is_refused_with_exit_2(tmp_path, token, mode, 
     path.write_text(token)
     path.chmod(mode)
     proc = _start(tmp_path, token_file=path)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:  # a daemon that (wrongly) started must not outlive the test
+        proc.kill()
+        proc.wait()
     assert proc.returncode == 2 and out == b"", err
     assert message in err
 
@@ -369,7 +373,11 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     no_token = _start(tmp_path)
-    _, err = no_token.communicate(timeout=30)
+    try:
+        _, err = no_token.communicate(timeout=30)
+    finally:
+        no_token.kill()
+        no_token.wait()
     assert no_token.returncode == 2 and b"SHINKEND_TOKEN" in err
 
 
