@@ -1005,6 +1005,7 @@ class FleetHost:
         self.workdir = workdir
         self.token = os.urandom(16).hex()
         self.token_file = workdir / f"token-{n}"
+        self.token_file.touch(mode=0o600)  # shinkend refuses a token file others can read
         self.token_file.write_text(self.token)
         self.stdout_path = workdir / f"host-{n}.out"
         self.stderr_path = workdir / f"host-{n}.err"

@@ -27,6 +27,7 @@ never return half-parsed data.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,8 +183,70 @@ class StreamEnd:
 ServerMessage = Hello | Reply | Frame | StreamEnd
 
 
+#: Longest piece of a client's input quoted back in an error message: an error
+#: reply must never be bigger than what one bad value can fill.
+MAX_QUOTE_CHARS = 80
+
+
 # ---------------------------------------------------------------------------
 # Helpers
+
+
+def quote(value: Any, limit: int = MAX_QUOTE_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters.
+
+    Strings are sliced before ``repr`` (a 10 MB value costs nothing), and the
+    result is pure ASCII, so a lone surrogate is quoted as an escape and the
+    error reply stays encodable whatever the client sent.
+    """
+    if isinstance(value, str):
+        text = ascii(value[:limit])
+        if len(value) <= limit and len(text) <= limit + 2:
+            return text
+        return f"{text[:limit]}... ({len(value)} characters)"  # escapes count: \x01 is 4
+    if value is None or isinstance(value, (bool, int, float)):
+        text = ascii(value)
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} digits)"
+    return f"<{type(value).__name__}>"
+
+
+def is_utf8(text: str) -> bool:
+    """True unless ``text`` holds a lone surrogate (which no UTF-8 message can carry)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _NonFinite(ValueError):
+    """A ``NaN``/``Infinity`` literal or a number too big for a double."""
+
+
+def _refuse_constant(literal: str) -> float:
+    raise _NonFinite(f"{literal} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NonFinite(f"the number {quote(literal, 24)} overflows a double")
+    return value
+
+
+# Python's json accepts NaN, Infinity and -Infinity (and turns 1e400 into inf);
+# RFC 8259 has none of them, and one NaN deadline breaks asyncio's timer heap.
+# Both peers decode with this strict decoder (issue 18).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+class _Marker:
+    """Stands for a non-finite literal when a refused message is re-read (error path only)."""
+
+
+_LENIENT = json.JSONDecoder(parse_constant=lambda _: _Marker(), parse_float=lambda _: _Marker())
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -192,12 +255,47 @@ def _dumps(obj: dict[str, Any]) -> str:
 
 def _loads_object(data: str | bytes | memoryview, what: str) -> dict[str, Any]:
     try:
-        obj = json.loads(bytes(data) if isinstance(data, memoryview) else data)
+        if not isinstance(data, str):
+            data = bytes(data).decode("utf-8")
+        obj = _DECODER.decode(data)
+    except _NonFinite as exc:
+        raise _non_finite_error(data, what, exc) from None
+    except RecursionError:
+        # The C scanner recurses once per level; ~1,000 levels exhaust the stack
+        # budget. A bad request like any other, not a crashed connection.
+        raise ProtocolError(f"{what} is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what} must be a JSON object, not {type(obj).__name__}")
     return obj
+
+
+def _non_finite_error(text: str, what: str, exc: _NonFinite) -> ProtocolError:
+    """The error for a message holding a non-finite number: addressed to its
+    call_id when it has a valid one, and ``bad_args`` naming the argument when
+    the number is an argument's value (or inside one)."""
+    try:
+        obj = _LENIENT.decode(text)
+    except (ValueError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict):
+        return ProtocolError(f"{what} holds a non-finite number: {exc}")
+    call_id = obj.get("call_id")
+    call_id = call_id if _valid_call_id(call_id) and _addressable(call_id) else None
+    args = obj.get("args")
+    if isinstance(args, dict):
+        for name, value in args.items():
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+            if isinstance(value, _Marker) or any(isinstance(v, _Marker) for v in inner):
+                return ProtocolError(f"{quote(name)} must be a finite number: {exc}", ERR_BAD_ARGS, call_id)
+    return ProtocolError(f"{what} holds a non-finite number: {exc}", call_id=call_id)
+
+
+def _addressable(call_id: CallId) -> bool:
+    # A reply must be encodable: a lone surrogate in a call_id would make the
+    # daemon's reply unsendable (issue 18), so such a call is refused unaddressed.
+    return not isinstance(call_id, str) or is_utf8(call_id)
 
 
 def _valid_call_id(value: Any) -> bool:
@@ -259,13 +357,15 @@ def decode_call(data: str | bytes) -> Call:
     call_id = obj.get("call_id")
     if not _valid_call_id(call_id):
         raise ProtocolError("call: field 'call_id' missing or of the wrong type")
+    if not _addressable(call_id):
+        raise ProtocolError("call: field 'call_id' is not valid Unicode (a lone surrogate)")
     if obj.get("type", "call") != "call":
-        raise ProtocolError(f"unexpected message type {obj.get('type')!r}", call_id=call_id)
+        raise ProtocolError(f"unexpected message type {quote(obj.get('type'))}", call_id=call_id)
     verb = obj.get("verb")
     if not isinstance(verb, str):
         raise ProtocolError("call: field 'verb' missing or not a string", call_id=call_id)
     if verb not in VERBS:
-        raise ProtocolError(f"unknown verb {verb!r}", kind=ERR_UNKNOWN_VERB, call_id=call_id)
+        raise ProtocolError(f"unknown verb {quote(verb)}", kind=ERR_UNKNOWN_VERB, call_id=call_id)
     args = obj.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError("call: field 'args' must be an object", kind=ERR_BAD_ARGS, call_id=call_id)
@@ -348,7 +448,7 @@ def _decode_reply(obj: dict[str, Any], image: memoryview | None) -> Reply:
         raise ProtocolError("reply: field 'call_id' of the wrong type")
     outcome = obj.get("outcome")
     if outcome not in WIRE_OUTCOMES:
-        raise ProtocolError(f"reply: unknown outcome {outcome!r}")
+        raise ProtocolError(f"reply: unknown outcome {quote(outcome)}")
     if "error" in obj:
         return Reply(call_id, outcome, error=_decode_error(obj))
     result = obj.get("result", {})
@@ -360,7 +460,7 @@ def _decode_reply(obj: dict[str, Any], image: memoryview | None) -> Reply:
 def _image_meta(obj: dict[str, Any], what: str) -> dict[str, Any]:
     fmt = obj.get("format")
     if fmt not in IMAGE_FORMATS:
-        raise ProtocolError(f"{what}: unknown image format {fmt!r}")
+        raise ProtocolError(f"{what}: unknown image format {quote(fmt)}")
     width = _require(obj, "width", int, what)
     height = _require(obj, "height", int, what)
     scale = _require(obj, "scale", (int, float), what)
@@ -402,7 +502,7 @@ def decode_server_message(data: str | bytes | memoryview) -> ServerMessage:
                 reason=str(obj.get("reason", "stopped")),
                 last_seq=int(obj.get("last_seq", 0)),
             )
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {quote(kind)}")
 
     header, payload = unpack_binary(data)
     kind = header.get("type")
@@ -420,4 +520,4 @@ def decode_server_message(data: str | bytes | memoryview) -> ServerMessage:
             image=payload,
             **meta,
         )
-    raise ProtocolError(f"unknown binary message type {kind!r}")
+    raise ProtocolError(f"unknown binary message type {quote(kind)}")

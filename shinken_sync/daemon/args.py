@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shinken_sync.protocol import IMAGE_FORMATS
+from shinken_sync.protocol import IMAGE_FORMATS, is_utf8, quote
 
 from .errors import BadArgs
 
@@ -71,7 +72,7 @@ def _int(lo: int, hi: int) -> Checker:
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadArgs(f"{name} must be an integer, not {type(value).__name__}")
         if not lo <= value <= hi:
-            raise BadArgs(f"{name}={value} is out of range [{lo}, {hi}]")
+            raise BadArgs(f"{name}={quote(value)} is out of range [{lo}, {hi}]")
         return value
 
     return check
@@ -81,6 +82,10 @@ def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Checker:
     def check(name: str, value: Any, screen: Screen) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadArgs(f"{name} must be a number, not {type(value).__name__}")
+        # NaN passes every range check (all comparisons are false) and, as a
+        # deadline, breaks asyncio's timer heap for the whole daemon (issue 18).
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadArgs(f"{name} must be a finite number, not {value}")
         if value > hi or value < lo or (exclusive_lo and value == lo):
             raise BadArgs(f"{name}={value} is out of range {'(' if exclusive_lo else '['}{lo}, {hi}]")
         return float(value)
@@ -104,22 +109,24 @@ def _str(max_len: int, *, nonempty: bool = True) -> Checker:
             raise BadArgs(f"{name} must not be empty")
         if len(value) > max_len:
             raise BadArgs(f"{name} is {len(value)} characters long; the limit is {max_len}")
+        # Every string reaches a syscall, a subprocess or a reply: NUL cannot pass
+        # through any of them, a lone surrogate cannot be encoded by any.
+        if "\x00" in value:
+            raise BadArgs(f"{name} must not contain NUL")
+        if not is_utf8(value):
+            raise BadArgs(f"{name} is not valid Unicode (it holds a lone surrogate)")
         return value
 
     return check
 
 
-def _path(name: str, value: Any, screen: Screen) -> str:
-    path = _str(MAX_PATH_CHARS)(name, value, screen)
-    if "\x00" in path:
-        raise BadArgs(f"{name} must not contain NUL")
-    return path
+_path = _str(MAX_PATH_CHARS)
 
 
 def _choice(options: tuple[str, ...] | frozenset[str]) -> Checker:
     def check(name: str, value: Any, screen: Screen) -> str:
-        if value not in options:
-            raise BadArgs(f"{name} must be one of {sorted(options)}, not {value!r}")
+        if not isinstance(value, str) or value not in options:
+            raise BadArgs(f"{name} must be one of {sorted(options)}, not {quote(value)}")
         return value
 
     return check
@@ -152,7 +159,7 @@ def _key_combo(name: str, value: Any, screen: Screen) -> str:
     combo = _str(MAX_KEY_CHARS)(name, value, screen)
     # "+" alone is the plus key; otherwise every part of a combo names a key.
     if combo != "+" and any(not part.strip() for part in combo.split("+")):
-        raise BadArgs(f"{name}={combo!r} has an empty key name (write combos like 'ctrl+shift+t')")
+        raise BadArgs(f"{name}={quote(combo)} has an empty key name (write combos like 'ctrl+shift+t')")
     return combo
 
 
@@ -176,8 +183,9 @@ def _env(name: str, value: Any, screen: Screen) -> dict[str, str]:
     if not isinstance(value, dict) or len(value) > MAX_ENV_VARS:
         raise BadArgs(f"{name} must be an object of at most {MAX_ENV_VARS} string values")
     for key, item in value.items():
-        if not key or "=" in key or "\x00" in key or not isinstance(item, str) or "\x00" in item:
-            raise BadArgs(f"{name}[{key!r}] must be a string without NUL, keyed by a valid name")
+        if (not key or "=" in key or "\x00" in key or not is_utf8(key) or not isinstance(item, str)
+                or "\x00" in item or not is_utf8(item)):  # fmt: skip
+            raise BadArgs(f"{name}[{quote(key)}] must be a string without NUL, keyed by a valid name")
     return dict(value)
 
 
@@ -254,7 +262,8 @@ def validate(verb: str, args: dict[str, Any], screen: Screen) -> dict[str, Any]:
         args = _flatten_params(args)
     unknown = sorted(set(args) - set(spec))
     if unknown:
-        raise BadArgs(f"{verb}: unknown argument(s) {', '.join(map(repr, unknown))}")
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise BadArgs(f"{verb}: unknown argument(s) {', '.join(map(quote, unknown[:3]))}{more}")
     out: dict[str, Any] = {}
     for name, arg in spec.items():
         if name in args:

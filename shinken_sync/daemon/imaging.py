@@ -18,9 +18,11 @@ behind each choice: docs/displays.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import math
+import os
 import re
 import struct
 import zlib
@@ -48,6 +50,13 @@ MIN_LONG_EDGE = 8
 PNG_COMPRESS_LEVEL = 1
 
 Rect = tuple[int, int, int, int]  # x, y, w, h
+
+#: The threads screenshots are encoded on (backends without a thread of their
+#: own). Nothing a client controls runs here: a call that blocks a thread (a
+#: stalled file read) blocks another pool, never every screenshot (issue 18).
+ENCODE_POOL = concurrent.futures.ThreadPoolExecutor(
+    max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="shinkend-encode"
+)
 
 
 @dataclass(frozen=True)

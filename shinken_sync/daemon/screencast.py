@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shinken_sync.protocol import ERR_FAILED, ERR_NOT_FOUND, encode_frame, encode_stream_end
+from shinken_sync.protocol import ERR_FAILED, ERR_NOT_FOUND, MAX_MESSAGE_SIZE, encode_frame, encode_stream_end
 
 from .display.base import Display
 from .errors import VerbError
@@ -138,8 +138,13 @@ class Stream:
         p = self.params
         image = await self._display.screenshot(format=p.format, quality=p.quality, max_long_edge=p.max_long_edge)
         meta = {**image.meta(), "ts": time.time()}
+        message = encode_frame(self.id, self.seq, meta, image.data)
+        if len(message) > MAX_MESSAGE_SIZE:  # the client would close with 1009: a missed frame instead
+            log.warning("stream %s: a %d-byte frame exceeds the message limit; lower max_long_edge", self.id,
+                        len(message))  # fmt: skip
+            return False
         # The outbox may have been swapped or closed while encoding.
-        return self.outbox is outbox and outbox.offer(encode_frame(self.id, self.seq, meta, image.data))
+        return self.outbox is outbox and outbox.offer(message)
 
 
 class StreamRegistry:

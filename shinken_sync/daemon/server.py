@@ -8,12 +8,16 @@ connections, then serves until SIGTERM/SIGINT::
 Everything else goes to stderr. Each sandbox is served on its own URL path
 ``/sb/<index>``: ``/sb/0`` in single mode, ``/sb/0`` .. ``/sb/N-1`` with
 ``--fleet N`` (N virtual sandboxes in one process sharing one encode cache,
-for scale tests). One bearer token, read from ``--token-file``, guards them
-all. docs/protocol.md is the reference.
+for scale tests). One bearer token guards them all, read from ``--token-file``
+(a regular file the group and others cannot read) or, without that option, from
+the ``SHINKEND_TOKEN`` environment variable (removed from the daemon's
+environment at once, so ``exec`` children never see it). Never from the
+command line, where ``ps`` shows it. docs/protocol.md is the reference.
 
-Exit codes: 0 after a clean shutdown, 2 for bad command-line options or an
-unreadable token file, 3 when a display could not be started or the address
-could not be bound.
+Exit codes: 0 after a clean shutdown, 2 for bad command-line options or a token
+that cannot be used (missing, unreadable, empty, shorter than
+:data:`MIN_TOKEN_BYTES`, or in a file readable by group/others), 3 when a display
+could not be started or the address could not be bound.
 """
 
 from __future__ import annotations
@@ -25,18 +29,20 @@ import hmac
 import http
 import json
 import logging
+import math
 import os
 import re
 import resource
 import shlex
 import signal
+import stat
 import sys
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION
+from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote
 
 from .connection import serve_connection
 from .display import make_display
@@ -49,13 +55,24 @@ EXIT_USAGE = 2
 EXIT_BOOT_ERROR = 3
 MAX_FLEET = 4096
 MAX_RTT_MS = 10_000
-#: How long shutdown waits for connections to close and displays to stop.
+#: How long shutdown waits for the displays to stop.
 SHUTDOWN_TIMEOUT_S = 10.0
+#: The closing handshake's bound (the SDK's too): a client that does not answer
+#: the close frame is dropped after it, so SIGTERM never waits on one.
+CLOSE_TIMEOUT_S = 2.0
+#: How long shutdown waits for connections; handshakes still incomplete then
+#: (they would have 10 s) are dropped with the process.
+CONNECTIONS_SHUTDOWN_S = CLOSE_TIMEOUT_S + 1.0
 #: Incoming frames buffered per connection before websockets stops reading;
 #: the reader drains them into the call queue at once, so a few suffice.
 WS_MAX_QUEUE = 4
+#: A shorter bearer token is refused: it could be guessed over loopback.
+MIN_TOKEN_BYTES = 16
+TOKEN_ENV = "SHINKEND_TOKEN"
 
-_PATH = re.compile(r"/sb/(\d+)")
+# At most 4 digits (MAX_FLEET): a longer index is simply not a sandbox, and
+# never reaches int(), which refuses 4,300+ digits with an exception (issue 18).
+_PATH = re.compile(r"/sb/(\d{1,4})")
 
 
 def sandbox_path(index: int) -> str:
@@ -76,7 +93,7 @@ class Daemon:
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         if self._sandbox_for(request.path) is None:
-            return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {request.path}\n")
+            return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {quote(request.path)}\n")
         return None
 
     def _sandbox_for(self, path: str) -> Sandbox | None:
@@ -107,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on; keep loopback unless a network in front authenticates "
                         "(default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
-    p.add_argument("--token-file", required=True, help="file holding the bearer token")
+    p.add_argument("--token-file", default=None,
+                   help=f"file holding the bearer token, mode 0600 or stricter (default: ${TOKEN_ENV})")
     p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual",
                    help="virtual: a drawn desktop in this process; xvfb: a real X server with xdotool input "
                         "(needs Xvfb, xdotool and the [xvfb] extra) (default: virtual)")
@@ -126,11 +144,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_token(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        token = f.read().strip()
+class TokenError(Exception):
+    """The bearer token cannot be used; the daemon exits with :data:`EXIT_USAGE`."""
+
+
+def _read_token(path: str | None) -> str:
+    # Popped whether used or not: exec children inherit os.environ and must
+    # never see a token.
+    from_env = os.environ.pop(TOKEN_ENV, "").strip()
+    if path is None:
+        token = from_env
+        where = f"${TOKEN_ENV}"
+        if not token:
+            raise TokenError(f"no token: pass --token-file PATH or set {where}")
+    else:
+        where = f"token file {path}"
+        try:
+            # O_NONBLOCK: a FIFO planted at the path must not hang the start.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TokenError(f"{where} is not a regular file")
+            if info.st_mode & 0o077:
+                raise TokenError(
+                    f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
+                    f"chmod 600 it"
+                )
+            raw = f.read(64 * 2**10)
+        try:
+            token = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise TokenError(f"{where} is not UTF-8 text") from None
     if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise TokenError(f"{where} is empty")
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise TokenError(f"the token in {where} is shorter than {MIN_TOKEN_BYTES} bytes")
     return token
 
 
@@ -183,6 +234,7 @@ async def run(args: argparse.Namespace, token: str) -> int:
                 compression=None,
                 max_size=MAX_MESSAGE_SIZE,
                 max_queue=WS_MAX_QUEUE,
+                close_timeout=CLOSE_TIMEOUT_S,
                 logger=logging.getLogger("shinkend.ws"),
             )
         except OSError as exc:
@@ -217,9 +269,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         if server is not None:
             server.close()
             try:
-                await asyncio.wait_for(server.wait_closed(), SHUTDOWN_TIMEOUT_S)
+                await asyncio.wait_for(server.wait_closed(), CONNECTIONS_SHUTDOWN_S)
             except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
-                log.warning("connections still open after %.0f s; closing anyway", SHUTDOWN_TIMEOUT_S)
+                log.warning("connections still open after %.0f s; closing anyway", CONNECTIONS_SHUTDOWN_S)
         try:
             await asyncio.wait_for(daemon.close(), SHUTDOWN_TIMEOUT_S)
         except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
@@ -254,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
     if args.launch and args.display != "xvfb":
         parser.error("--launch needs --display xvfb")
-    if args.stream_grace < 0:
-        parser.error("--stream-grace must be >= 0")
+    if not 0 <= args.stream_grace < math.inf:  # NaN fails both: a NaN timer breaks the loop's heap
+        parser.error("--stream-grace must be a finite number >= 0")
     _raise_fd_limit()
     try:
         token = _read_token(args.token_file)
-    except (OSError, ValueError) as exc:
-        log.error("cannot read the token: %s", exc)
+    except TokenError as exc:
+        log.error("refusing to start: %s", exc)
         return EXIT_USAGE
     return asyncio.run(run(args, token))
 

@@ -5,10 +5,15 @@ timeout kills the whole group, grandchildren included. Output is captured up to
 a per-stream cap; past the cap it is read and discarded (the child never blocks
 on a full pipe) and the reply says ``stdout_truncated``. A command that leaves a
 background process holding its stdout is not waited for beyond
-:data:`DRAIN_GRACE_S` after the shell exits.
+:data:`DRAIN_GRACE_S` after the shell exits. The cap bounds the *encoded*
+reply too: as JSON text, a NUL byte takes 6 bytes (``\u0000``) and an invalid
+UTF-8 byte 3 (U+FFFD), so each stream's text is also cut to
+:data:`MAX_ENCODED_OUTPUT` bytes of JSON (issue 18).
 
 File contents travel base64-encoded inside the JSON reply: files are not the
-image hot path, and base64 keeps them binary-safe.
+image hot path, and base64 keeps them binary-safe. The file verbs work on
+regular files only, opened with ``O_NONBLOCK`` first: a FIFO or a device would
+block a thread forever (or produce endless data), so it is refused.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import os
 import signal
+import stat
 import time
 from typing import Any
 
 from shinken_sync.protocol import ERR_FAILED, ERR_NOT_FOUND
 
+from .deadline import within
 from .errors import VerbError, VerbTimeout
 
 log = logging.getLogger("shinkend.shell")
@@ -31,6 +39,10 @@ log = logging.getLogger("shinkend.shell")
 #: How long to keep reading a command's pipes after the shell itself exited.
 DRAIN_GRACE_S = 0.5
 _CHUNK = 64 * 2**10
+#: Bytes one output stream may take in the JSON reply, escapes included: two
+#: streams plus the envelope stay under the 16 MiB message limit, and base64 of
+#: the largest capture (4 MiB -> 5.3 MiB) always fits.
+MAX_ENCODED_OUTPUT = 6 * 2**20
 
 
 class Shell:
@@ -71,7 +83,7 @@ class Shell:
         timeout_s = p["timeout_ms"] / 1000
         try:
             try:
-                await asyncio.wait_for(proc.wait(), timeout_s)
+                await within(proc.wait(), timeout_s)
             except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
                 _kill_group(proc.pid)
                 raise VerbTimeout(
@@ -87,19 +99,20 @@ class Shell:
             if proc.returncode is None:  # cancelled: the connection went away mid-command
                 _kill_group(proc.pid)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), 1.0)
+                    await within(proc.wait(), 1.0)
             # Background processes the command left may outlive it in the group.
             if proc.returncode is not None and not _group_alive(proc.pid):
                 self._groups.discard(proc.pid)
         rc = proc.returncode
-        encode = _encoder(p["encoding"])
+        stdout, stdout_cut = _encode(out.data, p["encoding"])
+        stderr, stderr_cut = _encode(err.data, p["encoding"])
         return {
             "exit_code": rc if rc >= 0 else None,
             "signal": -rc if rc < 0 else None,
-            "stdout": encode(out.data),
-            "stderr": encode(err.data),
-            "stdout_truncated": out.truncated,
-            "stderr_truncated": err.truncated,
+            "stdout": stdout,
+            "stderr": stderr,
+            "stdout_truncated": out.truncated or stdout_cut,
+            "stderr_truncated": err.truncated or stderr_cut,
             "encoding": p["encoding"],
             "duration_ms": round((time.monotonic() - started) * 1000, 1),
         }
@@ -136,10 +149,25 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
     stdin.close()
 
 
-def _encoder(encoding: str):
+def _encode(data: bytes | bytearray, encoding: str) -> tuple[str, bool]:
+    """The captured bytes as the reply's string, and whether it had to be cut
+    to :data:`MAX_ENCODED_OUTPUT` bytes of JSON."""
     if encoding == "base64":
-        return lambda data: base64.b64encode(data).decode("ascii")
-    return lambda data: data.decode("utf-8", errors="replace")
+        return base64.b64encode(data).decode("ascii"), False
+    text, cut = data.decode("utf-8", errors="replace"), False
+    size = _json_size(text)
+    while size > MAX_ENCODED_OUTPUT:
+        # Shrink by the measured inflation; each pass is strictly shorter, and
+        # one or two passes suffice unless escapes cluster at the start.
+        text, cut = text[: len(text) * MAX_ENCODED_OUTPUT // size], True
+        size = _json_size(text)
+    return text, cut
+
+
+def _json_size(text: str) -> int:
+    """Bytes ``text`` takes as a JSON string on the wire (protocol: ensure_ascii=False)."""
+    escaped = json.dumps(text, ensure_ascii=False)
+    return len(escaped) if escaped.isascii() else len(escaped.encode())
 
 
 def _kill_group(pgid: int) -> None:
@@ -159,9 +187,24 @@ def _group_alive(pgid: int) -> bool:
 # Files (blocking; the verbs run them in a thread)
 
 
+def _open_regular(path: str, flags: int) -> int:
+    """Open ``path`` without blocking and return the descriptor if it is a
+    regular file; a FIFO, socket or device is refused (``failed``)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise VerbError(f"{path} is not a regular file (the file verbs refuse FIFOs, sockets and devices)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_file(p: dict[str, Any]) -> dict[str, Any]:
     try:
-        with open(p["path"], "rb") as f:
+        with open(_open_regular(p["path"], os.O_RDONLY), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             f.seek(p["offset"])
             data = f.read(p["max_bytes"])
@@ -183,7 +226,11 @@ def write_file(p: dict[str, Any]) -> dict[str, Any]:
     try:
         if p["make_dirs"]:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "ab" if p["append"] else "wb") as f:
+        with contextlib.suppress(FileNotFoundError):  # refused before O_TRUNC can touch it
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise VerbError(f"{path} is not a regular file (the file verbs refuse FIFOs, sockets and devices)")
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if p["append"] else os.O_TRUNC)
+        with open(_open_regular(path, flags), "ab" if p["append"] else "wb") as f:
             f.write(p["data"])
             if p["mode"] is not None:
                 os.fchmod(f.fileno(), p["mode"])

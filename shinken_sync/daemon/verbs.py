@@ -4,25 +4,33 @@
 against the sandbox and encodes the reply. It never raises for anything a
 client did: bad arguments, a failing action, an expired deadline or a daemon
 bug each become an error reply on the same connection (see :mod:`.errors`).
+Every reply fits one message: one that would exceed ``MAX_MESSAGE_SIZE`` once
+encoded is replaced by an error reply saying so (the verbs' own caps keep
+their replies below it; this is the backstop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shinken_sync.protocol import (
+    ERR_FAILED,
     ERR_INTERNAL,
+    MAX_MESSAGE_SIZE,
     Call,
     encode_error,
     encode_image_reply,
     encode_reply,
+    quote,
 )
 
 from .args import STREAM_PARAMS, Screen, validate
+from .deadline import within
 from .display.base import Display, DisplayError, EncodedImage
 from .errors import VerbError, VerbTimeout
 from .outbox import Outbox
@@ -39,6 +47,13 @@ TYPE_TIMEOUT_PER_CHAR_S = 0.05
 #: display; about one capture + digest per poll on Xvfb.
 POLL_INTERVAL_S = 0.05
 MIN_POLL_INTERVAL_S = 0.01
+#: Characters of an unexpected exception's text put in an ``internal`` reply.
+MAX_INTERNAL_MESSAGE = 500
+
+#: The threads file verbs block in. Their own pool: a file that stalls its
+#: reader (a network mount) can exhaust it, but never the threads that encode
+#: screenshots (imaging.ENCODE_POOL) nor asyncio's default executor.
+FILE_THREADS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="shinkend-files")
 
 
 @dataclass
@@ -65,6 +80,22 @@ Handler = Callable[[Sandbox, Outbox, dict[str, Any]], Awaitable["dict[str, Any] 
 
 async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     """Run one call and return its encoded reply (text, or binary for an image)."""
+    reply = await _execute(sandbox, outbox, call)
+    try:
+        # str.isascii() is O(1): only non-ASCII text replies pay for an encode.
+        size = len(reply) if isinstance(reply, bytes) or reply.isascii() else len(reply.encode())
+    except UnicodeEncodeError:  # a lone surrogate slipped into a result: a daemon bug, not a dead socket
+        log.error("%s (call %s): the reply is not valid Unicode", call.verb, quote(call.call_id))
+        return encode_error(call.call_id, ERR_INTERNAL, "the reply held a lone surrogate and could not be sent")
+    if size > MAX_MESSAGE_SIZE:
+        log.warning("%s (call %s): a %d-byte reply was replaced by an error", call.verb, quote(call.call_id), size)
+        return encode_error(
+            call.call_id, ERR_FAILED, f"the reply would be {size} bytes, over the {MAX_MESSAGE_SIZE}-byte message limit"
+        )
+    return reply
+
+
+async def _execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     try:
         params = validate(call.verb, call.args, sandbox.screen)
         result = await HANDLERS[call.verb](sandbox, outbox, params)
@@ -73,8 +104,9 @@ async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     except DisplayError as exc:
         return encode_error(call.call_id, exc.kind, str(exc))
     except Exception as exc:
-        log.exception("%s (call %r) failed inside the daemon", call.verb, call.call_id)
-        return encode_error(call.call_id, ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+        log.exception("%s (call %s) failed inside the daemon", call.verb, quote(call.call_id))
+        text = f"{type(exc).__name__}: {exc}"
+        return encode_error(call.call_id, ERR_INTERNAL, ascii(text[:MAX_INTERNAL_MESSAGE])[1:-1])
     if isinstance(result, EncodedImage):
         return encode_image_reply(call.call_id, result.meta(), result.data)
     return encode_reply(call.call_id, result=result)
@@ -83,7 +115,7 @@ async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
 async def _on_display(action: Awaitable[Any], what: str, timeout: float | None = None) -> Any:
     timeout = DISPLAY_CALL_TIMEOUT_S if timeout is None else timeout
     try:
-        return await asyncio.wait_for(action, timeout)
+        return await within(action, timeout)
     except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
         raise VerbTimeout(f"{what} took longer than {timeout:.0f} s") from None
 
@@ -186,11 +218,11 @@ async def _exec(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any
 
 
 async def _read_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
-    return await asyncio.to_thread(read_file, p)
+    return await asyncio.get_running_loop().run_in_executor(FILE_THREADS, read_file, p)
 
 
 async def _write_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
-    return await asyncio.to_thread(write_file, p)
+    return await asyncio.get_running_loop().run_in_executor(FILE_THREADS, write_file, p)
 
 
 async def _screencast_start(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:

@@ -122,6 +122,13 @@ def test_sigterm_shuts_down_cleanly(shinkend, aci):
     assert "Traceback" not in daemon.stderr()
 
 
+def _token_file(directory, token: str = "a-good-token-of-32-characters-ok", mode: int = 0o600):
+    path = directory / "t.token"
+    path.write_text(token)
+    path.chmod(mode)
+    return path
+
+
 def test_bad_command_line_and_token_file_exit_with_2(tmp_path):
     import subprocess
     import sys
@@ -155,8 +162,7 @@ def test_a_display_that_cannot_start_exits_with_3(tmp_path):
     import subprocess
     import sys
 
-    token = tmp_path / "t.token"
-    token.write_text("t")
+    token = _token_file(tmp_path)
     env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no Xvfb on this PATH
     proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(token),
                            "--display", "xvfb", "--screen", "640x480"],
@@ -169,8 +175,7 @@ def test_a_port_in_use_exits_with_3(vdaemon, tmp_path):
     import subprocess
     import sys
 
-    token = tmp_path / "t.token"
-    token.write_text("t")
+    token = _token_file(tmp_path)
     port = str(urllib.parse.urlsplit(vdaemon.url).port)
     proc = subprocess.run([sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", str(token),
                            "--port", port, "--screen", "1024x768"],

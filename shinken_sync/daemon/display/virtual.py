@@ -668,8 +668,8 @@ class SharedFrameCache:
 
     Keyed by (scene, state, encode params): displays in the same visual state
     share one encode, and concurrent requests for one key wait for a single
-    encode ("unchanged frames encoded once"). Thread-safe; encodes run in the
-    default executor.
+    encode ("unchanged frames encoded once"). Thread-safe; encodes run on
+    ``imaging.ENCODE_POOL``.
     """
 
     def __init__(self, max_bytes: int = 64 * 2**20):
@@ -706,7 +706,7 @@ class SharedFrameCache:
             else:
                 self.hits += 1
         if owner:
-            asyncio.get_running_loop().run_in_executor(None, self._produce, key, encode, future)
+            asyncio.get_running_loop().run_in_executor(imaging.ENCODE_POOL, self._produce, key, encode, future)
         return await asyncio.wrap_future(future)
 
     def _produce(self, key: Hashable, encode: Callable[[], EncodedImage], future: concurrent.futures.Future) -> None:
@@ -764,7 +764,7 @@ class VirtualDisplay(Display):
 
     async def start(self) -> None:
         # Building the scene (~0.2 s at 1080p) once, off the loop.
-        await asyncio.to_thread(_scene, self.width, self.height, self.seed)
+        await asyncio.get_running_loop().run_in_executor(imaging.ENCODE_POOL, _scene, self.width, self.height, self.seed)
 
     async def close(self) -> None:
         return None
