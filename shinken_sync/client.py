@@ -64,9 +64,11 @@ from .errors import (
 from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
 from .providers.base import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
+from .turnbudget import turn_budget_for_loop
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
+    "MAX_CALL_STARTS_PER_TURN",
     "AsyncSandbox",
     "ScreencastStream",
     "aconnect",
@@ -83,6 +85,12 @@ _STREAM_OPENERS = ("screencast_start", "resume_screencast")
 #: Byte budget for queued screencast frames per event loop; None = off.
 #: Recommended for fleets: ``256 << 20``. See the module docstring.
 GLOBAL_FRAME_BUDGET_BYTES: int | None = None
+
+#: Calls started per event-loop turn across every connection of the loop; the
+#: rest wait for the next turns, in order (:mod:`shinken_sync.turnbudget`). A
+#: step counts its actions plus its observation and is never split. Read at
+#: every call start; None = no bound. See docs/concurrency.md "Fair scheduling".
+MAX_CALL_STARTS_PER_TURN: int | None = 128
 
 #: The websockets keepalive default; ``ping_jitter`` adds to it per connection.
 DEFAULT_PING_INTERVAL = 20.0
@@ -421,6 +429,7 @@ class AsyncSandbox:
         self._max_queue_frames = max_queue_frames
         self._loop = asyncio.get_running_loop()
         self._budget = budget_for_loop(self._loop)
+        self._turns = turn_budget_for_loop(self._loop)
         self._frame_counters = FrameCounters()
         self._pending: dict[int, _Pending] = {}
         self._next_call_id = 1
@@ -559,7 +568,14 @@ class AsyncSandbox:
         return future
 
     async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+        await self._admit(1)
         return await self._send(self._prepare(verb, args, timeout))
+
+    async def _admit(self, calls: int) -> None:
+        """Wait for room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN)."""
+        limit = MAX_CALL_STARTS_PER_TURN
+        if limit is not None and not self._turns.try_admit(calls, limit):
+            await self._turns.admit(calls, limit)
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.pop(call_id, None)
@@ -732,6 +748,7 @@ class AsyncSandbox:
                 failed_at = i
                 continue
             try:
+                await self._admit(1)
                 value = _unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
@@ -774,6 +791,10 @@ class AsyncSandbox:
         sent = [call for call, ok in zip(calls, admitted) if ok]
         if observe_args is not None:
             sent.append(("screenshot", observe_args))
+        # The whole step is admitted in one turn (its calls stay together on the
+        # wire); encoding waits for the admission, so a burst is spread too.
+        await self._admit(len(sent))
+        self._check_usable()
         deadlines = iter(pipelined_deadlines(self._rpc_timeout, sent, timeout))
         # Encode everything first: a bad argument raises before anything is sent.
         prepared = [

@@ -50,7 +50,10 @@ import contextlib
 import encodings.idna  # noqa: F401  -- see _prepare_caller
 import functools
 import importlib
+import math
 import os
+import select
+import selectors
 import ssl  # noqa: F401  -- see _prepare_caller
 import sys
 import threading
@@ -74,6 +77,21 @@ CLOSE_TIMEOUT = 10.0
 
 LIVENESS_POLL = 1.0
 """A waiter re-checks that its loop is alive (thread running, same pid) this often."""
+
+MAX_STARTS_PER_TURN = 64
+"""Submitted coroutines the loop starts per loop turn (read at every turn).
+
+A burst (1024 greenlets each calling ``step()`` at once) is started in slices
+of this many, one slice per turn, so timers and replies run between slices
+instead of waiting out the whole burst. None = start everything at once."""
+
+MAX_EVENTS_PER_SELECT = 32
+"""Ready sockets the loop handles per select (read when the loop is built).
+
+A lockstep round's replies land within a few ms; handling all 1024 ready
+sockets in one turn starves timers for as long. The selectors here are
+level-triggered, so a socket left over is simply reported again at the next
+select. None = no bound."""
 
 
 class LoopThreadDied(ShinkenError):
@@ -274,6 +292,85 @@ class _Outcome:
         return self._value
 
 
+# -- the loop itself -----------------------------------------------------------
+
+
+class _BoundedSelector(selectors.BaseSelector):
+    """A selector that reports at most ``limit`` ready files per ``select()``.
+
+    Wraps whatever ``selectors.DefaultSelector`` is in this thread (epoll, or
+    gevent's selector bound to the loop thread's hub under patching). Both are
+    level-triggered: a file left out is reported again by the next select, so
+    nothing is lost, only deferred by one turn. With epoll the kernel returns
+    at most ``limit`` events itself and rotates its ready list, so no socket
+    waits behind a busy one for more than a turn or two.
+    """
+
+    def __init__(self, inner: selectors.BaseSelector, limit: int) -> None:
+        self._inner = inner
+        self._limit = limit
+        # Gevent's patching removes selectors.EpollSelector (and select.epoll).
+        epoll_class = getattr(selectors, "EpollSelector", None)
+        self._epoll = inner._selector if epoll_class and isinstance(inner, epoll_class) else None  # type: ignore[attr-defined]
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.modify(fileobj, events, data)
+
+    def get_map(self) -> Any:
+        return self._inner.get_map()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self._epoll is None:
+            return self._inner.select(timeout)[: self._limit]
+        return self._select_epoll(timeout)
+
+    def _select_epoll(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
+        # selectors.EpollSelector.select with maxevents = limit (same rounding).
+        if timeout is None:
+            timeout = -1
+        elif timeout <= 0:
+            timeout = 0
+        else:
+            timeout = math.ceil(timeout * 1e3) * 1e-3
+        try:
+            fd_events = self._epoll.poll(timeout, self._limit)
+        except InterruptedError:
+            return []
+        ready = []
+        key_of = self._inner._key_from_fd  # type: ignore[attr-defined]
+        for fd, event in fd_events:
+            events = 0
+            if event & ~select.EPOLLIN:
+                events |= selectors.EVENT_WRITE
+            if event & ~select.EPOLLOUT:
+                events |= selectors.EVENT_READ
+            key = key_of(fd)
+            if key:
+                ready.append((key, events & key.events))
+        return ready
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The loop thread's event loop, with :data:`MAX_EVENTS_PER_SELECT` applied.
+
+    Built in the loop thread: under gevent patching ``DefaultSelector`` is then
+    gevent's selector bound to this thread's hub (DNS and executors need it).
+    """
+    limit = MAX_EVENTS_PER_SELECT
+    if limit is None:
+        return asyncio.new_event_loop()
+    return asyncio.SelectorEventLoop(_BoundedSelector(selectors.DefaultSelector(), limit))
+
+
 # -- one incarnation of the loop thread --------------------------------------
 
 
@@ -311,7 +408,7 @@ class _LoopThread:
     def _main(self) -> None:
         death: BaseException | None = None
         try:
-            loop = asyncio.new_event_loop()
+            loop = _new_loop()
             asyncio.set_event_loop(loop)
             self.loop, self.ident = loop, _native_get_ident()
             loop.call_soon(self.ready.set)
@@ -356,11 +453,26 @@ class _LoopThread:
             self.loop.call_soon_threadsafe(self._drain_inbox)
 
     def _drain_inbox(self) -> None:
-        self.inbox_scheduled = False
+        """Start at most :data:`MAX_STARTS_PER_TURN` submissions, then yield the
+        turn (the rest start from the next one, after I/O and timers ran)."""
         inbox = self.inbox
-        while inbox:
+        budget = MAX_STARTS_PER_TURN
+        started = 0
+        while inbox and (budget is None or started < budget):
             future, coro = inbox.popleft()
             future._start(coro)
+            started += 1
+        if inbox:  # still scheduled: post() need not wake the loop again
+            assert self.loop is not None
+            self.loop.call_soon(self._drain_inbox)
+            return
+        self.inbox_scheduled = False
+        # A post() between the emptiness check and the flag reset saw the flag
+        # still set and did not schedule: pick its item up now.
+        if inbox and not self.inbox_scheduled:
+            self.inbox_scheduled = True
+            assert self.loop is not None
+            self.loop.call_soon(self._drain_inbox)
 
     def stop(self) -> None:
         """Leave run_forever (and so drain). On the loop thread; a no-op once draining."""
