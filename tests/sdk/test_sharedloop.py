@@ -376,7 +376,7 @@ def test_a_burst_of_submissions_starts_a_bounded_slice_per_turn(shared):
         started.append(turn[0])
 
     async def block_the_loop() -> None:
-        time.sleep(0.3)  # everything below is posted while the loop cannot drain
+        time.sleep(0.3)  # noqa: ASYNC251 -- on purpose: everything below is posted while the loop cannot drain
 
     blocker = shared.submit(block_the_loop())
     futures = [shared.submit(record()) for _ in range(5 * sharedloop.MAX_STARTS_PER_TURN)]
