@@ -770,7 +770,8 @@ class AsyncSandbox:
 
         The daemon runs them in order. There is no ``skipped`` here: every
         action is already on the wire when an earlier one fails, so each row
-        carries its own real outcome (``ok | error | timeout | sandbox_died``),
+        carries its own real outcome (``ok | error | timeout | connection_lost |
+        sandbox_died``),
         or ``denied`` when the gateway refused it (it was never sent).
         ``observe`` holds :meth:`screenshot` arguments (``{}`` for defaults); the
         observation comes back even after an action failed.
@@ -1002,8 +1003,16 @@ class AsyncSandbox:
         if liveness is not None and not liveness.alive:
             return SandboxDied.from_liveness(liveness, code=code, reason=reason)
         detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+        # Alive, "unknown", or no answer: a dropped connection, not a death.
+        said = "no liveness probe" if self._probe is None else (
+            "the provider did not answer" if liveness is None else
+            f"the provider says alive{': ' + liveness.detail if liveness.detail else ''}"
+        )  # fmt: skip
         return ConnectionLost(
-            f"connection to sandbox {self.sandbox_id} lost{detail}", code=code, reason=reason
+            f"connection to sandbox {self.sandbox_id} lost{detail}; {said}",
+            code=code,
+            reason=reason,
+            liveness=liveness,
         )
 
     async def _probe_liveness(self) -> Liveness | None:

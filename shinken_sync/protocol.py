@@ -50,10 +50,12 @@ TIMEOUT = "timeout"
 SKIPPED = "skipped"
 SANDBOX_DIED = "sandbox_died"
 DENIED = "denied"
+CONNECTION_LOST = "connection_lost"
 #: Outcomes a daemon may put on the wire. ``skipped`` and ``denied`` are
-#: client-side verdicts about calls that never ran.
+#: client-side verdicts about calls that never ran; ``connection_lost`` is the
+#: client's verdict when the connection dropped and the sandbox may be alive.
 WIRE_OUTCOMES = frozenset({OK, ERROR, TIMEOUT, SANDBOX_DIED})
-OUTCOMES = frozenset({OK, ERROR, TIMEOUT, SKIPPED, SANDBOX_DIED, DENIED})
+OUTCOMES = frozenset({OK, ERROR, TIMEOUT, SKIPPED, SANDBOX_DIED, DENIED, CONNECTION_LOST})
 
 # Machine-readable error kinds carried in ``reply.error.kind``.
 ERR_BAD_REQUEST = "bad_request"  # not JSON, not an object, missing/wrong envelope field

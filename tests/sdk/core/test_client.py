@@ -83,7 +83,9 @@ def test_connection_death_fails_every_pending_call_at_once(run, peer, helpers):
                 asyncio.gather(*(sb.wait(i) for i in range(5)), return_exceptions=True), 5
             )
             assert all(type(r) is ConnectionLost for r in results), results
-            assert [classify_exception(r) for r in results] == [protocol.SANDBOX_DIED] * 5
+            # no probe: nobody says the sandbox is gone, so it is a lost connection, not a death
+            assert [classify_exception(r) for r in results] == [protocol.CONNECTION_LOST] * 5
+            assert all(r.liveness is None and "no liveness probe" in str(r) for r in results)
             assert sb.closed and isinstance(sb.loss, ConnectionLost)
             with pytest.raises(ConnectionLost):  # later calls fail the same way, at once
                 await sb.click(1, 1)
@@ -107,6 +109,24 @@ def test_liveness_probe_upgrades_the_loss_to_sandbox_died(run, peer, helpers):
                 await sb.exec("true")
             assert (info.value.signal, info.value.oom, info.value.exit_code) == (signal.SIGKILL, True, None)
             assert isinstance(info.value, ConnectionLost)
+            assert classify_exception(info.value) == protocol.SANDBOX_DIED and info.value.liveness is dead
+
+    run(body())
+
+
+@pytest.mark.parametrize("verdict", [Liveness(alive=True), Liveness(alive=True, detail="unknown")])
+def test_a_probe_that_says_alive_keeps_the_loss_a_connection_loss(run, peer, helpers, verdict):
+    async def script(ws):
+        await helpers.calls(ws, 1)
+        ws.transport.abort()
+
+    async def body():
+        async with peer(script) as url, await aconnect(url, TOKEN, liveness_probe=lambda: verdict) as sb:
+            with pytest.raises(ConnectionLost) as info:
+                await sb.wait(1)
+            assert not isinstance(info.value, SandboxDied)
+            assert classify_exception(info.value) == protocol.CONNECTION_LOST
+            assert info.value.liveness == verdict and "the provider says alive" in str(info.value)
 
     run(body())
 
@@ -130,6 +150,7 @@ def test_hung_liveness_probe_is_bounded(run, peer, helpers, monkeypatch):
             with pytest.raises(ConnectionLost) as info:
                 await asyncio.wait_for(sb.wait(1), 2.5)
             assert not isinstance(info.value, SandboxDied)
+            assert info.value.liveness is None and "did not answer" in str(info.value)
             gate.set()
 
     run(body())
