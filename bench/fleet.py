@@ -152,6 +152,17 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def apply_gc_setting(spec: dict[str, Any]) -> None:
+    """Once the fleet is connected: ``--gc-fleet`` applies the SDK's opt-in
+    helper (freeze + raised thresholds), ``--gc-freeze`` only freezes."""
+    if spec.get("gc_fleet"):
+        from shinken_sync.fleetgc import tune_gc_for_fleet
+
+        tune_gc_for_fleet()
+    elif spec["gc_freeze"]:
+        freeze_heap()
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -418,6 +429,7 @@ def _finish_report(
         "host_cpu_ms_per_step": 1000 * (clock.cpu1[1] - clock.cpu0[1]) / max(1, log.frames),
         "host_rss_bytes": proc_status(spec["host_pid"])["VmRSS"],
         "gc_freeze": spec["gc_freeze"],
+        "gc_fleet": spec.get("gc_fleet", False),
         "spread_ms": spec["spread_ms"],
         "loadavg_max": max(clock.load, default=0.0),
     }
@@ -511,8 +523,7 @@ def _run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
     status = proc_status()
     rss.update(connected=status["VmRSS"], threads=status["Threads"])
     fds.sample()
-    if spec["gc_freeze"]:
-        freeze_heap()
+    apply_gc_setting(spec)
     width, height = sandboxes[0].screen_size() if sandboxes else (1, 1)
     clicks = Clicks(spec["clicks"], width, height)
 
@@ -632,8 +643,7 @@ async def _run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
     status = proc_status()
     rss.update(connected=status["VmRSS"], threads=status["Threads"])
     fds.sample()
-    if spec["gc_freeze"]:
-        freeze_heap()
+    apply_gc_setting(spec)
     width, height = await sandboxes[0].screen_size() if sandboxes else (1, 1)
     clicks = Clicks(spec["clicks"], width, height)
 
@@ -1246,6 +1256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start each round's steps evenly over this window instead of all at once")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.collect(); gc.freeze() once the fleet is connected (caller-side idiom)")
+    p.add_argument("--gc-fleet", action="store_true",
+                   help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
     p.add_argument("--drills", nargs="?", const=",".join(DRILL_MODES), default="",
                    help=f"run drills: all, or a comma-separated subset of {','.join(DRILL_MODES)}")
     p.add_argument("--drill-n", type=int, default=256, help="fleet size for the drills")
@@ -1269,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     revision = git_revision()
     print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
-          f"rounds={args.rounds} period={ROUND_PERIOD_S}s gc_freeze={args.gc_freeze} "
+          f"rounds={args.rounds} period={ROUND_PERIOD_S}s gc_freeze={args.gc_freeze} gc_fleet={args.gc_fleet} "
           f"spread={args.spread_ms:g}ms fd limit {soft}/{hard} code {revision}", flush=True)  # fmt: skip
     for n in ns:
         if soft < 4 * n:
@@ -1286,7 +1298,8 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": "rounds", "n": n, "urls": host.urls, "token": host.token, "rtt_ms": args.rtt_ms,
                     "rounds": args.rounds, "period": ROUND_PERIOD_S, "host_pid": host.proc.pid,
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
-                    "clicks": args.clicks, "gc_freeze": args.gc_freeze, "spread_ms": args.spread_ms,
+                    "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
+                    "spread_ms": args.spread_ms,
                 }  # fmt: skip
                 if n in ns:
                     for face in faces:
