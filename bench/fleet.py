@@ -1025,10 +1025,35 @@ def _child_main(spec_path: str) -> None:
     if mode == "rounds":
         if spec["face"] == "sync":
             report = _run_sync_face(spec)
+        elif spec["face"] == "floor":
+            import fleet_floor
+
+            clicks = Clicks(spec["clicks"], 1920, 1080)
+
+            def actions_of(k: int) -> list[dict[str, Any]]:
+                clicks.next_round()
+                return clicks.actions(spec["actions"])
+
+            report = fleet_floor.run_floor(spec, actions_of, OBSERVE, cpu_seconds)
         else:
             import asyncio
 
             report = asyncio.run(_run_async_face(spec))
+    elif mode == "memory":
+        import fleet_memory
+
+        def rss() -> int:
+            return proc_status()["VmRSS"]
+
+        if spec["face"] == "sync":
+            callers = _Callers(spec["callers"], spec["n"])
+            report = fleet_memory.memory_sync(spec, rss, callers)
+        elif spec["face"] == "wsclient":
+            report = fleet_memory.memory_wsclient(spec, rss)
+        else:
+            import asyncio
+
+            report = asyncio.run(fleet_memory.memory_async(spec, rss))
     else:
         import asyncio
 
@@ -1200,6 +1225,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="actions per step before the observation (moves, then a click)")
     p.add_argument("--gc-fleet", action="store_true",
                    help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the raw-recv floor run that follows each N's faces")
+    p.add_argument("--memory", default="",
+                   help="fleet sizes for the marginal-RSS comparison: sync, async, websocket-client threads")
     p.add_argument("--drills", nargs="?", const=",".join(DRILL_MODES), default="",
                    help=f"run drills: all, or a comma-separated subset of {','.join(DRILL_MODES)}")
     p.add_argument("--drill-n", type=int, default=256, help="fleet size for the drills")
@@ -1234,11 +1263,14 @@ def main(argv: list[str] | None = None) -> int:
         if soft < 4 * n:
             print(f"warning: nofile soft limit {soft} < 4 x N = {4 * n}", flush=True)
     runs: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
+    memory_ns = [int(x) for x in args.memory.split(",") if x.strip()]
     drills: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
         workdir = Path(tmp)
         drill_ns = {args.drill_n} if drill_modes else set()
-        for n in sorted(set(ns) | drill_ns):
+        for n in sorted(set(ns) | drill_ns | set(memory_ns)):
             with FleetHost(n, args.rtt_ms, workdir) as host:
                 print(f"\nfleet host N={n} ready in {host.ready_s:.1f}s (pid {host.proc.pid})", flush=True)
                 base = {
@@ -1255,22 +1287,54 @@ def main(argv: list[str] | None = None) -> int:
                         report = run_child({**base, "face": face}, workdir)
                         runs.append(report)
                         print(format_round_report(report), flush=True)
+                    if args.floor:
+                        floor = run_child({**base, "face": "floor"}, workdir)
+                        floors.append(floor)
+                        print(format_floor(floor, runs), flush=True)
+                if n in memory_ns:
+                    for client in ("sync", "async", "wsclient"):
+                        report = run_child({**base, "mode": "memory", "face": client}, workdir)
+                        memory.append(report)
+                    print(format_memory([m for m in memory if m["n"] == n]), flush=True)
                 if n in drill_ns:
                     for mode in drill_modes:
                         report = run_child({**base, "mode": mode, "face": "async"}, workdir)
                         drills[mode] = report
                         print(format_drill(mode, report), flush=True)
-    gates = evaluate_gates(runs, drills, args.rtt_ms)
+    gates = evaluate_gates(runs, drills, args.rtt_ms, memory)
     print("\ngates (seed section 7 targets):")
     print(format_gates(gates))
     if args.json_out:
         out = {"started": started, "revision": revision, "argv": sys.argv, "rtt_ms": args.rtt_ms, "runs": runs,
-               "drills": drills, "gates": gates}  # fmt: skip
+               "floors": floors, "memory": memory, "drills": drills, "gates": gates}  # fmt: skip
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     status = exit_status(gates)
     if status:
         print("\nat least one gate FAILED (exit status 1)", flush=True)
     return status
+
+
+def format_floor(floor: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    if "error" in floor:
+        return f"raw-recv floor N={floor['n']}: FAILED TO RUN\n{floor['error']}"
+    base = floor["client_cpu_ms_per_step"]
+    same = [r for r in runs if r["n"] == floor["n"] and "error" not in r]
+    # CPU time comes in 10 ms ticks: a tiny run can measure 0
+    ratios = ", ".join(f"{r['face']} {r['client_cpu_ms_per_step'] / base:.1f}x" if base else f"{r['face']} -"
+                       for r in same)  # fmt: skip
+    return (f"raw-recv floor N={floor['n']}: {base * 1000:.0f} us CPU per step (plain sockets, recv_into, no "
+            f"decoding), round p50 {_ms(floor['round_wall_p50_s'])} ms; the faces above: {ratios}")
+
+
+def format_memory(rows: list[dict[str, Any]]) -> str:
+    lines = [f"marginal RSS per sandbox, N={rows[0]['n']}, {rows[0].get('screenshots_per_sandbox')} screenshots each:"]
+    for m in rows:
+        if "error" in m:
+            lines.append(f"  {m.get('face', '?'):<9} FAILED TO RUN: {m['error'][-300:]}")
+            continue
+        lines.append(f"  {m['client']:<9} {m['marginal_steady_bytes'] / KB:6.0f} KiB steady "
+                     f"({m['marginal_connect_bytes'] / KB:.0f} KiB at connect), {m['threads']} threads")
+    return "\n".join(lines)
 
 
 def format_drill(mode: str, r: dict[str, Any]) -> str:

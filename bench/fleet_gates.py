@@ -183,11 +183,34 @@ def _keepalive_gates(g: Gates, keepalive: dict[str, Any]) -> None:
               f">= {ph['connected'] * ph.get('min_periods', 1)}")  # fmt: skip
 
 
-def evaluate_gates(runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: float) -> list[dict[str, Any]]:
+def _memory_gates(g: Gates, memory: list[dict[str, Any]]) -> None:
+    """Ours below the thread-per-connection baseline of the same run, and <= the goal."""
+    by_n: dict[int, dict[str, dict[str, Any]]] = {}
+    for row in memory:
+        by_n.setdefault(row["n"], {})[row.get("client", row.get("face", "?"))] = row
+    for n, rows in sorted(by_n.items()):
+        where = f"N={n} memory"
+        failed = [name for name, row in rows.items() if "error" in row]
+        if failed:
+            g.add("memory comparison completed", where, False, f"crashed: {', '.join(failed)}", "completes")
+            continue
+        baseline = rows["wsclient"]["marginal_steady_bytes"]
+        for client in ("sync", "async"):
+            ours = rows[client]["marginal_steady_bytes"]
+            g.add(f"marginal RSS ({client}) below thread-per-connection", where,
+                  ours < baseline and ours <= GOAL_MARGINAL_RSS_BYTES,
+                  f"{ours / KB:.0f} KiB vs websocket-client {baseline / KB:.0f} KiB",
+                  f"< baseline and <= {GOAL_MARGINAL_RSS_BYTES // KB} KiB", TIMING)  # fmt: skip
+
+
+def evaluate_gates(
+    runs: list[dict[str, Any]], drills: dict[str, Any], rtt_ms: float, memory: list[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """One row per gate and measured run: gate, run, kind, verdict, value, target."""
     g = Gates()
     for r in runs:
         _run_gates(g, r, rtt_ms)
+    _memory_gates(g, list(memory))
     if "stall" in drills:
         _stall_gates(g, drills["stall"])
     if "storm" in drills:
