@@ -857,6 +857,7 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
 
     from shinken_sync.client import aconnect
     from shinken_sync.errors import FrameTimeout, ShinkenError, StreamLost, classify_exception
+    from shinken_sync.transport import abort as abort_transport
 
     # The provider's view, as a real fleet would wire it: the host process is alive.
     probe = functools.partial(host_liveness, spec["host_pid"])
@@ -922,7 +923,7 @@ async def _drill_storm(spec: dict[str, Any]) -> dict[str, Any]:
         # Abrupt loss without a closing handshake, as a network blip looks: the
         # TCP connection is reset under the WebSocket (a private attribute; the
         # SDK has no "break my connection" call, rightly).
-        sandboxes[i]._ws.transport.abort()
+        abort_transport(sandboxes[i]._ws)
     await _paced_rounds(
         int(GATE_STORM_CONVERGENCE_S * 1.5 / spec["period"]), spec["period"], lambda: round_into(during),
         until=lambda: len(recovered_at) == len(victims) and len(during) >= max(5, spec["rounds"] // 2),

@@ -36,12 +36,9 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import websockets
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-
 from . import actions as build
 from . import protocol
+from . import transport as transports
 from .daemon.args import SPECS as ARG_SPECS
 from .errors import (
     ActionDenied,
@@ -220,36 +217,42 @@ async def aconnect(
     options: dict[str, Any] = {}
     if ssl is not None:
         options["ssl"] = ssl
+    transport = transports.choose()
     try:
-        ws = await connect(
-            url,
-            additional_headers={"Authorization": f"Bearer {token}"} if token else None,
-            compression=None,  # images do not compress; deflate costs ~12x the CPU
-            max_size=protocol.MAX_MESSAGE_SIZE,
-            open_timeout=open_timeout,
-            ping_interval=ping_interval,
-            close_timeout=close_timeout,
-            proxy=None,
-            user_agent_header=f"shinken-sync (websockets/{websockets.__version__})",
-            **options,
+        # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
+        ws = await asyncio.wait_for(
+            transport.connect(
+                url,
+                additional_headers={"Authorization": f"Bearer {token}"} if token else None,
+                compression=None,  # images do not compress; deflate costs ~12x the CPU
+                max_size=protocol.MAX_MESSAGE_SIZE,
+                open_timeout=open_timeout,
+                ping_interval=ping_interval,
+                close_timeout=close_timeout,
+                proxy=None,
+                user_agent_header=f"shinken-sync ({transport.name})",
+                **options,
+            ),
+            open_timeout,
         )
-    except InvalidStatus as exc:
-        status = exc.response.status_code
+    except transport.invalid_status as exc:
+        status = exc.response.status_code  # type: ignore[attr-defined]
         if status == 401:
             raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
         raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
     # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
-    except (asyncio.TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:  # noqa: UP041
+    except (asyncio.TimeoutError, OSError, *transport.handshake_errors) as exc:  # noqa: UP041
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
     _tune_transport(ws)
     try:
-        hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()))
+        hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
     except BaseException:
         await ws.close()
         raise
     return AsyncSandbox(
         ws,
         hello,
+        transport=transport,
         url=url,
         ping_interval=ping_interval,
         rpc_timeout=rpc_timeout,
@@ -267,12 +270,14 @@ def _tune_transport(ws: Any) -> None:
         transport.max_size = READ_CHUNK_BYTES
 
 
-async def _receive_hello(ws: ClientConnection, url: str, timeout: float) -> protocol.Hello:
+async def _receive_hello(
+    ws: Any, url: str, timeout: float, transport: transports.Transport
+) -> protocol.Hello:
     try:
         message = await asyncio.wait_for(ws.recv(), timeout)
     except asyncio.TimeoutError as exc:  # noqa: UP041 - distinct from TimeoutError on 3.10
         raise ConnectError(f"{url}: no hello within the open timeout", url) from exc
-    except ConnectionClosed as exc:
+    except transport.connection_closed as exc:
         raise ConnectError(f"{url}: closed before the hello", url) from exc
     try:
         hello = protocol.decode_server_message(message)
@@ -427,10 +432,11 @@ class AsyncSandbox:
 
     def __init__(
         self,
-        ws: ClientConnection,
+        ws: Any,
         hello: protocol.Hello,
         *,
         url: str,
+        transport: transports.Transport | None = None,
         ping_interval: float,
         rpc_timeout: float,
         liveness_probe: LivenessProbe | None,
@@ -438,6 +444,8 @@ class AsyncSandbox:
         max_queue_frames: int,
     ):
         self._ws = ws
+        self._transport = transport or transports.choose(transports.WEBSOCKETS)
+        self._closed_error = self._transport.connection_closed
         self._hello = hello
         self._url = url
         self._ping_interval = ping_interval
@@ -492,6 +500,11 @@ class AsyncSandbox:
     @property
     def rpc_timeout(self) -> float:
         return self._rpc_timeout
+
+    @property
+    def transport(self) -> str:
+        """The WebSocket client this connection was dialed with: ``websockets`` or ``fast``."""
+        return self._transport.name
 
     @property
     def closed(self) -> bool:
@@ -581,7 +594,7 @@ class AsyncSandbox:
         self._pending[call.call_id] = _Pending(future, timer, call.verb)
         try:
             await self._ws.send(call.message)
-        except ConnectionClosed:
+        except self._closed_error:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
 
@@ -939,7 +952,7 @@ class AsyncSandbox:
         try:
             async for message in self._ws:
                 self._dispatch(message)
-        except ConnectionClosed as exc:
+        except self._closed_error as exc:
             cause = exc
         except ProtocolViolation as exc:
             cause, close_with = exc, (1002, "protocol error")

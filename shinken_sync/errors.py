@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.exceptions import ConnectionClosed
 
 from . import protocol
+from .transport import connection_closed_types
 
 if TYPE_CHECKING:
     from .providers.base import Liveness
@@ -264,8 +265,9 @@ def is_connection_loss(exc: BaseException | None) -> bool:
     """True when ``exc`` means the transport to a sandbox is gone.
 
     Covers the SDK's :class:`ConnectionLost` family (including
-    :class:`SandboxDied`), :class:`StreamLost`, the websockets
-    ``ConnectionClosed`` family, and OS-level resets/broken pipes/EOFs.
+    :class:`SandboxDied`), :class:`StreamLost`, the ``ConnectionClosed``
+    family of either transport (websockets, picows), and OS-level
+    resets/broken pipes/EOFs.
     """
     return isinstance(
         exc,
@@ -278,6 +280,7 @@ def is_connection_loss(exc: BaseException | None) -> bool:
             BrokenPipeError,
             EOFError,
             asyncio.IncompleteReadError,
+            *connection_closed_types(),  # the [fast] transport's too, when loaded
         ),
     )
 

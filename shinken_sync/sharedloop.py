@@ -360,11 +360,18 @@ class _BoundedSelector(selectors.BaseSelector):
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    """The loop thread's event loop, with :data:`MAX_EVENTS_PER_SELECT` applied.
+    """The loop thread's event loop: uvloop under the ``fast`` transport (see
+    :mod:`shinken_sync.transport`), else asyncio's with :data:`MAX_EVENTS_PER_SELECT` applied.
 
     Built in the loop thread: under gevent patching ``DefaultSelector`` is then
     gevent's selector bound to this thread's hub (DNS and executors need it).
     """
+    from .transport import uses_uvloop
+
+    if uses_uvloop():  # the [fast] extra; libuv handles its own polling (no per-select bound)
+        import uvloop
+
+        return uvloop.new_event_loop()
     limit = MAX_EVENTS_PER_SELECT
     if limit is None:
         return asyncio.new_event_loop()
