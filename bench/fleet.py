@@ -1005,6 +1005,18 @@ DRILLS = {"stall": _drill_stall, "storm": _drill_storm, "keepalive": _drill_keep
 # Child entry point
 
 
+def _run_on_own_loop(spec: dict[str, Any], coro: Any) -> Any:
+    """The async face's loop: uvloop under ``--transport fast`` (what the [fast]
+    extra's users would run), asyncio's own otherwise."""
+    import asyncio
+
+    if spec.get("transport") == "fast":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
 def _child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec["face"] == "sync" and spec.get("callers") == "gevent":
@@ -1022,6 +1034,9 @@ def _child_main(spec_path: str) -> None:
         del asyncio, ssl, websockets
     raise_fd_limit()
     random.seed(spec.get("seed"))
+    import shinken_sync.transport
+
+    shinken_sync.transport.TRANSPORT = spec.get("transport", "websockets")
     mode = spec["mode"]
     if mode == "rounds":
         if spec["face"] == "sync":
@@ -1037,9 +1052,7 @@ def _child_main(spec_path: str) -> None:
 
             report = fleet_floor.run_floor(spec, actions_of, OBSERVE, cpu_seconds)
         else:
-            import asyncio
-
-            report = asyncio.run(_run_async_face(spec))
+            report = _run_on_own_loop(spec, _run_async_face(spec))
     elif mode == "memory":
         import fleet_memory
 
@@ -1052,13 +1065,9 @@ def _child_main(spec_path: str) -> None:
         elif spec["face"] == "wsclient":
             report = fleet_memory.memory_wsclient(spec, rss)
         else:
-            import asyncio
-
-            report = asyncio.run(fleet_memory.memory_async(spec, rss))
+            report = _run_on_own_loop(spec, fleet_memory.memory_async(spec, rss))
     else:
-        import asyncio
-
-        report = asyncio.run(DRILLS[mode](spec))
+        report = _run_on_own_loop(spec, DRILLS[mode](spec))
     Path(spec["out"]).write_text(json.dumps(report))
 
 
@@ -1123,7 +1132,7 @@ class FleetHost:
 
 def run_child(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Run one measurement in a fresh client interpreter; its report, or an error record."""
-    tag = f"{spec['mode']}-{spec['n']}-{spec['face']}"
+    tag = f"{spec['mode']}-{spec['n']}-{spec['face']}-{spec.get('transport', 'websockets')}"
     spec_path = workdir / f"{tag}.spec.json"
     spec = {**spec, "out": str(workdir / f"{tag}.out.json")}
     spec_path.write_text(json.dumps(spec))
@@ -1159,7 +1168,8 @@ def format_round_report(r: dict[str, Any]) -> str:
         return f"N={r['n']} {r['face']}: FAILED TO RUN\n{r['error']}"
     rw, ol, lag = r["round_wall_s"], r["observe_latency_s"], r["loop_lag_s"]
     lines = [
-        (f"N={r['n']} face={r['face']}({r['callers']}) clicks={r['clicks']} rtt={r['rtt_ms']:g}ms "
+        (f"N={r['n']} face={r['face']}({r['callers']}) transport={r.get('transport', 'websockets')} "
+         f"actions={r.get('actions_per_step', 1)}+observe clicks={r['clicks']} rtt={r['rtt_ms']:g}ms "
          f"rounds={r['rounds']} connected={r['connected']} in {r['connect_s']:.1f}s "
          f"errors={r['connect_errors'] or 0}"),
         (f"  round wall p50/p95       {_ms(rw['p50'])} / {_ms(rw['p95'])} ms  (max {_ms(rw['max'])}, "
@@ -1226,6 +1236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="actions per step before the observation (moves, then a click)")
     p.add_argument("--gc-fleet", action="store_true",
                    help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
+    p.add_argument("--transport", choices=("websockets", "fast", "both"), default="websockets",
+                   help="the SDK's transport: websockets, the [fast] extra (picows + uvloop), or both in turn")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the raw-recv floor run that follows each N's faces")
     p.add_argument("--memory", default="",
@@ -1255,6 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown drill(s) {sorted(unknown)}; choose from {', '.join(DRILL_MODES)}")
     faces = ["sync", "async"] if args.face == "both" else [args.face]
+    transports = ["websockets", "fast"] if args.transport == "both" else [args.transport]
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     revision = git_revision()
     print(f"fleet gates {started}: N={ns} faces={faces} clicks={args.clicks} rtt={args.rtt_ms:g}ms "
@@ -1284,10 +1297,11 @@ def main(argv: list[str] | None = None) -> int:
                     "spread_ms": args.spread_ms,
                 }  # fmt: skip
                 if n in ns:
-                    for face in faces:
-                        report = run_child({**base, "face": face}, workdir)
-                        runs.append(report)
-                        print(format_round_report(report), flush=True)
+                    for transport in transports:
+                        for face in faces:
+                            report = run_child({**base, "face": face, "transport": transport}, workdir)
+                            runs.append(report)
+                            print(format_round_report(report), flush=True)
                     if args.floor:
                         floor = run_child({**base, "face": "floor"}, workdir)
                         floors.append(floor)
