@@ -77,6 +77,9 @@ async def memory_async(spec: dict[str, Any], rss: Any) -> dict[str, Any]:
     connected = rss()
     for _ in range(SCREENSHOTS):
         await asyncio.gather(*(sb.screenshot(**OBSERVE) for sb in sandboxes))
+    # Measure from a fresh loop callback: the one that resumed us still holds
+    # the gather's future, and so every screenshot of the last round.
+    await asyncio.sleep(0)
     _settle()
     after = rss()
     report = _report(spec, "async", before, connected, after)

@@ -950,8 +950,15 @@ class AsyncSandbox:
         cause: BaseException | None = None
         close_with: tuple[int, str] | None = None
         try:
+            release = self._transport.release_message
             async for message in self._ws:
                 self._dispatch(message)
+                if len(message) >= transports.RELEASE_FRAME_BYTES:
+                    release(self._ws)
+                # The loop variable would keep the last message (a ~72 KiB
+                # observation) alive until the next one arrives: per idle
+                # connection, that is most of its steady-state memory.
+                del message
         except self._closed_error as exc:
             cause = exc
         except ProtocolViolation as exc:

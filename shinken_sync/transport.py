@@ -44,6 +44,45 @@ AUTO, WEBSOCKETS, FAST = "auto", "websockets", "fast"
 TRANSPORT: str = os.environ.get("SHINKEN_TRANSPORT", AUTO)
 
 
+#: A received data frame at least this large is released as soon as its message
+#: was handed over (see :func:`_release_websockets_frame`).
+RELEASE_FRAME_BYTES = 16 * 1024
+
+
+def _no_release(ws: Any) -> None:
+    return None
+
+
+def _release_websockets_frame(ws: Any) -> None:
+    """Free the payload of the last frame websockets parsed, once its message is out.
+
+    websockets' frame parser is a generator whose local ``frame`` keeps the
+    last parsed frame until the next one arrives: on a connection that just
+    carried a ~72 KiB observation and then sits idle, that is ~72 KiB per
+    sandbox held for nothing (its message was already copied out). When the
+    assembler holds no frame (so the parser's last frame was consumed), the
+    frame's payload bytearray is emptied in place. Reaches into websockets'
+    internals read-only (the generator's locals) and does nothing when they
+    are not as expected; ``tests/sdk/test_transport.py`` fails if a
+    websockets upgrade makes this stop releasing.
+    """
+    try:
+        if len(ws.recv_messages.frames):  # a parsed frame still waits to be read: not ours to touch
+            return
+        gen = ws.protocol.parser
+        while gen is not None:
+            frame_locals = gen.gi_frame.f_locals if gen.gi_frame is not None else {}
+            frame = frame_locals.get("frame")
+            if frame is not None:
+                data = frame.data
+                if isinstance(data, bytearray) and len(data) >= RELEASE_FRAME_BYTES:
+                    del data[:]
+                return
+            gen = gen.gi_yieldfrom
+    except AttributeError:  # another websockets version's layout: keep its default behaviour
+        return
+
+
 @dataclass(frozen=True)
 class Transport:
     """One WebSocket client library, as the async core uses it."""
@@ -56,6 +95,8 @@ class Transport:
     invalid_status: type[BaseException]
     #: everything else the handshake can raise that means "could not connect"
     handshake_errors: tuple[type[BaseException], ...]
+    #: called after a large message was dispatched: drop what the library still holds of it
+    release_message: Callable[[Any], None] = _no_release
 
 
 def fast_available() -> bool:
@@ -66,7 +107,10 @@ def _websockets() -> Transport:
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-    return Transport(WEBSOCKETS, connect, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI))
+    return Transport(
+        WEBSOCKETS, connect, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI),
+        _release_websockets_frame,
+    )  # fmt: skip
 
 
 def _fast() -> Transport:

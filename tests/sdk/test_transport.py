@@ -84,3 +84,24 @@ def _has_uvloop() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("uvloop") is not None
+
+
+@pytest.mark.integration
+def test_websockets_does_not_keep_the_last_observation_once_it_was_read(monkeypatch):
+    """The websockets parser's last frame is emptied once its message is out
+    (else each idle connection holds its last ~72 KiB observation)."""
+    from shinken_sync.providers.local import LocalProvider
+
+    monkeypatch.setattr(transport, "TRANSPORT", "websockets")
+
+    async def body(url: str, token: str) -> None:
+        sb = await aconnect(url, token)
+        shot = await sb.screenshot(format="png")
+        assert len(shot.data) > transport.RELEASE_FRAME_BYTES and shot.data.startswith(b"\x89PNG")
+        await asyncio.sleep(0.05)  # the reader has dispatched and released by now
+        parser = sb._ws.protocol.parser.gi_yieldfrom  # websockets' Protocol.parse
+        assert len(parser.gi_frame.f_locals["frame"].data) == 0, "websockets' parser still holds the observation"
+        await sb.close()
+
+    with LocalProvider(display="virtual", screen=(1024, 768)) as provider:
+        asyncio.run(body(*provider.endpoint(provider.create())))

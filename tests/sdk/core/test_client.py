@@ -422,3 +422,22 @@ def test_hundreds_of_concurrent_calls_each_get_their_own_reply(run, daemon, tmp_
             assert sb.pending_calls == 0
 
     run(body())
+
+
+def test_large_messages_arriving_back_to_back_stay_intact(run, peer, helpers):
+    """Releasing a read message's memory never touches a message still queued:
+    four large image replies sent in one burst all arrive byte for byte."""
+    images = [bytes([i]) * (64 * 1024 + i) for i in range(1, 5)]
+
+    async def script(ws):
+        calls = await helpers.calls(ws, 4)
+        for call, image in zip(calls, images):
+            await helpers.image(ws, call, image)
+        await helpers.serve_forever(ws)
+
+    async def body():
+        async with peer(script) as url, await aconnect(url, TOKEN) as sb:
+            shots = await asyncio.gather(*(sb.screenshot() for _ in images))
+            assert [shot.data for shot in shots] == images
+
+    run(body())
