@@ -61,11 +61,12 @@ from .errors import (
 from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
 from .providers.base import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
-from .turnbudget import turn_budget_for_loop
+from .turnbudget import REPLIES, turn_budget_for_loop
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
     "MAX_CALL_STARTS_PER_TURN",
+    "MAX_REPLIES_PER_TURN",
     "AsyncSandbox",
     "ScreencastStream",
     "aconnect",
@@ -88,6 +89,12 @@ GLOBAL_FRAME_BUDGET_BYTES: int | None = None
 #: step counts its actions plus its observation and is never split. Read at
 #: every call start; None = no bound. See docs/concurrency.md "Fair scheduling".
 MAX_CALL_STARTS_PER_TURN: int | None = 128
+
+#: Received messages dispatched per event-loop turn across every connection of
+#: the loop; a reader past the bound waits for the next turn before taking its
+#: next message (the replies of a lockstep round arrive as one burst, and each
+#: wakes a caller). Read at every message; None = no bound.
+MAX_REPLIES_PER_TURN: int | None = 128
 
 #: The websockets keepalive default; ``ping_jitter`` adds to it per connection.
 DEFAULT_PING_INTERVAL = 20.0
@@ -456,6 +463,7 @@ class AsyncSandbox:
         self._loop = asyncio.get_running_loop()
         self._budget = budget_for_loop(self._loop)
         self._turns = turn_budget_for_loop(self._loop)
+        self._reply_turns = turn_budget_for_loop(self._loop, REPLIES)
         self._frame_counters = FrameCounters()
         self._pending: dict[int, _Pending] = {}
         self._next_call_id = 1
@@ -951,7 +959,11 @@ class AsyncSandbox:
         close_with: tuple[int, str] | None = None
         try:
             release = self._transport.release_message
+            turns = self._reply_turns
             async for message in self._ws:
+                limit = MAX_REPLIES_PER_TURN
+                if limit is not None and not turns.try_admit(1, limit):
+                    await turns.admit(1, limit)
                 self._dispatch(message)
                 if len(message) >= transports.RELEASE_FRAME_BYTES:
                     release(self._ws)

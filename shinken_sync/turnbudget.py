@@ -13,6 +13,12 @@ The bound is in *calls*, not steps: a step of five actions and an observation
 is six calls. One unit is never split: a step larger than the limit is
 admitted alone, in a turn of its own.
 
+The replies of such a round come back as a burst too: the client's readers
+take one unit of a second budget (``replies``, the client's
+``MAX_REPLIES_PER_TURN``) per message dispatched, so the continuations a
+burst of replies wakes (each step's rows, each caller's code) are spread over
+turns the same way, whoever owns the loop's select.
+
 No asyncio task or lock per admission: the fast path (room left in this turn,
 nobody waiting) is a comparison and an addition. Only the loop's own thread
 touches a loop's budget.
@@ -24,7 +30,7 @@ import asyncio
 import collections
 import weakref
 
-__all__ = ["TurnBudget", "turn_budget_for_loop"]
+__all__ = ["CALLS", "REPLIES", "TurnBudget", "turn_budget_for_loop"]
 
 
 class TurnBudget:
@@ -96,12 +102,19 @@ class TurnBudget:
             self._schedule_reset()
 
 
-_budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnBudget] = weakref.WeakKeyDictionary()
+CALLS = "calls"
+REPLIES = "replies"
+
+_budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, TurnBudget]] = weakref.WeakKeyDictionary()
 
 
-def turn_budget_for_loop(loop: asyncio.AbstractEventLoop) -> TurnBudget:
-    """The one :class:`TurnBudget` of ``loop``, created on first use; it lives as long as the loop."""
-    budget = _budgets.get(loop)
+def turn_budget_for_loop(loop: asyncio.AbstractEventLoop, kind: str = CALLS) -> TurnBudget:
+    """The :class:`TurnBudget` of ``loop`` for ``kind`` (``calls`` started, ``replies``
+    dispatched), created on first use; it lives as long as the loop."""
+    budgets = _budgets.get(loop)
+    if budgets is None:
+        budgets = _budgets.setdefault(loop, {})
+    budget = budgets.get(kind)
     if budget is None:
-        budget = _budgets.setdefault(loop, TurnBudget(loop))
+        budget = budgets.setdefault(kind, TurnBudget(loop))
     return budget

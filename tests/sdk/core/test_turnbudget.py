@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 
 import pytest
 
@@ -140,5 +141,35 @@ def test_single_calls_and_act_batch_pass_the_budget_too(run, daemon, monkeypatch
             assert len(set(sizes)) == 1
             batch = await sb.act_batch([A.move(1, 1), A.move(2, 2)])
             assert batch.ok
+
+    run(body())
+
+
+def test_a_burst_of_replies_wakes_at_most_limit_callers_per_turn(run, peer, helpers, monkeypatch):
+    """40 replies sent back to back: the reader dispatches at most 4 per turn,
+    so at most 4 waiting calls resume per turn (all of them, in order)."""
+    monkeypatch.setattr(client, "MAX_REPLIES_PER_TURN", int(os.environ.get("T_LIMIT", "4")) or None)
+
+    async def script(ws):
+        calls = await helpers.calls(ws, 40)
+        for call in calls:
+            await helpers.reply(ws, call, {"x": call.call_id, "y": 0})
+        await helpers.serve_forever(ws)
+
+    async def body():
+        async with peer(script) as url, await aconnect(url, TOKEN) as sb:
+            ticker = Ticker(asyncio.get_running_loop())
+            resumed: list[int] = []
+
+            async def one() -> tuple[int, int]:
+                position = await sb.cursor()
+                resumed.append(ticker.turn)
+                return position
+
+            positions = await asyncio.gather(*(one() for _ in range(40)))
+            ticker.stop()
+            assert sorted(x for x, _ in positions) == list(range(1, 41))
+            per_turn = collections.Counter(resumed)
+            assert max(per_turn.values()) <= 4, per_turn
 
     run(body())
