@@ -67,6 +67,11 @@ class RawConnection:
         self.sock.sendall(b"".join(frames))
         self.sock.setblocking(False)
 
+    def pong(self, payload: bytes) -> None:
+        self.sock.setblocking(True)
+        self.sock.sendall(_client_frame(payload, opcode=0xA))
+        self.sock.setblocking(False)
+
     def on_readable(self) -> int:
         """Read what arrived; return the number of complete messages it finished."""
         try:
@@ -81,13 +86,27 @@ class RawConnection:
             size = _frame_size(self.view, start, self.filled)
             if size is None:
                 break
+            opcode = self.view[start] & 0x0F
+            if opcode == 0x9:  # the host's keepalive ping: answer, or it closes us after 20 s
+                header = size - _payload_length(self.view, start)
+                self.pong(bytes(self.view[start + header : start + size]))
+            elif opcode in (0x1, 0x2):
+                done += 1
             start += size
-            done += 1
         if start:  # keep the partial frame at the front
             self.view[: self.filled - start] = self.view[start : self.filled]
             self.filled -= start
         self.pending -= done
         return done
+
+
+def _payload_length(view: memoryview, start: int) -> int:
+    length = view[start + 1] & 0x7F
+    if length == 126:
+        return struct.unpack_from("!H", view, start + 2)[0]
+    if length == 127:
+        return struct.unpack_from("!Q", view, start + 2)[0]
+    return length
 
 
 def _client_frame(payload: bytes, opcode: int = 1) -> bytes:
