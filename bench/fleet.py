@@ -412,7 +412,9 @@ def _finish_report(
     report = {
         "n": spec["n"],
         "face": spec["face"],
-        "callers": spec["callers"] if spec["face"] == "sync" else "asyncio",
+        "callers": spec["callers"] if spec["face"] == "sync" else (
+            "fair loop" if spec.get("async_loop") == "fair" and spec.get("transport") != "fast" else "asyncio"
+        ),
         "rtt_ms": spec["rtt_ms"],
         "clicks": spec["clicks"],
         "rounds": counted,
@@ -449,6 +451,7 @@ def _finish_report(
         "host_rss_bytes": proc_status(spec["host_pid"])["VmRSS"],
         "actions_per_step": spec.get("actions", 1),
         "transport": spec.get("transport", "websockets"),
+        "async_loop": spec.get("async_loop", "asyncio") if spec["face"] == "async" else "sharedloop",
         "gc_freeze": spec["gc_freeze"],
         "gc_fleet": spec.get("gc_fleet", False),
         "spread_ms": spec["spread_ms"],
@@ -1007,13 +1010,19 @@ DRILLS = {"stall": _drill_stall, "storm": _drill_storm, "keepalive": _drill_keep
 
 def _run_on_own_loop(spec: dict[str, Any], coro: Any) -> Any:
     """The async face's loop: uvloop under ``--transport fast`` (what the [fast]
-    extra's users would run), asyncio's own otherwise."""
+    extra's users would run), else asyncio's own, or with ``--async-loop fair``
+    the SDK's bounded-select loop (``sharedloop.new_fair_event_loop``)."""
     import asyncio
 
     if spec.get("transport") == "fast":
         import uvloop
 
         return uvloop.run(coro)
+    if spec.get("async_loop") == "fair":
+        from shinken_sync.sharedloop import new_fair_event_loop
+
+        with asyncio.Runner(loop_factory=new_fair_event_loop) as runner:
+            return runner.run(coro)
     return asyncio.run(coro)
 
 
@@ -1238,6 +1247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
     p.add_argument("--transport", choices=("websockets", "fast", "both"), default="websockets",
                    help="the SDK's transport: websockets, the [fast] extra (picows + uvloop), or both in turn")
+    p.add_argument("--async-loop", choices=("asyncio", "fair"), default="asyncio",
+                   help="the async face's loop under --transport websockets: asyncio.run's, or "
+                   "shinken_sync.sharedloop.new_fair_event_loop (bounded ready sockets per select)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the raw-recv floor run that follows each N's faces")
     p.add_argument("--memory", default="",
@@ -1293,6 +1305,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
                     "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
                     "actions": args.actions, "keepalive_interval": args.keepalive_interval,
+                    "async_loop": args.async_loop,
                     "keepalive_jitter": args.keepalive_jitter,
                     "spread_ms": args.spread_ms,
                 }  # fmt: skip

@@ -84,6 +84,8 @@ class Gates:
 
 def _run_gates(g: Gates, r: dict[str, Any], rtt_ms: float) -> None:
     where = f"N={r['n']} {r['face']}" + (f" {r['transport']}" if r.get("transport", "websockets") != "websockets" else "")
+    if r.get("callers") == "fair loop":
+        where += " fair-loop"
     if "error" in r:
         g.add("run completed", where, False, "crashed", "completes")
         return

@@ -384,9 +384,28 @@ class _BoundedSelector(selectors.BaseSelector):
         return ready
 
 
+def new_fair_event_loop() -> asyncio.AbstractEventLoop:
+    """A new asyncio loop that handles at most :data:`MAX_EVENTS_PER_SELECT`
+    ready sockets per select (None: a plain ``asyncio.new_event_loop()``).
+
+    The SharedLoop runs on one; the async face may too, for the same reason
+    (a lockstep round's replies land together)::
+
+        loop = shinken_sync.sharedloop.new_fair_event_loop()
+        loop.run_until_complete(main())      # or asyncio.Runner(loop_factory=...) on 3.11+
+
+    Call it in the thread that will run the loop (under gevent patching the
+    selector binds to that thread's hub).
+    """
+    limit = MAX_EVENTS_PER_SELECT
+    if limit is None:
+        return asyncio.new_event_loop()
+    return asyncio.SelectorEventLoop(_BoundedSelector(selectors.DefaultSelector(), limit))
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     """The loop thread's event loop: uvloop under the ``fast`` transport (see
-    :mod:`shinken_sync.transport`), else asyncio's with :data:`MAX_EVENTS_PER_SELECT` applied.
+    :mod:`shinken_sync.transport`), else :func:`new_fair_event_loop`.
 
     Built in the loop thread: under gevent patching ``DefaultSelector`` is then
     gevent's selector bound to this thread's hub (DNS and executors need it).
@@ -397,10 +416,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         import uvloop
 
         return uvloop.new_event_loop()
-    limit = MAX_EVENTS_PER_SELECT
-    if limit is None:
-        return asyncio.new_event_loop()
-    return asyncio.SelectorEventLoop(_BoundedSelector(selectors.DefaultSelector(), limit))
+    return new_fair_event_loop()
 
 
 # -- one incarnation of the loop thread --------------------------------------

@@ -389,6 +389,43 @@ def test_a_burst_of_submissions_starts_a_bounded_slice_per_turn(shared):
     assert len(per_turn) >= 5
 
 
+def test_a_fair_event_loop_of_your_own_bounds_ready_sockets_per_select_too():
+    from shinken_sync import sharedloop
+
+    n = 2 * sharedloop.MAX_EVENTS_PER_SELECT + 3
+    pairs = [socket.socketpair() for _ in range(n)]
+    loop = sharedloop.new_fair_event_loop()
+    try:
+        turn = [0]
+        turns: collections.Counter[int] = collections.Counter()
+
+        def tick() -> None:
+            turn[0] += 1
+            loop.call_soon(tick)
+
+        def readable(sock: socket.socket) -> None:
+            sock.recv(16)
+            loop.remove_reader(sock)
+            turns[turn[0]] += 1
+            if sum(turns.values()) == n:
+                loop.stop()
+
+        for a, b in pairs:
+            a.setblocking(False)
+            b.send(b"x")
+            loop.add_reader(a, readable, a)
+        loop.call_soon(tick)
+        loop.call_later(10, loop.stop)
+        loop.run_forever()
+        assert sum(turns.values()) == n
+        assert max(turns.values()) <= sharedloop.MAX_EVENTS_PER_SELECT, turns
+    finally:
+        loop.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 def test_the_loop_handles_a_bounded_number_of_ready_sockets_per_select(shared):
     from shinken_sync import sharedloop, transport
 
