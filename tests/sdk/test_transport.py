@@ -105,3 +105,32 @@ def test_websockets_does_not_keep_the_last_observation_once_it_was_read(monkeypa
 
     with LocalProvider(display="virtual", screen=(1024, 768)) as provider:
         asyncio.run(body(*provider.endpoint(provider.create())))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", AVAILABLE)
+def test_the_blocking_face_resolves_names_and_runs_the_liveness_probe_on_each_transport(monkeypatch, name):
+    """What the SharedLoop delegates to threads -- DNS for a hostname, the
+    liveness probe in its executor -- works on each transport; under the
+    gevent variant of the suite (tests/run_patched.py) this runs patched."""
+    import os
+    import signal
+
+    from shinken_sync.errors import SandboxDied
+    from shinken_sync.providers.local import LocalProvider
+    from shinken_sync.sync import connect
+
+    monkeypatch.setattr(transport, "TRANSPORT", name)
+    with LocalProvider(display="virtual", screen=(1024, 768)) as provider, SharedLoop("dns-probe") as shared:
+        handle = provider.create()
+        url, token = provider.endpoint(handle)
+        by_name = url.replace("127.0.0.1", "localhost")  # resolved through the loop's executor
+        assert by_name != url
+        sb = connect(by_name, token=token, loop=shared, liveness_probe=lambda: provider.check_alive(handle))
+        assert sb.transport == name and sb.screen_size() == (1024, 768)
+        os.kill(handle.pid, signal.SIGKILL)
+        with pytest.raises(SandboxDied) as info:
+            for _ in range(50):  # the first call may still be answered before the kill lands
+                sb.cursor()
+        assert info.value.signal == signal.SIGKILL and classify_exception(info.value) == "sandbox_died"
+        sb.close()
