@@ -50,6 +50,10 @@ def memory_sync(spec: dict[str, Any], rss: Any, callers: Any) -> dict[str, Any]:
     connected = rss()
     for _ in range(SCREENSHOTS):
         callers.map(lambda sb: sb.screenshot(**OBSERVE), sandboxes)
+    # gevent's Pool.map keeps the last result list in its finished map greenlet
+    # until the hub has run that greenlet's link callbacks: let it, or every
+    # sandbox's last screenshot is counted as ours.
+    callers.sleep(0.01)
     _settle()
     after = rss()
     report = _report(spec, "sync", before, connected, after)
