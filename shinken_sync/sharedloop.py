@@ -24,6 +24,12 @@ How the pieces fit, and why (measured facts in ``docs/sync.md``):
   greenlet got ``LoopExit``. A plain thread waits on a native lock. Either way
   the wait is sliced, so a dead loop thread or a fork is noticed within
   :data:`LIVENESS_POLL` seconds even if nobody told the waiter.
+- Fair turns: the loop starts at most :data:`MAX_STARTS_PER_TURN` submitted
+  coroutines per loop turn and its selector reports at most
+  :data:`MAX_EVENTS_PER_SELECT` ready sockets per select, so a 1024-caller
+  burst (or the burst of their replies) never holds timers and other callers
+  for 100+ ms (:func:`new_fair_event_loop` gives the same loop to the async
+  face). Under the ``[fast]`` transport the loop is uvloop, outside gevent.
 - The loop thread fails every waiter at once when it dies; after ``fork()`` the
   child starts a fresh loop on first use; at interpreter exit the loop closes
   its tracked resources, cancels its tasks and stops *before* ``threading``
