@@ -28,6 +28,9 @@ setup(
     ],
     extras_require={
         "xvfb": ["mss>=9,<11"],
+        # Accelerated transport (shinken_sync.transport): picows' Cython WebSocket
+        # client and uvloop for the SharedLoop; chosen at connect when installed.
+        "fast": ["picows>=2.3,<3", "uvloop>=0.21"],
         "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
         "test": [
             "pytest>=8",

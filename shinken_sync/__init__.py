@@ -53,6 +53,8 @@ _EXPORTS = {
     "SandboxClosed": "shinken_sync.errors",
     "classify_exception": "shinken_sync.errors",
     "is_connection_loss": "shinken_sync.errors",
+    "is_sandbox_death": "shinken_sync.errors",
+    "tune_gc_for_fleet": "shinken_sync.fleetgc",
     "Provider": "shinken_sync.providers.base",
     "Liveness": "shinken_sync.providers.base",
     "LocalProvider": "shinken_sync.providers.local",

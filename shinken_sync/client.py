@@ -36,12 +36,9 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import websockets
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-
 from . import actions as build
 from . import protocol
+from . import transport as transports
 from .daemon.args import SPECS as ARG_SPECS
 from .errors import (
     ActionDenied,
@@ -64,9 +61,12 @@ from .errors import (
 from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
 from .providers.base import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
+from .turnbudget import REPLIES, turn_budget_for_loop
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
+    "MAX_CALL_STARTS_PER_TURN",
+    "MAX_REPLIES_PER_TURN",
     "AsyncSandbox",
     "ScreencastStream",
     "aconnect",
@@ -84,6 +84,18 @@ _STREAM_OPENERS = ("screencast_start", "resume_screencast")
 #: Recommended for fleets: ``256 << 20``. See the module docstring.
 GLOBAL_FRAME_BUDGET_BYTES: int | None = None
 
+#: Calls started per event-loop turn across every connection of the loop; the
+#: rest wait for the next turns, in order (:mod:`shinken_sync.turnbudget`). A
+#: step counts its actions plus its observation and is never split. Read at
+#: every call start; None = no bound. See docs/concurrency.md "Fair scheduling".
+MAX_CALL_STARTS_PER_TURN: int | None = 128
+
+#: Received messages dispatched per event-loop turn across every connection of
+#: the loop; a reader past the bound waits for the next turn before taking its
+#: next message (the replies of a lockstep round arrive as one burst, and each
+#: wakes a caller). Read at every message; None = no bound.
+MAX_REPLIES_PER_TURN: int | None = 128
+
 #: The websockets keepalive default; ``ping_jitter`` adds to it per connection.
 DEFAULT_PING_INTERVAL = 20.0
 DEFAULT_OPEN_TIMEOUT = 10.0
@@ -98,6 +110,11 @@ LIVENESS_PROBE_TIMEOUT = 2.0
 LIVENESS_RECHECK_DELAY = 0.1
 #: Added to the duration of verbs that wait on purpose to form their deadline.
 WAITING_VERB_SLACK = 10.0
+#: Bytes one socket read asks for (asyncio's default is 256 KiB). A read
+#: allocates this much before shrinking to what arrived: above glibc's 128 KiB
+#: mmap threshold, every read of a ~72 KiB observation was an
+#: mmap + mremap + munmap. Below it, reads come from the heap.
+READ_CHUNK_BYTES = 120 * 1024
 #: read_file() without max_bytes fetches the file in calls of this size (the
 #: daemon's own per-call cap).
 READ_FILE_CHUNK = 8 * 2**20
@@ -108,6 +125,8 @@ LivenessProbe = Callable[[], Liveness]
 #: Verbs that manage screencasts have dedicated methods; step/act_batch refuse them.
 _STREAM_VERBS = frozenset({"screencast_start", "screencast_stop", "resume_screencast"})
 _ACTION_VERBS = protocol.VERBS - _STREAM_VERBS
+#: Verbs that wait in the daemon on purpose (their deadline includes the wait).
+_WAITING_VERBS = frozenset({"wait", "wait_stable", "wait_change", "exec"})
 #: Arguments that carry bytes, base64-encoded on the wire.
 _BINARY_ARGS = {"write_file": "data", "exec": "stdin"}
 
@@ -205,35 +224,42 @@ async def aconnect(
     options: dict[str, Any] = {}
     if ssl is not None:
         options["ssl"] = ssl
+    transport = transports.choose()
     try:
-        ws = await connect(
-            url,
-            additional_headers={"Authorization": f"Bearer {token}"} if token else None,
-            compression=None,  # images do not compress; deflate costs ~12x the CPU
-            max_size=protocol.MAX_MESSAGE_SIZE,
-            open_timeout=open_timeout,
-            ping_interval=ping_interval,
-            close_timeout=close_timeout,
-            proxy=None,
-            user_agent_header=f"shinken-sync (websockets/{websockets.__version__})",
-            **options,
+        # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
+        ws = await asyncio.wait_for(
+            transport.connect(
+                url,
+                additional_headers={"Authorization": f"Bearer {token}"} if token else None,
+                compression=None,  # images do not compress; deflate costs ~12x the CPU
+                max_size=protocol.MAX_MESSAGE_SIZE,
+                open_timeout=open_timeout,
+                ping_interval=ping_interval,
+                close_timeout=close_timeout,
+                proxy=None,
+                user_agent_header=f"shinken-sync ({transport.name})",
+                **options,
+            ),
+            open_timeout,
         )
-    except InvalidStatus as exc:
-        status = exc.response.status_code
+    except transport.invalid_status as exc:
+        status = exc.response.status_code  # type: ignore[attr-defined]
         if status == 401:
             raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
         raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
     # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
-    except (asyncio.TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:  # noqa: UP041
+    except (asyncio.TimeoutError, OSError, *transport.handshake_errors) as exc:  # noqa: UP041
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
+    _tune_transport(ws)
     try:
-        hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()))
+        hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
     except BaseException:
         await ws.close()
         raise
     return AsyncSandbox(
         ws,
         hello,
+        transport=transport,
         url=url,
         ping_interval=ping_interval,
         rpc_timeout=rpc_timeout,
@@ -243,12 +269,22 @@ async def aconnect(
     )
 
 
-async def _receive_hello(ws: ClientConnection, url: str, timeout: float) -> protocol.Hello:
+def _tune_transport(ws: Any) -> None:
+    """Apply :data:`READ_CHUNK_BYTES` where the transport has asyncio's ``max_size``
+    read size (plain selector transports; TLS and other loops read their own way)."""
+    transport = getattr(ws, "transport", None)
+    if isinstance(getattr(transport, "max_size", None), int):
+        transport.max_size = READ_CHUNK_BYTES
+
+
+async def _receive_hello(
+    ws: Any, url: str, timeout: float, transport: transports.Transport
+) -> protocol.Hello:
     try:
         message = await asyncio.wait_for(ws.recv(), timeout)
     except asyncio.TimeoutError as exc:  # noqa: UP041 - distinct from TimeoutError on 3.10
         raise ConnectError(f"{url}: no hello within the open timeout", url) from exc
-    except ConnectionClosed as exc:
+    except transport.connection_closed as exc:
         raise ConnectError(f"{url}: closed before the hello", url) from exc
     try:
         hello = protocol.decode_server_message(message)
@@ -287,6 +323,8 @@ def _split_action(index: int, action: Mapping[str, Any]) -> tuple[str, dict[str,
 
 def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     """Seconds a verb may legitimately take in the daemon before replying."""
+    if verb not in _WAITING_VERBS:  # the hot path: clicks, screenshots
+        return 0.0
     args = {name: value for name, value in args.items() if value is not None}
     if verb == "wait":
         return args.get("ms", 0) / 1000
@@ -401,10 +439,11 @@ class AsyncSandbox:
 
     def __init__(
         self,
-        ws: ClientConnection,
+        ws: Any,
         hello: protocol.Hello,
         *,
         url: str,
+        transport: transports.Transport | None = None,
         ping_interval: float,
         rpc_timeout: float,
         liveness_probe: LivenessProbe | None,
@@ -412,6 +451,8 @@ class AsyncSandbox:
         max_queue_frames: int,
     ):
         self._ws = ws
+        self._transport = transport or transports.choose(transports.WEBSOCKETS)
+        self._closed_error = self._transport.connection_closed
         self._hello = hello
         self._url = url
         self._ping_interval = ping_interval
@@ -421,6 +462,8 @@ class AsyncSandbox:
         self._max_queue_frames = max_queue_frames
         self._loop = asyncio.get_running_loop()
         self._budget = budget_for_loop(self._loop)
+        self._turns = turn_budget_for_loop(self._loop)
+        self._reply_turns = turn_budget_for_loop(self._loop, REPLIES)
         self._frame_counters = FrameCounters()
         self._pending: dict[int, _Pending] = {}
         self._next_call_id = 1
@@ -465,6 +508,11 @@ class AsyncSandbox:
     @property
     def rpc_timeout(self) -> float:
         return self._rpc_timeout
+
+    @property
+    def transport(self) -> str:
+        """The WebSocket client this connection was dialed with: ``websockets`` or ``fast``."""
+        return self._transport.name
 
     @property
     def closed(self) -> bool:
@@ -554,12 +602,19 @@ class AsyncSandbox:
         self._pending[call.call_id] = _Pending(future, timer, call.verb)
         try:
             await self._ws.send(call.message)
-        except ConnectionClosed:
+        except self._closed_error:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
 
     async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+        await self._admit(1)
         return await self._send(self._prepare(verb, args, timeout))
+
+    async def _admit(self, calls: int) -> None:
+        """Wait for room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN)."""
+        limit = MAX_CALL_STARTS_PER_TURN
+        if limit is not None and not self._turns.try_admit(calls, limit):
+            await self._turns.admit(calls, limit)
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.pop(call_id, None)
@@ -732,6 +787,7 @@ class AsyncSandbox:
                 failed_at = i
                 continue
             try:
+                await self._admit(1)
                 value = _unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
@@ -753,7 +809,8 @@ class AsyncSandbox:
 
         The daemon runs them in order. There is no ``skipped`` here: every
         action is already on the wire when an earlier one fails, so each row
-        carries its own real outcome (``ok | error | timeout | sandbox_died``),
+        carries its own real outcome (``ok | error | timeout | connection_lost |
+        sandbox_died``),
         or ``denied`` when the gateway refused it (it was never sent).
         ``observe`` holds :meth:`screenshot` arguments (``{}`` for defaults); the
         observation comes back even after an action failed.
@@ -774,6 +831,10 @@ class AsyncSandbox:
         sent = [call for call, ok in zip(calls, admitted) if ok]
         if observe_args is not None:
             sent.append(("screenshot", observe_args))
+        # The whole step is admitted in one turn (its calls stay together on the
+        # wire); encoding waits for the admission, so a burst is spread too.
+        await self._admit(len(sent))
+        self._check_usable()
         deadlines = iter(pipelined_deadlines(self._rpc_timeout, sent, timeout))
         # Encode everything first: a bad argument raises before anything is sent.
         prepared = [
@@ -897,9 +958,20 @@ class AsyncSandbox:
         cause: BaseException | None = None
         close_with: tuple[int, str] | None = None
         try:
+            release = self._transport.release_message
+            turns = self._reply_turns
             async for message in self._ws:
+                limit = MAX_REPLIES_PER_TURN
+                if limit is not None and not turns.try_admit(1, limit):
+                    await turns.admit(1, limit)
                 self._dispatch(message)
-        except ConnectionClosed as exc:
+                if len(message) >= transports.RELEASE_FRAME_BYTES:
+                    release(self._ws)
+                # The loop variable would keep the last message (a ~72 KiB
+                # observation) alive until the next one arrives: per idle
+                # connection, that is most of its steady-state memory.
+                del message
+        except self._closed_error as exc:
             cause = exc
         except ProtocolViolation as exc:
             cause, close_with = exc, (1002, "protocol error")
@@ -981,8 +1053,16 @@ class AsyncSandbox:
         if liveness is not None and not liveness.alive:
             return SandboxDied.from_liveness(liveness, code=code, reason=reason)
         detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+        # Alive, "unknown", or no answer: a dropped connection, not a death.
+        said = "no liveness probe" if self._probe is None else (
+            "the provider did not answer" if liveness is None else
+            f"the provider says alive{': ' + liveness.detail if liveness.detail else ''}"
+        )  # fmt: skip
         return ConnectionLost(
-            f"connection to sandbox {self.sandbox_id} lost{detail}", code=code, reason=reason
+            f"connection to sandbox {self.sandbox_id} lost{detail}; {said}",
+            code=code,
+            reason=reason,
+            liveness=liveness,
         )
 
     async def _probe_liveness(self) -> Liveness | None:

@@ -6,9 +6,12 @@ asks anyone to match message strings. The tree::
     ShinkenError
     ├── ConnectError               dialing failed: refused, DNS, TLS, handshake, no hello in time
     │   └── AuthRefused            the daemon answered the handshake with HTTP 401
-    ├── ConnectionLost             an established connection dropped; pending calls fail with it
+    ├── ConnectionLost             an established connection dropped; pending calls fail with it.
+    │   │                          The sandbox may be alive (``liveness`` says what the provider
+    │   │                          answered, None when nobody was asked): outcome connection_lost
     │   └── SandboxDied            ... and the provider confirms the sandbox is gone
-    │                              (exit_code / signal / oom); also a daemon's sandbox_died reply
+    │                              (exit_code / signal / oom); also a daemon's sandbox_died reply:
+    │                              outcome sandbox_died
     ├── RPCTimeout (TimeoutError)  a call's client-side deadline passed without a reply
     ├── FrameTimeout (TimeoutError)  next_frame(timeout=...) saw no frame in time
     ├── ActionError                the daemon ran the call and replied with an error (kind, verb)
@@ -29,9 +32,18 @@ Errors raised where a lower layer failed (websockets, OS sockets) are raised
 ``from`` the original exception, so ``__cause__`` keeps the detail.
 
 :func:`classify_exception` maps any exception onto the outcome taxonomy used by
-step rows (``ok | error | timeout | skipped | sandbox_died``); a caller that
-wants "is this infrastructure or the task?" calls it instead of an isinstance
-ladder. :func:`is_connection_loss` answers "should I reconnect (or replace)?".
+step rows (``ok | error | timeout | skipped | denied | connection_lost |
+sandbox_died``); a caller that wants "is this infrastructure or the task?"
+calls it instead of an isinstance ladder. :func:`is_connection_loss` answers
+"should I reconnect (or replace)?"; :func:`is_sandbox_death` answers "replace".
+
+A dropped connection is not a dead sandbox. ``sandbox_died`` is reported only
+when someone who can see the sandbox says it is gone: the provider's liveness
+probe (``Liveness(alive=False)``, with the exit code, signal and -- where the
+provider can know it -- ``oom``), or the daemon's own ``sandbox_died`` reply.
+Every other loss (a reset, a closed proxy, a keepalive timeout, a probe that
+says "alive", "unknown" or did not answer in time) is ``connection_lost``:
+reconnect, the sandbox and its screencasts are probably still there.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from websockets.exceptions import ConnectionClosed
 
 from . import protocol
+from .transport import connection_closed_types
 
 if TYPE_CHECKING:
     from .providers.base import Liveness
@@ -82,13 +95,24 @@ class ConnectionLost(ShinkenError):
 
     The sandbox may still be alive (a network blip, a restarted proxy):
     reconnecting can work. ``code``/``reason`` are the WebSocket close code and
-    reason when a close frame was seen, else None/"".
+    reason when a close frame was seen, else None/"". ``liveness`` is what the
+    provider's probe answered on the failure path (``alive=True``, possibly
+    with ``detail="unknown"``), or None when there was no probe or it failed
+    or timed out: the SDK could not tell.
     """
 
-    def __init__(self, message: str = "connection lost", *, code: int | None = None, reason: str = ""):
+    def __init__(
+        self,
+        message: str = "connection lost",
+        *,
+        code: int | None = None,
+        reason: str = "",
+        liveness: Liveness | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.reason = reason
+        self.liveness = liveness
 
 
 class SandboxDied(ConnectionLost):
@@ -127,7 +151,7 @@ class SandboxDied(ConnectionLost):
             parts.append("OOM-killed")
         if liveness.detail:
             parts.append(liveness.detail)
-        return cls(
+        died = cls(
             "sandbox died" + (f" ({', '.join(parts)})" if parts else ""),
             exit_code=liveness.exit_code,
             signal=liveness.signal,
@@ -136,6 +160,8 @@ class SandboxDied(ConnectionLost):
             code=code,
             reason=reason,
         )
+        died.liveness = liveness
+        return died
 
 
 class RPCTimeout(ShinkenError, TimeoutError):
@@ -239,8 +265,9 @@ def is_connection_loss(exc: BaseException | None) -> bool:
     """True when ``exc`` means the transport to a sandbox is gone.
 
     Covers the SDK's :class:`ConnectionLost` family (including
-    :class:`SandboxDied`), :class:`StreamLost`, the websockets
-    ``ConnectionClosed`` family, and OS-level resets/broken pipes/EOFs.
+    :class:`SandboxDied`), :class:`StreamLost`, the ``ConnectionClosed``
+    family of either transport (websockets, picows), and OS-level
+    resets/broken pipes/EOFs.
     """
     return isinstance(
         exc,
@@ -253,19 +280,29 @@ def is_connection_loss(exc: BaseException | None) -> bool:
             BrokenPipeError,
             EOFError,
             asyncio.IncompleteReadError,
+            *connection_closed_types(),  # the [fast] transport's too, when loaded
         ),
     )
+
+
+def is_sandbox_death(exc: BaseException | None) -> bool:
+    """True when ``exc`` says the sandbox itself is gone (replace it, do not
+    reconnect): a :class:`SandboxDied`, from the provider's probe or the
+    daemon's ``sandbox_died`` reply. Any other connection loss is False."""
+    return isinstance(exc, SandboxDied)
 
 
 def classify_exception(exc: BaseException | None) -> str:
     """Map an exception (or None for success) onto the outcome taxonomy.
 
-    ``None`` -> ``ok``; any connection loss (see :func:`is_connection_loss`)
-    -> ``sandbox_died`` (from a step's point of view the sandbox is gone; a
-    :class:`SandboxDied` confirms it, a bare :class:`ConnectionLost` leaves
-    reconnecting open); any timeout -> ``timeout``; everything else ->
-    ``error``. ``skipped`` and ``denied`` are verdicts about calls that never
-    ran, so only :class:`Skipped`/:class:`ActionDenied` markers produce them.
+    ``None`` -> ``ok``; :class:`SandboxDied` -> ``sandbox_died`` (the
+    provider or the daemon says the sandbox is gone); any other connection
+    loss (see :func:`is_connection_loss`: a bare :class:`ConnectionLost`,
+    :class:`StreamLost`, websockets' ``ConnectionClosed``, OS resets) ->
+    ``connection_lost`` (the sandbox may be alive: reconnect); any timeout ->
+    ``timeout``; everything else -> ``error``. ``skipped`` and ``denied`` are
+    verdicts about calls that never ran, so only :class:`Skipped` /
+    :class:`ActionDenied` markers produce them.
     """
     if exc is None:
         return protocol.OK
@@ -273,8 +310,10 @@ def classify_exception(exc: BaseException | None) -> str:
         return protocol.SKIPPED
     if isinstance(exc, ActionDenied):
         return protocol.DENIED
-    if is_connection_loss(exc):
+    if is_sandbox_death(exc):
         return protocol.SANDBOX_DIED
+    if is_connection_loss(exc):
+        return protocol.CONNECTION_LOST
     # asyncio.TimeoutError is a distinct class before Python 3.11.
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return protocol.TIMEOUT

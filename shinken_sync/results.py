@@ -118,8 +118,10 @@ class ExecResult:
 class StepRow:
     """One action's verdict inside ``step`` or ``act_batch``.
 
-    ``outcome`` is one of ``ok | error | timeout | skipped | sandbox_died |
-    denied``; ``result`` is the verb's typed result when ok, ``error`` the
+    ``outcome`` is one of ``ok | error | timeout | skipped | denied |
+    connection_lost | sandbox_died`` (a dropped connection is
+    ``connection_lost``; ``sandbox_died`` only when the provider or daemon
+    says the sandbox is gone); ``result`` is the verb's typed result when ok, ``error`` the
     exception otherwise (branch on its class, or on ``outcome``).
     """
 

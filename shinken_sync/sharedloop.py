@@ -24,6 +24,12 @@ How the pieces fit, and why (measured facts in ``docs/sync.md``):
   greenlet got ``LoopExit``. A plain thread waits on a native lock. Either way
   the wait is sliced, so a dead loop thread or a fork is noticed within
   :data:`LIVENESS_POLL` seconds even if nobody told the waiter.
+- Fair turns: the loop starts at most :data:`MAX_STARTS_PER_TURN` submitted
+  coroutines per loop turn and its selector reports at most
+  :data:`MAX_EVENTS_PER_SELECT` ready sockets per select, so a 1024-caller
+  burst (or the burst of their replies) never holds timers and other callers
+  for 100+ ms (:func:`new_fair_event_loop` gives the same loop to the async
+  face). Under the ``[fast]`` transport the loop is uvloop, outside gevent.
 - The loop thread fails every waiter at once when it dies; after ``fork()`` the
   child starts a fresh loop on first use; at interpreter exit the loop closes
   its tracked resources, cancels its tasks and stops *before* ``threading``
@@ -50,7 +56,10 @@ import contextlib
 import encodings.idna  # noqa: F401  -- see _prepare_caller
 import functools
 import importlib
+import math
 import os
+import select
+import selectors
 import ssl  # noqa: F401  -- see _prepare_caller
 import sys
 import threading
@@ -74,6 +83,21 @@ CLOSE_TIMEOUT = 10.0
 
 LIVENESS_POLL = 1.0
 """A waiter re-checks that its loop is alive (thread running, same pid) this often."""
+
+MAX_STARTS_PER_TURN = 64
+"""Submitted coroutines the loop starts per loop turn (read at every turn).
+
+A burst (1024 greenlets each calling ``step()`` at once) is started in slices
+of this many, one slice per turn, so timers and replies run between slices
+instead of waiting out the whole burst. None = start everything at once."""
+
+MAX_EVENTS_PER_SELECT = 32
+"""Ready sockets the loop handles per select (read when the loop is built).
+
+A lockstep round's replies land within a few ms; handling all 1024 ready
+sockets in one turn starves timers for as long. The selectors here are
+level-triggered, so a socket left over is simply reported again at the next
+select. None = no bound."""
 
 
 class LoopThreadDied(ShinkenError):
@@ -176,16 +200,41 @@ class _HubWaker:
 
     def __init__(self, hub: Any) -> None:
         self._queued: collections.deque[Any] = collections.deque()
+        # True from the send() until the drain finds the queue empty: wakes in
+        # between only append. A burst of 1024 completions then costs a few
+        # watcher sends instead of 1024 (each a syscall, and a GIL hand-off to
+        # the hub's thread). The lock is held for a few instructions, never
+        # across a switch.
+        self._armed = False
+        self._lock = _native_allocate_lock()
         self._watcher = hub.loop.async_(ref=False)
         self._watcher.start(self._drain)
 
     def wake(self, waiter: Any) -> None:  # any thread
-        self._queued.append(waiter)
+        with self._lock:
+            self._queued.append(waiter)
+            if self._armed:
+                return
+            self._armed = True
         self._watcher.send()
 
     def _drain(self) -> None:  # the hub's thread
-        while self._queued:
-            self._queued.popleft().switch(None)
+        queued = self._queued
+        try:
+            while True:
+                with self._lock:
+                    if not queued:
+                        self._armed = False
+                        return
+                    waiter = queued.popleft()
+                waiter.switch(None)
+        except BaseException:
+            # Never leave the waker armed with nobody coming to drain it.
+            with self._lock:
+                rearm = self._armed = bool(queued)
+            if rearm:
+                self._watcher.send()
+            raise
 
 
 _WAKERS: weakref.WeakKeyDictionary[Any, _HubWaker] = weakref.WeakKeyDictionary()
@@ -274,6 +323,108 @@ class _Outcome:
         return self._value
 
 
+# -- the loop itself -----------------------------------------------------------
+
+
+class _BoundedSelector(selectors.BaseSelector):
+    """A selector that reports at most ``limit`` ready files per ``select()``.
+
+    Wraps whatever ``selectors.DefaultSelector`` is in this thread (epoll, or
+    gevent's selector bound to the loop thread's hub under patching). Both are
+    level-triggered: a file left out is reported again by the next select, so
+    nothing is lost, only deferred by one turn. With epoll the kernel returns
+    at most ``limit`` events itself and rotates its ready list, so no socket
+    waits behind a busy one for more than a turn or two.
+    """
+
+    def __init__(self, inner: selectors.BaseSelector, limit: int) -> None:
+        self._inner = inner
+        self._limit = limit
+        # Gevent's patching removes selectors.EpollSelector (and select.epoll).
+        epoll_class = getattr(selectors, "EpollSelector", None)
+        self._epoll = inner._selector if epoll_class and isinstance(inner, epoll_class) else None  # type: ignore[attr-defined]
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.modify(fileobj, events, data)
+
+    def get_map(self) -> Any:
+        return self._inner.get_map()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self._epoll is None:
+            return self._inner.select(timeout)[: self._limit]
+        return self._select_epoll(timeout)
+
+    def _select_epoll(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
+        # selectors.EpollSelector.select with maxevents = limit (same rounding).
+        if timeout is None:
+            timeout = -1
+        elif timeout <= 0:
+            timeout = 0
+        else:
+            timeout = math.ceil(timeout * 1e3) * 1e-3
+        try:
+            fd_events = self._epoll.poll(timeout, self._limit)
+        except InterruptedError:
+            return []
+        ready = []
+        key_of = self._inner._key_from_fd  # type: ignore[attr-defined]
+        for fd, event in fd_events:
+            events = 0
+            if event & ~select.EPOLLIN:
+                events |= selectors.EVENT_WRITE
+            if event & ~select.EPOLLOUT:
+                events |= selectors.EVENT_READ
+            key = key_of(fd)
+            if key:
+                ready.append((key, events & key.events))
+        return ready
+
+
+def new_fair_event_loop() -> asyncio.AbstractEventLoop:
+    """A new asyncio loop that handles at most :data:`MAX_EVENTS_PER_SELECT`
+    ready sockets per select (None: a plain ``asyncio.new_event_loop()``).
+
+    The SharedLoop runs on one; the async face may too, for the same reason
+    (a lockstep round's replies land together)::
+
+        loop = shinken_sync.sharedloop.new_fair_event_loop()
+        loop.run_until_complete(main())      # or asyncio.Runner(loop_factory=...) on 3.11+
+
+    Call it in the thread that will run the loop (under gevent patching the
+    selector binds to that thread's hub).
+    """
+    limit = MAX_EVENTS_PER_SELECT
+    if limit is None:
+        return asyncio.new_event_loop()
+    return asyncio.SelectorEventLoop(_BoundedSelector(selectors.DefaultSelector(), limit))
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The loop thread's event loop: uvloop under the ``fast`` transport (see
+    :mod:`shinken_sync.transport`), else :func:`new_fair_event_loop`.
+
+    Built in the loop thread: under gevent patching ``DefaultSelector`` is then
+    gevent's selector bound to this thread's hub (DNS and executors need it).
+    """
+    from .transport import uses_uvloop
+
+    if uses_uvloop():  # the [fast] extra; libuv handles its own polling (no per-select bound)
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return new_fair_event_loop()
+
+
 # -- one incarnation of the loop thread --------------------------------------
 
 
@@ -311,7 +462,7 @@ class _LoopThread:
     def _main(self) -> None:
         death: BaseException | None = None
         try:
-            loop = asyncio.new_event_loop()
+            loop = _new_loop()
             asyncio.set_event_loop(loop)
             self.loop, self.ident = loop, _native_get_ident()
             loop.call_soon(self.ready.set)
@@ -356,11 +507,26 @@ class _LoopThread:
             self.loop.call_soon_threadsafe(self._drain_inbox)
 
     def _drain_inbox(self) -> None:
-        self.inbox_scheduled = False
+        """Start at most :data:`MAX_STARTS_PER_TURN` submissions, then yield the
+        turn (the rest start from the next one, after I/O and timers ran)."""
         inbox = self.inbox
-        while inbox:
+        budget = MAX_STARTS_PER_TURN
+        started = 0
+        while inbox and (budget is None or started < budget):
             future, coro = inbox.popleft()
             future._start(coro)
+            started += 1
+        if inbox:  # still scheduled: post() need not wake the loop again
+            assert self.loop is not None
+            self.loop.call_soon(self._drain_inbox)
+            return
+        self.inbox_scheduled = False
+        # A post() between the emptiness check and the flag reset saw the flag
+        # still set and did not schedule: pick its item up now.
+        if inbox and not self.inbox_scheduled:
+            self.inbox_scheduled = True
+            assert self.loop is not None
+            self.loop.call_soon(self._drain_inbox)
 
     def stop(self) -> None:
         """Leave run_forever (and so drain). On the loop thread; a no-op once draining."""

@@ -58,6 +58,44 @@ _live: weakref.WeakSet[DaemonProcess] = weakref.WeakSet()
 _spawner_lock = threading.Lock()
 _spawner: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 
+def memory_cgroup_oom_counter(pid: int | str = "self") -> str | None:
+    """The file holding ``oom_kill`` for ``pid``'s memory cgroup, or None.
+
+    cgroup v2: ``memory.events``; v1: ``memory.oom_control`` (Linux >= 4.13).
+    """
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            candidate = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+        elif controllers == "":
+            candidate = f"/sys/fs/cgroup{path}/memory.events"
+        else:
+            continue
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def read_oom_kills(counter: str | None) -> int | None:
+    """The ``oom_kill`` count in ``counter`` (see :func:`memory_cgroup_oom_counter`), or None."""
+    if counter is None:
+        return None
+    try:
+        with open(counter) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _spawn_thread() -> concurrent.futures.ThreadPoolExecutor:
     global _spawner
     with _spawner_lock:
@@ -85,6 +123,9 @@ class DaemonProcess:
             self._forget_token()
             self._stderr.close()
             raise
+        # The kernel counts OOM kills per memory cgroup; the child starts in ours.
+        self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
+        self._oom_kills_at_start = read_oom_kills(self._oom_counter)
         _live.add(self)
 
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -161,11 +202,21 @@ class DaemonProcess:
             return Liveness(alive=False, exit_code=rc, detail=f"shinkend exited with code {rc}")
         name = _signal_name(-rc)
         detail = f"shinkend killed by {name}"
+        oom = False
         if -rc == signal.SIGKILL:
-            # The kernel's OOM killer also sends SIGKILL; from the outside the two
-            # look the same, so oom stays False rather than guessed.
-            detail += " (an OOM kill looks the same; not distinguished)"
-        return Liveness(alive=False, signal=-rc, detail=detail)
+            # The OOM killer sends SIGKILL too; the exit status cannot tell them
+            # apart, but the memory cgroup's oom_kill counter can: it rose while
+            # this daemon ran (in a cgroup shared with other processes, an OOM
+            # kill of one of them at the same time would read the same).
+            before, now = self._oom_kills_at_start, read_oom_kills(self._oom_counter)
+            if before is None or now is None:
+                detail += " (no readable memory cgroup: an OOM kill would look the same)"
+            elif now > before:
+                oom = True
+                detail += f" by the kernel's OOM killer (the memory cgroup's oom_kill count went {before} -> {now})"
+            else:
+                detail += " (not an OOM kill: the memory cgroup's oom_kill count did not move)"
+        return Liveness(alive=False, signal=-rc, oom=oom, detail=detail)
 
     def terminate(self, timeout: float = TERMINATE_TIMEOUT_S) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; idempotent."""

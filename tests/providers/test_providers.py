@@ -84,6 +84,35 @@ def test_check_alive_reports_the_killing_signal():
         assert provider.check_alive(other) == Liveness(alive=False, exit_code=0, detail="shinkend exited with code 0")
 
 
+@pytest.mark.parametrize("oom_kills_after", [0, 1])
+def test_a_sigkill_is_an_oom_kill_only_when_the_memory_cgroup_counted_one(tmp_path, monkeypatch, oom_kills_after):
+    from shinken_sync.providers import process
+
+    counter = tmp_path / "memory.events"  # the cgroup v2 format; v1's memory.oom_control has the same line
+    counter.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    monkeypatch.setattr(process, "memory_cgroup_oom_counter", lambda pid: str(counter))
+    with LocalProvider(screen=SCREEN) as provider:
+        handle = provider.create()
+        counter.write_text(f"low 0\nhigh 0\nmax 0\noom {oom_kills_after}\noom_kill {oom_kills_after}\n")
+        os.kill(handle.pid, signal.SIGKILL)
+        handle.daemon.process.wait(10)
+        liveness = provider.check_alive(handle)
+    assert liveness.alive is False and liveness.signal == signal.SIGKILL
+    assert liveness.oom is bool(oom_kills_after)
+    assert ("OOM killer" in liveness.detail) is bool(oom_kills_after), liveness.detail
+
+
+def test_this_machines_memory_cgroup_counter_is_found_and_read():
+    from shinken_sync.providers.process import memory_cgroup_oom_counter, read_oom_kills
+
+    counter = memory_cgroup_oom_counter()
+    if counter is None:
+        pytest.skip("no readable memory cgroup here")
+    kills = read_oom_kills(counter)
+    assert isinstance(kills, int) and kills >= 0
+    assert read_oom_kills(None) is None and read_oom_kills("/nonexistent/memory.events") is None
+
+
 def test_a_daemon_that_cannot_start_raises_with_its_stderr():
     with LocalProvider(screen=SCREEN, extra_args=["--no-such-flag"]) as provider, pytest.raises(
         DaemonStartError

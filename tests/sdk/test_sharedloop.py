@@ -9,8 +9,11 @@ subprocess under ``-W error`` so both runs cover them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import socket
 import threading
+import time
 
 import pytest
 
@@ -346,3 +349,124 @@ def test_greenlets_wait_cooperatively_and_the_hub_keeps_running():
         # can deschedule the whole process for a while (bench/ measures the figures).
         assert float(gap_p99_ms) < MAX_HUB_GAP_P99_MS, result.stdout
         print(f"{patching}: {ticks_during} ticks, gap p99 {gap_p99_ms} ms, max {gap_max_ms} ms")
+
+
+# -- fair scheduling: bounded starts per turn, bounded events per select ------
+
+
+def _turn_counter(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """A one-element list holding the loop's iteration count (a call_soon ticker)."""
+    turn = [0]
+
+    def tick() -> None:
+        turn[0] += 1
+        loop.call_soon(tick)
+
+    loop.call_soon_threadsafe(tick)
+    return turn
+
+
+def test_a_burst_of_submissions_starts_a_bounded_slice_per_turn(shared):
+    from shinken_sync import sharedloop
+
+    turn = _turn_counter(shared.loop)
+    started: list[int] = []
+
+    async def record() -> None:
+        started.append(turn[0])
+
+    async def block_the_loop() -> None:
+        time.sleep(0.3)  # noqa: ASYNC251 -- on purpose: everything below is posted while the loop cannot drain
+
+    blocker = shared.submit(block_the_loop())
+    futures = [shared.submit(record()) for _ in range(5 * sharedloop.MAX_STARTS_PER_TURN)]
+    blocker.result(timeout=10)
+    for future in futures:
+        future.result(timeout=10)
+    per_turn = collections.Counter(started)
+    assert sum(per_turn.values()) == 5 * sharedloop.MAX_STARTS_PER_TURN
+    assert max(per_turn.values()) <= sharedloop.MAX_STARTS_PER_TURN, per_turn
+    assert len(per_turn) >= 5
+
+
+def test_a_fair_event_loop_of_your_own_bounds_ready_sockets_per_select_too():
+    from shinken_sync import sharedloop
+
+    n = 2 * sharedloop.MAX_EVENTS_PER_SELECT + 3
+    pairs = [socket.socketpair() for _ in range(n)]
+    loop = sharedloop.new_fair_event_loop()
+    try:
+        turn = [0]
+        turns: collections.Counter[int] = collections.Counter()
+
+        def tick() -> None:
+            turn[0] += 1
+            loop.call_soon(tick)
+
+        def readable(sock: socket.socket) -> None:
+            sock.recv(16)
+            loop.remove_reader(sock)
+            turns[turn[0]] += 1
+            if sum(turns.values()) == n:
+                loop.stop()
+
+        for a, b in pairs:
+            a.setblocking(False)
+            b.send(b"x")
+            loop.add_reader(a, readable, a)
+        loop.call_soon(tick)
+        loop.call_later(10, loop.stop)
+        loop.run_forever()
+        assert sum(turns.values()) == n
+        assert max(turns.values()) <= sharedloop.MAX_EVENTS_PER_SELECT, turns
+    finally:
+        loop.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_the_loop_handles_a_bounded_number_of_ready_sockets_per_select(shared):
+    from shinken_sync import sharedloop, transport
+
+    if transport.uses_uvloop():
+        pytest.skip("the [fast] SharedLoop runs on uvloop, which polls on its own (documented)")
+
+    n = 3 * sharedloop.MAX_EVENTS_PER_SELECT + 5
+    pairs = [socket.socketpair() for _ in range(n)]
+    try:
+
+        async def read_all() -> collections.Counter[int]:
+            loop = asyncio.get_running_loop()
+            turn = [0]
+
+            def tick() -> None:
+                turn[0] += 1
+                loop.call_soon(tick)
+
+            tick()
+            done = loop.create_future()
+            turns: collections.Counter[int] = collections.Counter()
+
+            def readable(sock: socket.socket) -> None:
+                sock.recv(16)
+                loop.remove_reader(sock)
+                turns[turn[0]] += 1
+                if sum(turns.values()) == n and not done.done():
+                    done.set_result(None)
+
+            for a, b in pairs:
+                a.setblocking(False)
+                b.send(b"x")  # every socket is readable before the loop selects once
+            for a, _ in pairs:
+                loop.add_reader(a, readable, a)
+            await asyncio.wait_for(done, 10)
+            return turns
+
+        turns = shared.run(read_all(), timeout=20)
+        assert sum(turns.values()) == n  # nothing lost: left-over sockets come back next select
+        assert max(turns.values()) <= sharedloop.MAX_EVENTS_PER_SELECT, turns
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

@@ -27,6 +27,7 @@ from shinken_sync.errors import (
     StreamLost,
     classify_exception,
     is_connection_loss,
+    is_sandbox_death,
 )
 from shinken_sync.providers.base import Liveness
 
@@ -46,12 +47,16 @@ def closed_error() -> ConnectionClosedError:
         (ActionTimeout("slow", kind="timeout"), "timeout"),
         (asyncio.TimeoutError(), "timeout"),  # noqa: UP041 - distinct class on 3.10
         (FrameTimeout("none"), "timeout"),
-        (ConnectionLost(), "sandbox_died"),
+        # a dropped connection is not a death: only SandboxDied (the provider or daemon said so) is
+        (ConnectionLost(), "connection_lost"),
+        (ConnectionLost(liveness=Liveness(alive=True, detail="unknown")), "connection_lost"),
         (SandboxDied(signal=9), "sandbox_died"),
-        (closed_error(), "sandbox_died"),
-        (ConnectionClosedOK(Close(1000, ""), Close(1000, ""), True), "sandbox_died"),
-        (ConnectionResetError(), "sandbox_died"),
-        (BrokenPipeError(), "sandbox_died"),
+        (SandboxDied.from_liveness(Liveness(alive=False, exit_code=3)), "sandbox_died"),
+        (StreamLost("x", stream_id="s", params={}, last_seq=0), "connection_lost"),
+        (closed_error(), "connection_lost"),
+        (ConnectionClosedOK(Close(1000, ""), Close(1000, ""), True), "connection_lost"),
+        (ConnectionResetError(), "connection_lost"),
+        (BrokenPipeError(), "connection_lost"),
         (Skipped("later", cause_index=0), "skipped"),
         (ActionDenied("no"), "denied"),
     ],
@@ -126,3 +131,17 @@ def test_errors_pickle_with_their_fields():
     )
     timeout = pickle.loads(pickle.dumps(RPCTimeout("slow", verb="wait", call_id=3, timeout=1.5)))
     assert (timeout.verb, timeout.call_id, timeout.timeout) == ("wait", 3, 1.5)
+
+
+def test_only_a_confirmed_death_is_a_sandbox_death_and_the_verdict_survives_copy_and_pickle():
+    import pickle
+
+    alive = Liveness(alive=True, detail="unknown")
+    lost = ConnectionLost("dropped", code=1006, liveness=alive)
+    died = SandboxDied.from_liveness(Liveness(alive=False, signal=9, oom=True, detail="cgroup oom_kill"))
+    assert not is_sandbox_death(lost) and not is_sandbox_death(ConnectionResetError())
+    assert is_sandbox_death(died) and is_connection_loss(died) and is_connection_loss(lost)
+    for clone in (copy.copy(lost), pickle.loads(pickle.dumps(lost))):
+        assert clone.liveness == alive and clone.code == 1006
+    clone = pickle.loads(pickle.dumps(died))
+    assert clone.oom and clone.signal == 9 and clone.liveness == died.liveness and "OOM-killed" in str(clone)

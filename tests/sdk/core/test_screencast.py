@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shinken_sync import client
+from shinken_sync import client, transport
 from shinken_sync.client import aconnect
 from shinken_sync.daemon.screencast import MAX_STREAMS_PER_SANDBOX
 from shinken_sync.errors import FrameTimeout, RPCTimeout, StreamLost
@@ -158,7 +158,7 @@ def test_resume_across_a_dropped_connection_reports_the_gap(run, daemon):
         stream = await first.screencast(fps=20, max_long_edge=128)
         await driver.move(1, 1)
         seen = (await stream.next_frame(timeout=5)).seq
-        first._ws.transport.abort()  # the network drops this connection
+        transport.abort(first._ws)  # the network drops this connection
         with pytest.raises(StreamLost) as info:
             await stream.next_frame(timeout=5)
         lost = info.value

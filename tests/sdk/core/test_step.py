@@ -78,7 +78,7 @@ def test_step_row_timeout_is_per_action(run, peer, helpers):
     run(body())
 
 
-def test_step_connection_death_gives_sandbox_died_rows(run, peer, helpers):
+def test_step_connection_drop_gives_connection_lost_rows(run, peer, helpers):
     async def script(ws):
         calls = await helpers.calls(ws, 6)
         await helpers.answer(ws, calls[0])
@@ -87,11 +87,13 @@ def test_step_connection_death_gives_sandbox_died_rows(run, peer, helpers):
     async def body():
         async with peer(script) as url, await aconnect(url, TOKEN, rpc_timeout=60) as sb:
             result = await asyncio.wait_for(sb.step(FIVE, observe={}), 5)
-            assert result.outcomes == ["ok"] + ["sandbox_died"] * 4
+            # no probe said the sandbox is gone: the rows say the connection was lost, not a death
+            assert result.outcomes == ["ok"] + ["connection_lost"] * 4
             assert isinstance(result.observation_error, ConnectionLost)
+            assert not isinstance(result.observation_error, SandboxDied)
             # a step on the dead connection reports rows; it does not raise or hang
             again = await asyncio.wait_for(sb.step(FIVE[:2]), 5)
-            assert again.outcomes == ["sandbox_died"] * 2
+            assert again.outcomes == ["connection_lost"] * 2
 
     run(body())
 
