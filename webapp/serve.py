@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "Or set $SHINKEN_API_KEY (default: no key)")
     parser.add_argument("--api-key", default=None,
                         help="the key itself: visible to every user in ps, so deprecated "
-                             "(use --api-key-file or $SHINKEN_API_KEY)")
+                             "(use --api-key-file or $SHINKEN_API_KEY) (default: none)")
     parser.add_argument("--reference-r3-layers", type=non_negative_int, default=4,
                         help="routed-expert layers the embedded reference backend returns per token "
                              "(0: none; ignored with --backend-url)")
