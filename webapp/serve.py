@@ -3,9 +3,11 @@
 ::
 
     shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
-                           [--tokenizer PATH] [--api-key-file PATH] [--max-prompt-tokens N]
-                           [--max-message-bytes N] [--max-sessions N] [--session-idle-ttl S]
-                           [--routing-replay-layers L] [--indexer-replay] ...
+                           [--tokenizer PATH] [--api-key-file PATH] [--<setting> VALUE] ...
+
+Every setting of :data:`webapp.settings.SETTINGS` is a flag here and a ``SHINKEN_<NAME>``
+variable (a flag wins); this process resolves them all and hands gunicorn, and so the router,
+the single-process app and every session worker, the whole resolved set as ``SHINKEN_*``.
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -39,23 +41,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shinken_sync.cliargs import Parser, non_negative_int
+from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
-from webapp.http_limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS
-from webapp.limits import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_SESSION_IDLE_TTL,
+from webapp.settings import (
+    BY_NAME,
+    add_arguments,
+    defaults,
+    embedded_replay_layers,
+    given_values,
+    launcher_env,
+    parse_bind,
 )
-from webapp.settings import parse_bind
 
 if TYPE_CHECKING:
     from webapp.reference_backend import ReferenceBackendProcess
 
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
 
+API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
 READY_TIMEOUT = 120.0
 EXIT_NOT_READY = 3  # gunicorn died or /health never turned 200 before READY_TIMEOUT
@@ -93,62 +97,18 @@ def _health_ok(host: str, port: int) -> bool:
         conn.close()
 
 
-# Numeric settings passed on as SHINKEN_<DEST> (upper case): the router (RouterConfig) and the
-# single-process app (CoreConfig) both read them from the environment, so each works in both modes.
-_ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
-    ("--heartbeat-timeout", float, ("seconds a session worker may miss heartbeats (with no CPU progress) "
-                                   "before it is restarted; router mode (default: the built-in setting)")),
-    ("--busy-timeout", float, ("seconds a session worker may miss heartbeats while using CPU before it is "
-                              "restarted; router mode (default 600)")),
-    ("--read-timeout", float, "backend read timeout per turn, seconds (default: the built-in setting)"),
-    ("--max-message-bytes", int, (f"413 for a message whose text is over this many UTF-8 bytes "
-                                 f"(default {DEFAULT_MAX_MESSAGE_BYTES})")),
-    ("--max-prompt-tokens", int, (f"413 for a turn whose prompt is over this many tokens "
-                                 f"(default {DEFAULT_MAX_PROMPT_TOKENS})")),
-    ("--max-sessions", int, (f"429 for a new session past this many live ones per worker "
-                            f"(default {DEFAULT_MAX_SESSIONS})")),
-    ("--body-timeout", float, (f"408 for a request body not received within this many seconds "
-                              f"(default {DEFAULT_BODY_TIMEOUT:g})")),
-    ("--max-client-connections", int, (f"429 for a connection past this many open ones from one client "
-                                      f"address (default {DEFAULT_MAX_CLIENT_CONNECTIONS})")),
-    ("--session-idle-ttl", float, (f"seconds after which a session nobody used is deleted "
-                                  f"(default {DEFAULT_SESSION_IDLE_TTL:g})")),
-)
-
-
-def _env_name(flag: str) -> str:
-    return "SHINKEN_" + flag.lstrip("-").replace("-", "_").upper()
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """``--bind``, ``--api-key-file`` and one option per setting of :data:`webapp.settings.SETTINGS`."""
     parser = Parser(prog="shinken-session-server",
-                    description="Run the Shinken session server (router + session workers) under gunicorn.")
-    parser.add_argument("--workers", type=non_negative_int, default=1,
-                        help="session worker processes (0: the single-process server)")
-    parser.add_argument("--backend-url", default=None,
-                        help="inference backend base URL (default: start the embedded reference backend)")
+                    description="Run the Shinken session server (router + session workers) under gunicorn. "
+                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.")
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on; port 0 picks a free one (default: 127.0.0.1:8000)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="dir with tokenizer.json + chat template (default: the byte tokenizer)")
     parser.add_argument("--api-key-file", default=None, type=Path,
                         help="require 'Authorization: Bearer KEY' on all routes but /health, KEY being "
                              "this file's content (owner-only permissions; router mode only). "
                              "Or set $SHINKEN_API_KEY (default: no key)")
-    parser.add_argument("--api-key", default=None,
-                        help="the key itself: visible to every user in ps, so deprecated "
-                             "(use --api-key-file or $SHINKEN_API_KEY)")
-    parser.add_argument("--reference-r3-layers", type=non_negative_int, default=4,
-                        help="routed-expert layers the embedded reference backend returns per token "
-                             "(0: none; ignored with --backend-url)")
-    parser.add_argument("--routing-replay-layers", type=non_negative_int, default=None,
-                        help="routing replay (R3): ask the backend for routed_experts; the model's MoE "
-                             "layer count, which /samples shapes R3 with (0: off; default: off, or "
-                             "--reference-r3-layers with the embedded reference backend)")
-    parser.add_argument("--indexer-replay", action="store_true",
-                        help="indexer replay: ask the backend for indexer_topk (default: off)")
-    for flag, kind, help_text in _ENV_SETTINGS:
-        parser.add_argument(flag, type=kind, default=None, help=help_text)
+    add_arguments(parser)
     return parser
 
 
@@ -178,7 +138,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
               "use --api-key-file or SHINKEN_API_KEY", file=sys.stderr, flush=True)
         _scrub_title(args.api_key)
         return args.api_key or None
-    return os.environ.get("SHINKEN_API_KEY") or None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _scrub_title(secret: str) -> None:
@@ -193,10 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     host, port = args.bind
     try:
+        given = given_values(args)
         api_key = _api_key(args)
-    except ApiKeyFileError as exc:
+    except (ApiKeyFileError, ValueError) as exc:
         parser.error(str(exc))
-    if api_key and args.workers == 0:
+    values = {**defaults(), **given}
+    workers = values["workers"]
+    if api_key and workers == 0:
         parser.error("--api-key is enforced by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
     # after the backend is already up.
@@ -206,31 +169,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"cannot listen on {host}:{port}: {exc.strerror}; pass --bind with a free port (or port 0)")
     port = listener.getsockname()[1]
     backend = None
-    backend_url = args.backend_url
-    replay_layers = args.routing_replay_layers
+    backend_url = values["backend_url"]
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
         def start_backend(bind: str | None) -> ReferenceBackendProcess:
             # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
-            return start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers,
-                                           **({"bind": bind} if bind else {}))
+            return start_reference_backend(tokenizer=values["tokenizer"], r3_layers=values["reference_r3_layers"],
+                                           r3_topk=values["reference_r3_topk"], **({"bind": bind} if bind else {}))
 
         # Restarted on the same address whenever it dies: the workers keep its URL.
         backend = SupervisedBackend(start_backend)
         backend_url = backend.url
-        if replay_layers is None:
-            replay_layers = args.reference_r3_layers
-    env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
-    env.pop("SHINKEN_API_KEY", None)
-    settings = [(_env_name(flag), getattr(args, _env_name(flag)[len("SHINKEN_"):].lower()))
-                for flag, _kind, _help in _ENV_SETTINGS]
-    for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key), *settings,
-                        ("SHINKEN_ROUTING_REPLAY_LAYERS", replay_layers),
-                        ("SHINKEN_INDEXER_REPLAY", "1" if args.indexer_replay else None)):
-        if value is not None:
-            env[name] = str(value)
-    app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"
+        values["routing_replay_layers"] = embedded_replay_layers(given)
+    values["backend_url"], values["api_key"] = backend_url, api_key
+    env = launcher_env(values)
+    app_uri = "webapp.router:create_app()" if workers else "webapp.app:create_app()"
     argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
                      "--no-control-socket", "--worker-class", "webapp.gunicorn_worker.SessionServerWorker",
                      "--workers", "1", app_uri]
@@ -260,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_NOT_READY
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
-        print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": args.workers,
+        print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,
                           "backend_url": backend_url, "pid": os.getpid()}), flush=True)
         return gunicorn.wait()
     finally:

@@ -19,6 +19,7 @@ sockets belong to the process that will drive them.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -36,6 +37,7 @@ from gevent.socket import wait_read
 from webapp import worker
 from webapp.ipc import Buffer, IpcChannelClosed, IpcError, IpcTimeout
 from webapp.ipc_channel import IpcClient, IpcReply, open_socket
+from webapp.settings import default
 
 __all__ = ["ShardUnavailable", "Supervisor", "SupervisorConfig"]
 
@@ -57,10 +59,12 @@ class ShardUnavailable(Exception):
 class SupervisorConfig:
     workers: int
     core: dict[str, Any]  # keyword arguments of webapp.core.CoreConfig (plain data: no core import)
-    startup_timeout: float = 60.0  # spawn to first heartbeat (tokenizer loading included)
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0  # a worker that cannot answer a ping this long, making no progress, is hung
-    busy_timeout: float = 600.0  # ... and one missing pings this long is hung even while using CPU
+    # The router settings of webapp.settings.SETTINGS (defaults and docs there):
+    startup_timeout: float = default("startup_timeout")  # spawn to first heartbeat
+    heartbeat_interval: float = default("heartbeat_interval")
+    heartbeat_timeout: float = default("heartbeat_timeout")  # no answer this long, no progress: hung
+    busy_timeout: float = default("busy_timeout")  # ... and this long: hung even while using CPU
+    boot_attempts: int = default("boot_attempts")  # failed boots in a row before the shard is failed
     restart_backoff: float = 0.1  # first restart delay, doubled per consecutive failure
     restart_backoff_max: float = 5.0
 
@@ -79,6 +83,7 @@ class _Slot:
     process: Any = None
     pid: int | None = None
     restarts: int = 0
+    config: dict[str, Any] | None = None  # the CoreConfig the worker runs with, as it reported it
     lost: gevent.event.Event = field(default_factory=gevent.event.Event)
 
 
@@ -117,7 +122,7 @@ class Supervisor:
 
     def status(self) -> list[dict[str, Any]]:
         return [{"shard": s.shard, "state": s.state, "reason": s.reason, "restarts": s.restarts,
-                 "pid": s.pid} for s in self._slots]
+                 "pid": s.pid, "config": s.config} for s in self._slots]
 
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
@@ -203,7 +208,7 @@ class Supervisor:
         """Returns once the worker is lost (the slot is down by then): did it ever serve?"""
         cfg = self.config
         try:
-            client.request({"op": "ping"}, timeout=cfg.startup_timeout)
+            hello = client.request({"op": "ping", "config": True}, timeout=cfg.startup_timeout)
         except IpcTimeout:
             self._mark_down(slot, lost, f"hung: no heartbeat within the {cfg.startup_timeout} s startup timeout",
                             hung=True)
@@ -212,6 +217,7 @@ class Supervisor:
             self._mark_down(slot, lost, f"failed to start ({exc})")
             return False
         slot.state, slot.reason = "ready", "ready"
+        slot.config = json.loads(hello.body).get("config") if hello.stream is None else None
         log.info("session worker for shard %d ready (pid %d)", slot.shard, slot.pid)
         progress = _Progress(slot.pid)
         missed_since: float | None = None

@@ -19,6 +19,7 @@ watch every second, and EOF on the channel (the router closing it, or dying).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -63,8 +64,9 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
     from webapp.core import CoreConfig, build_session_core
     from webapp.ipc_channel import IpcServer, open_socket
 
-    core = build_session_core(CoreConfig(**core_config))
-    server = IpcServer(open_socket(fd), SessionOps(core, shard, shards), name=f"worker[{shard}/{shards}]")
+    config = CoreConfig(**core_config)
+    core = build_session_core(config)
+    server = IpcServer(open_socket(fd), SessionOps(core, shard, shards, config), name=f"worker[{shard}/{shards}]")
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
     try:
         while server.wait_closed(_PARENT_CHECK_INTERVAL) is None:
@@ -82,11 +84,13 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
 class SessionOps:
     """Maps IPC ops to session-core calls; each returns a ``webapp.core.Reply``."""
 
-    def __init__(self, core: Any, shard: int, shards: int) -> None:
+    def __init__(self, core: Any, shard: int, shards: int, config: Any = None) -> None:
         from webapp import core as core_module
         from webapp.sharding import shard_for
 
         self._core = core
+        # The effective config, echoed by the startup ping: what the router sees it running with.
+        self._config = dataclasses.asdict(config) if config is not None else None
         self._shard = shard
         self._shards = shards
         self._shard_for = shard_for
@@ -96,7 +100,8 @@ class SessionOps:
     def __call__(self, meta: dict[str, Any], body: memoryview) -> Any:
         op = meta.get("op")
         if op == "ping":
-            return self._json_response(200, {"shard": self._shard, "pid": os.getpid()})
+            echo = {"config": self._config} if meta.get("config") else {}
+            return self._json_response(200, {"shard": self._shard, "pid": os.getpid(), **echo})
         if op == "health":
             return self._core.health()
         session_id = meta.get("session_id")
