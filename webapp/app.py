@@ -38,7 +38,8 @@ from webapp.core import (
     json_response,
     openai_error_response,
 )
-from webapp.http_limits import BodyError, HttpLimits, read_body
+from webapp.errors import WebappError
+from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import PROXY_METHODS, is_openai_path
 from webapp.settings import Scope, embedded_replay_layers, scope_values, values_from_env
@@ -109,8 +110,8 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
 
 
 def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:
-    @app.errorhandler(BodyError)
-    def body_error(exc: BodyError) -> Response:
+    @app.errorhandler(WebappError)
+    def webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return to_flask_response(error_response(exc.status, str(exc)))
 
     @app.errorhandler(HTTPException)

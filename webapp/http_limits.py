@@ -29,6 +29,7 @@ import gevent
 from gevent import monkey
 from werkzeug.exceptions import ClientDisconnected
 
+from webapp.errors import WebappError
 from webapp.settings import Scope, default, values_from_env
 
 try:  # the WSGI server both modes run under; absent in a bare Flask test client
@@ -45,8 +46,8 @@ DEFAULT_MAX_CLIENT_CONNECTIONS: int = default("max_client_connections")
 READ_CHUNK = 1 << 20
 
 
-class BodyError(Exception):
-    """The request body could not be read; ``status`` is the HTTP answer."""
+class BodyError(WebappError):
+    """The request body could not be read; ``status`` is the HTTP answer (webapp.errors)."""
 
     status = 400
 

@@ -28,13 +28,14 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
 from webapp.backend_liveness import probe_backend
-from webapp.http_limits import BodyError, HttpLimits, iter_body
-from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
+from webapp.errors import WebappError
+from webapp.http_limits import HttpLimits, iter_body
+from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
-from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
+from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
 
 __all__ = ["API_KEY_ENV", "RouterConfig", "create_app", "start_supervisor", "stop_supervisor"]
 
@@ -180,7 +181,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     # die with it), so a client can tell after a restart that its sessions are gone.
     instance_id = uuid.uuid4().hex
 
-    def call(session_id: str, op: str, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
+    def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
@@ -188,15 +189,11 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                                        timeout=timeout or config.control_timeout,
                                        chunk_timeout=config.chunk_timeout, body_stream=body_stream,
                                        body_length=body_length)
-        except ShardUnavailable as exc:
-            return _error(503, str(exc), shard=shard)
-        except IpcTimeout as exc:
-            return _error(504, f"session worker for shard {shard} did not answer in time: {exc}", shard=shard)
-        except FrameTooLarge as exc:
-            return _error(413, str(exc))
-        except IpcRemoteError as exc:
-            status = 503 if exc.worker_busy else 500
-            return _error(status, f"session worker for shard {shard} failed: {exc}", shard=shard)
+        except FrameTooLarge as exc:  # the request itself was refused: no shard to blame
+            return _error(exc.status, str(exc))
+        except WebappError as exc:  # one rule for every layer's error: its own status (webapp.errors)
+            text = str(exc) if isinstance(exc, ShardUnavailable) else f"session worker for shard {shard}: {exc}"
+            return _error(exc.status, text, shard=shard)
         return _relay(reply)
 
     @app.before_request
@@ -217,16 +214,16 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
-    @app.errorhandler(BodyError)
-    def _body_error(exc: BodyError) -> Response:
+    @app.errorhandler(WebappError)
+    def _webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return _error(exc.status, str(exc))
 
     @app.get("/health")
     def health() -> Response:
         def ask(shard: int) -> str | None:
             try:
-                reply = supervisor.request(shard, {"op": "health"}, timeout=config.health_timeout)
-            except (ShardUnavailable, IpcError) as exc:
+                reply = supervisor.request(shard, {"op": Op.HEALTH}, timeout=config.health_timeout)
+            except WebappError as exc:
                 return str(exc)
             return None if reply.status == 200 else f"health status {reply.status}"
 
@@ -246,7 +243,9 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
             if backend_problem is not None:
                 detail += f"; {backend_problem}"
-            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad),
+            # failed_shards: never restarted (their workers could not boot); the launcher gives up on them
+            failed = [slot["shard"] for slot in supervisor.status() if slot["state"] == SlotState.FAILED.value]
+            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad), failed_shards=failed,
                           backend="ok" if backend_problem is None else "unreachable")
         if backend_problem is not None:
             return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
@@ -255,25 +254,25 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions")
     def create_session() -> Response:
-        return call(mint_session_id(), "create_session")
+        return call(mint_session_id(), Op.CREATE_SESSION)
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return call(session_id, "get_session")
+        return call(session_id, Op.GET_SESSION)
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:
-        return call(session_id, "delete_session")
+        return call(session_id, Op.DELETE_SESSION)
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
         length = request.content_length
         pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
         if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
-            return call(session_id, "chat", b"".join(pieces), timeout=config.chat_timeout,
+            return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
                         budget=config.chat_budget)
         # Streamed on to the worker as it arrives: the router never holds a whole large body.
-        return call(session_id, "chat", body_stream=pieces, body_length=length, timeout=config.chat_timeout,
+        return call(session_id, Op.CHAT, body_stream=pieces, body_length=length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     def _small_body() -> bytes:
@@ -282,12 +281,12 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return call(session_id, "samples", _small_body())
+        return call(session_id, Op.SAMPLES, _small_body())
 
     # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:
-        return call(session_id, "proxy", _small_body(), timeout=config.chat_timeout,
+        return call(session_id, Op.PROXY, _small_body(), timeout=config.chat_timeout,
                     method=request.method, path=path, query=request.query_string.decode(),
                     headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
 

@@ -62,7 +62,8 @@ __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
 API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
 READY_TIMEOUT = 120.0
-EXIT_NOT_READY = 3  # gunicorn died or /health never turned 200 before READY_TIMEOUT
+# gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
+EXIT_NOT_READY = 3
 _POLL = 0.05
 # Matches the ready line's URL (group 1); for launchers that read this process's stdout.
 READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
@@ -85,14 +86,19 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _health_ok(host: str, port: int) -> bool:
+def _health(host: str, port: int) -> tuple[bool, str | None]:
+    """(/health answers 200, why it never will: the reason of shards whose workers could not boot)."""
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     conn = http.client.HTTPConnection(connect_host, port, timeout=5)
     try:
         conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
+        response = conn.getresponse()
+        if response.status == 200:
+            return True, None
+        body = json.loads(response.read() or b"{}")
+        return False, (str(body.get("error")) if isinstance(body, dict) and body.get("failed_shards") else None)
+    except (OSError, ValueError):
+        return False, None
     finally:
         conn.close()
 
@@ -204,10 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, forward)
     try:
         deadline = time.monotonic() + READY_TIMEOUT
-        while not _health_ok(host, port):
-            if gunicorn.poll() is not None or time.monotonic() > deadline:
-                print(json.dumps({"ready": False, "error": "gunicorn exited or /health never answered 200"}),
-                      flush=True)
+        while not (health := _health(host, port))[0]:
+            if gunicorn.poll() is not None or time.monotonic() > deadline or health[1] is not None:
+                # a shard whose workers could not boot is never restarted: say why now, not at the deadline
+                print(json.dumps({"ready": False, "error": health[1] or "gunicorn exited or /health never "
+                                                                        "answered 200"}), flush=True)
                 if gunicorn.poll() is None:
                     gunicorn.terminate()
                     gunicorn.wait(30)
