@@ -29,6 +29,7 @@ error (a taken port, a bad number) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -36,14 +37,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
+from webapp.errors import WebappError
 from webapp.settings import (
     BY_NAME,
     add_arguments,
@@ -57,7 +60,8 @@ from webapp.settings import (
 if TYPE_CHECKING:
     from webapp.reference_backend import ReferenceBackendProcess
 
-__all__ = ["READY_URL_PATTERN", "main", "server_argv"]
+__all__ = ["READY_URL_PATTERN", "SessionServerNotReady", "SessionServerProcess", "main", "server_argv",
+           "start_session_server"]
 
 API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
@@ -74,6 +78,132 @@ def server_argv(workers: int, backend_url: str | None = None, bind: str = "127.0
     """The command line that runs this server (tests and benchmarks start it this way)."""
     argv = [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", bind, *extra]
     return argv + (["--backend-url", backend_url] if backend_url else [])
+
+
+class SessionServerNotReady(WebappError):
+    """A session server started with :func:`start_session_server` did not become ready:
+    ``exit_code`` (None: still running at the deadline, then stopped) and ``detail`` (its ready
+    line's error, or the tail of its output) say why."""
+
+    def __init__(self, message: str, exit_code: int | None, detail: str) -> None:
+        super().__init__(f"{message}{f': {detail}' if detail else ''}")
+        self.exit_code = exit_code
+        self.detail = detail
+
+
+class SessionServerProcess:
+    """A ``shinken-session-server`` child process (see :func:`start_session_server`).
+
+    It dies with this process however this process dies (``PR_SET_PDEATHSIG``: SIGTERM, a
+    graceful stop), and so does everything it starts. Its stdout is read for the ready line
+    (which reports the port it bound, so port 0 has no race); the rest of its output goes to
+    ``log_path`` (or is discarded).
+    """
+
+    def __init__(self, argv: list[str], log_path: Path | None = None, *, own_session: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 (closed in close())
+        self.log_path = log_path
+        self._ready: dict[str, object] | None = None
+        self._got_line = threading.Event()
+        # own_session: a terminal's Ctrl-C then reaches only the caller, which stops it in order.
+        self._proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self._log or subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=own_session,
+            preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509 (see shinken_sync.lifetime)
+        self._reader = threading.Thread(target=self._read_stdout, name="session-server-stdout", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def url(self) -> str:
+        """The base URL; only once :meth:`wait_ready` returned."""
+        if self._ready is None:
+            raise RuntimeError("the session server is not ready (call wait_ready first)")
+        return str(self._ready["url"])
+
+    def _read_stdout(self) -> None:
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:  # until the process (and gunicorn, which shares it) exits
+            if not self._got_line.is_set():
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    line = None
+                if isinstance(line, dict) and "ready" in line:
+                    self._ready = line
+                    self._got_line.set()
+                    continue
+            if self._log is not None and not self._log.closed:
+                self._log.write(raw)
+        self._got_line.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT + 10.0) -> str:
+        """Wait for the ready line; returns the URL.
+
+        Raises :class:`SessionServerNotReady` (the process stopped) when it exits, reports
+        ``"ready": false`` or says nothing within ``timeout``.
+        """
+        if not self._got_line.wait(timeout):
+            self.close()
+            raise SessionServerNotReady(f"the session server was not ready after {timeout:.0f} s", None,
+                                        self._tail())
+        if self._ready is None or self._ready.get("ready") is not True:
+            error = str(self._ready.get("error", "")) if self._ready else ""
+            self._ready = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(30)  # it exits by itself after a "ready": false line
+            code = self.close()
+            raise SessionServerNotReady(f"the session server exited with code {code}", code,
+                                        error or self._tail())
+        return self.url
+
+    def _tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        if self._log is not None and not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-2000:].strip()
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        """Stop it gracefully (SIGTERM; SIGKILL after ``timeout``); returns its exit code."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._reader.join(5)
+        if self._log is not None:
+            self._log.close()
+        return self._proc.returncode
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_session_server(workers: int = 1, backend_url: str | None = None, bind: str = "127.0.0.1:0",
+                         *extra: str, log_path: Path | None = None, own_session: bool = False,
+                         wait: bool = True, env: dict[str, str] | None = None) -> SessionServerProcess:
+    """Start ``shinken-session-server`` (the one launcher: every embedder — ``shinken demo``,
+    tests, benches — goes through it) with ``extra`` flags; ``bind`` port 0 is bound by the
+    server itself, which reports the port, so there is no free-port race.
+
+    With ``wait`` (default) returns once it is ready (``.url``), else at once (then call
+    :meth:`SessionServerProcess.wait_ready`). Raises :class:`SessionServerNotReady`.
+    """
+    server = SessionServerProcess(server_argv(workers, backend_url, bind, *extra), log_path,
+                                  own_session=own_session, env=env)
+    if wait:
+        server.wait_ready()
+    return server
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -58,7 +58,6 @@ class Setting:
     minimum: float | None = None  # numbers: the smallest legal value
     cli: bool = True  # has a launcher flag
     env: bool = True  # is read from the environment
-    secret: bool = False  # never shown in --help defaults or docs
 
     @property
     def env_var(self) -> str | None:
@@ -118,7 +117,7 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=0),
     # -- router: router mode only ----------------------------------------------------------------
     _S("api_key", str, None, _R, "require 'Authorization: Bearer KEY' on all routes but /health (the flag "
-       "shows the key in ps: prefer --api-key-file or the environment variable)", secret=True),
+       "shows the key in ps: prefer --api-key-file or the environment variable)"),
     _S("control_timeout", float, 30.0, _R, "deadline of a create/get/delete on a worker, seconds", minimum=0),
     _S("chat_margin", float, 60.0, _R, "a chat's deadline is connect + read timeouts + this, seconds",
        minimum=0),
@@ -208,8 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for s in SETTINGS:
         if s.flag is None:
             continue
-        shown = "" if s.secret else f"default: {'unset' if s.default is None else s.default}; "
-        help_text = f"{s.doc} ({shown}env {s.env_var}; scope {s.scope.value})"
+        shown = "unset" if s.default is None else s.default
+        help_text = f"{s.doc} (default: {shown}; env {s.env_var}; scope {s.scope.value})"
         if s.kind is bool:
             parser.add_argument(s.flag, action="store_true", default=None, help=help_text)
         else:
