@@ -170,13 +170,7 @@ class SessionServerProcess:
 
     def close(self, timeout: float = 30.0) -> int | None:
         """Stop it gracefully (SIGTERM; SIGKILL after ``timeout``); returns its exit code."""
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        _terminate(self._proc, timeout)
         self._reader.join(5)
         if self._log is not None:
             self._log.close()
@@ -187,6 +181,17 @@ class SessionServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (a graceful stop), then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def start_session_server(workers: int = 1, backend_url: str | None = None, bind: str = "127.0.0.1:0",
@@ -345,9 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # a shard whose workers could not boot is never restarted: say why now, not at the deadline
                 print(json.dumps({"ready": False, "error": health[1] or "gunicorn exited or /health never "
                                                                         "answered 200"}), flush=True)
-                if gunicorn.poll() is None:
-                    gunicorn.terminate()
-                    gunicorn.wait(30)
+                _terminate(gunicorn, 30.0)
                 return EXIT_NOT_READY
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
@@ -355,13 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "backend_url": backend_url, "pid": os.getpid()}), flush=True)
         return gunicorn.wait()
     finally:
-        if gunicorn.poll() is None:
-            gunicorn.terminate()
-            try:
-                gunicorn.wait(30)
-            except subprocess.TimeoutExpired:
-                gunicorn.kill()
-                gunicorn.wait()
+        _terminate(gunicorn, 30.0)
         if backend is not None:
             backend.close()
 
