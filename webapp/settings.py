@@ -7,8 +7,8 @@ Everything else derives from the table:
   gunicorn (:func:`launcher_env`): a flag wins over ``SHINKEN_<NAME>``, which wins over the default;
 - the environment readers (:func:`values_from_env`) behind ``RouterConfig.from_env`` (router
   mode), the single-process app and ``HttpLimits.from_env`` (both modes);
-- the worker's config: the router hands every worker ALL ``core`` settings (:func:`core_values`),
-  so a core setting works in both modes by construction;
+- the worker's config: the router hands every worker ALL ``core`` settings (``RouterConfig.core``,
+  filled with :func:`scope_values`), so a core setting works in both modes by construction;
 - the table in ``docs/session-server-ops.md`` (:func:`docs_table`; a test keeps them equal).
 
 Scopes: ``core`` = a field of ``webapp.core.CoreConfig`` (every session core: the single-process
@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "MAX_BODY_BYTES", "SETTINGS", "Scope", "Setting", "add_arguments", "core_values", "default",
-           "defaults", "docs_table", "embedded_replay_layers", "given_values", "launcher_env", "parse_bind", "scope_values", "values_from_env"]
+__all__ = ["BY_NAME", "ENV_PREFIX", "MAX_BODY_BYTES", "SETTINGS", "Scope", "Setting", "add_arguments", "default",
+           "defaults", "docs_table", "embedded_replay_layers", "given_values", "launcher_env", "parse_bind",
+           "scope_values", "values_from_env"]
 
 ENV_PREFIX = "SHINKEN_"
 # Not a setting: the request body cap of every HTTP entry (router, single-process app, reference
@@ -171,11 +172,6 @@ def scope_values(scope: Scope, given: Mapping[str, Any] | None = None) -> dict[s
     """Every setting of ``scope``: ``given`` where it has one, else the table's default."""
     given = given or {}
     return {s.name: given.get(s.name, s.default) for s in SETTINGS if s.scope is scope}
-
-
-def core_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The whole ``webapp.core.CoreConfig`` (as keyword arguments) the environment describes."""
-    return scope_values(Scope.CORE, values_from_env(environ, (Scope.CORE,)))
 
 
 def embedded_replay_layers(given: Mapping[str, Any]) -> int:
