@@ -57,6 +57,7 @@ class Setting:
     scope: Scope
     doc: str
     minimum: float | None = None  # numbers: the smallest legal value
+    choices: tuple[str, ...] | None = None  # strings: the legal values
     cli: bool = True  # has a launcher flag
     env: bool = True  # is read from the environment
 
@@ -76,6 +77,8 @@ class Setting:
                 raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
             return text.lower() in _TRUE
         if self.kind is str:
+            if self.choices is not None and text not in self.choices:
+                raise ValueError(f"must be one of {', '.join(self.choices)}, got {raw!r}")
             return text or None
         try:
             value = self.kind(text)

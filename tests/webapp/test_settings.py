@@ -151,6 +151,13 @@ def test_a_bad_variable_is_named(key: str, raw: str, wanted: str) -> None:
         values_from_env({key: raw})
 
 
+def test_a_string_setting_may_name_its_choices() -> None:
+    mode = Setting("mode", str, "a", Scope.CORE, "a mode", choices=("a", "b"))
+    assert mode.parse(" b ") == "b"
+    with pytest.raises(ValueError, match="must be one of a, b, got 'c'"):
+        mode.parse("c")
+
+
 def test_a_bad_flag_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--max-sessions", "0"])
