@@ -17,11 +17,8 @@ import hashlib
 import io
 import json
 import math
-import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +30,6 @@ from typing import Any
 import requests
 
 from shinken_sync.errors import ShinkenError
-from shinken_sync.lifetime import parent_death_preexec
 from shinken_sync.trajectory_file import compact_records
 
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
@@ -79,13 +75,9 @@ class Episode:
 # The session server, as a child process
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _check_port_free(host: str, port: int) -> None:
+    # An early, demo-worded refusal of a taken --port (before any sandbox starts); port 0 is
+    # bound by the session server itself, which reports it: no free-port race.
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -94,54 +86,29 @@ def _check_port_free(host: str, port: int) -> None:
                             f"pass --port with a free port (or 0 for any)") from exc
 
 
-class SessionServer:
-    """``shinken-session-server`` with the reference backend, on loopback.
+def start_session_server(workers: int, port: int, log_path: Path) -> Any:
+    """``shinken-session-server`` with its embedded reference backend on loopback, started
+    through its one launcher (``webapp.serve.start_session_server``; imported here, so that
+    ``shinken_sync`` never imports ``webapp`` at import time). Returns at once: the caller
+    waits with ``wait_ready()`` while its sandboxes start.
 
     It runs in its own session (a terminal's Ctrl-C reaches only the demo, which stops it in
-    order) and dies with the demo however the demo dies (SIGTERM from the kernel; everything
-    it starts dies with it in turn, see webapp.serve). Started from the main thread, which
-    lives as long as the demo (see shinken_sync.lifetime).
+    order) and dies with the demo however the demo dies (see webapp.serve). Started from the
+    main thread, which lives as long as the demo (see shinken_sync.lifetime).
     """
+    from webapp.serve import start_session_server as launch
 
-    def __init__(self, workers: int, port: int, log_path: Path):
-        from webapp.serve import server_argv
+    return launch(workers, None, f"127.0.0.1:{port}", log_path=log_path, own_session=True, wait=False)
 
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "wb")  # noqa: SIM115 (open for the child's life; closed in stop())
-        self._proc = subprocess.Popen(
-            server_argv(workers, None, f"127.0.0.1:{port}"),
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (main thread, before any other)
-        )
-        self._log_path = log_path
 
-    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise DemoError(f"the session server exited with code {self._proc.returncode}; "
-                                f"its log: {self._log_path}\n{self._tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise DemoError(f"the session server was not healthy after {timeout:.0f} s; log: {self._log_path}")
+def wait_ready(server: Any, timeout: float = SERVER_START_TIMEOUT) -> str:
+    """The session server's URL once it is ready; :class:`DemoError` saying why if it is not."""
+    from webapp.serve import SessionServerNotReady
 
-    def _tail(self) -> str:
-        self._log.flush()
-        return Path(self._log_path).read_text(errors="replace")[-2000:]
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._log.close()
+    try:
+        return server.wait_ready(timeout)
+    except SessionServerNotReady as exc:
+        raise DemoError(f"{exc}; its log: {server.log_path}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -453,13 +420,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Every check before anything is created or started.
     check_display(args.display)
-    port = args.port or _free_port()
-    _check_port_free("127.0.0.1", port)
+    if args.port:
+        _check_port_free("127.0.0.1", args.port)
     out = prepare_out(args.out)
 
     print(f"shinken demo: {args.sandboxes} {args.display} sandboxes x {args.turns} turns, "
           f"session server with {args.workers} workers -> {out}/", file=sys.stderr)
-    server = SessionServer(args.workers, port, out / "session-server.log")
+    server = start_session_server(args.workers, args.port, out / "session-server.log")
     provider = None
     stop = threading.Event()
     episodes: list[Episode] = []
@@ -468,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
         handles = provider.create_many(args.sandboxes)
-        server.wait_ready()
+        url = wait_ready(server)
         for i, handle in enumerate(handles):
             sandboxes.append(provider.connect(handle))
             episodes.append(Episode(index=i, sandbox_id=str(provider.endpoint(handle)[0])))
@@ -477,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
 
         def worker(ep: Episode, sb: Any) -> None:
             try:
-                run_episode(ep, sb, server.url, args.turns, http, stop, progress)
+                run_episode(ep, sb, url, args.turns, http, stop, progress)
             except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
                 ep.error = f"{type(exc).__name__}: {exc}"
 
@@ -499,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
                 sb.close()
         if provider is not None:
             provider.close()
-        server.stop()
+        server.close(timeout=15)
     return write_outputs(out, episodes, progress, interrupted=stop.is_set())
 
 

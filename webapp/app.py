@@ -1,22 +1,15 @@
 """The single-process session server: a Flask adapter over one ``SessionCore``.
 
 ``gunicorn -k gevent --no-control-socket 'webapp.app:create_app()'`` serves it. Settings come
-from the arguments or, when ``config`` is None, from the environment:
-
-- ``SHINKEN_BACKEND_URL``: the inference backend. Unset: the app starts the reference backend
-  (``webapp.reference_backend``) as a subprocess of its own, the embedded default.
-- ``SHINKEN_TOKENIZER``: a directory with ``tokenizer.json`` + chat template (unset: bytes).
-- ``SHINKEN_REFERENCE_R3_LAYERS`` / ``SHINKEN_REFERENCE_R3_TOPK``: R3 shape of an embedded
-  reference backend (default: no R3); routing replay follows it unless set.
-- ``SHINKEN_<FIELD>`` for every number of :class:`webapp.core.CoreConfig`, e.g.
-  ``SHINKEN_READ_TIMEOUT`` (what ``shinken-session-server --read-timeout`` sets).
-- ``SHINKEN_ROUTING_REPLAY_LAYERS`` / ``SHINKEN_INDEXER_REPLAY``: the replay settings
-  (``webapp.settings.replay_settings_from_env``).
+from the arguments or, when ``config`` is None, from the environment: ``SHINKEN_<NAME>`` for
+every ``core``, ``http`` and ``launcher`` setting of :data:`webapp.settings.SETTINGS` (the
+same variables ``shinken-session-server`` sets, and the router hands its workers). Without
+``SHINKEN_BACKEND_URL`` the app starts the reference backend (``webapp.reference_backend``) as
+a subprocess of its own, the embedded default, with ``SHINKEN_REFERENCE_R3_LAYERS`` /
+``SHINKEN_REFERENCE_R3_TOPK`` (routing replay follows its R3 unless set).
 
 Errors are ``{"error": "<text>"}`` on the session-management routes and OpenAI's
 ``{"error": {"message", "type", "code"}}`` under ``/sessions/<id>/v1/``.
-- ``SHINKEN_BODY_TIMEOUT``: see :class:`webapp.http_limits.HttpLimits`; ``SHINKEN_MAX_SESSIONS``
-  and the other integer limits of :class:`webapp.core.CoreConfig` likewise.
 
 The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
 chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
@@ -28,7 +21,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import os
+from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask, Response, request
@@ -45,12 +38,13 @@ from webapp.core import (
     json_response,
     openai_error_response,
 )
-from webapp.http_limits import BodyError, HttpLimits, read_body
+from webapp.errors import WebappError
+from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import PROXY_METHODS, is_openai_path
-from webapp.settings import number_settings_from_env, replay_settings_from_env
+from webapp.settings import Scope, embedded_replay_layers, scope_values, values_from_env
 
-__all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
+__all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
 
 CORE_EXTENSION_KEY = "shinken_session_core"
 
@@ -68,21 +62,24 @@ def to_flask_response(reply: Reply) -> Response:
     return resp
 
 
+def config_from_env(environ: Mapping[str, str] | None = None, **kw: Any) -> CoreConfig:
+    """The ``CoreConfig`` the environment describes (the ``core`` settings of
+    :data:`webapp.settings.SETTINGS`), ``kw`` overriding it; ``backend_url`` may be None (the
+    embedded backend: routing replay then follows its R3 unless set)."""
+    given = {**values_from_env(environ, (Scope.CORE, Scope.LAUNCHER)), **kw}
+    if not given.get("backend_url"):
+        given["routing_replay_layers"] = embedded_replay_layers(given)
+    return CoreConfig(**scope_values(Scope.CORE, given))
+
+
 def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendProcess | None]:
-    tokenizer = kw.pop("tokenizer", None) or os.environ.get("SHINKEN_TOKENIZER") or None
-    backend_url = kw.pop("backend_url", None) or os.environ.get("SHINKEN_BACKEND_URL") or None
-    reference = None
-    # The same SHINKEN_<FIELD> settings the router passes its workers (``--read-timeout``,
-    # ``--max-prompt-tokens``, the replay settings...).
-    settings = {**number_settings_from_env(CoreConfig), **replay_settings_from_env(), **kw}
-    if backend_url is None:
-        r3_layers = int(os.environ.get("SHINKEN_REFERENCE_R3_LAYERS", "0"))
-        reference = start_reference_backend(
-            tokenizer=tokenizer, r3_layers=r3_layers, r3_topk=int(os.environ.get("SHINKEN_REFERENCE_R3_TOPK", "8")))
-        backend_url = reference.url
-        # The embedded backend's R3 is asked for unless routing replay is set explicitly.
-        settings.setdefault("routing_replay_layers", r3_layers)
-    return CoreConfig(backend_url=backend_url, tokenizer=tokenizer, **settings), reference
+    config, reference = config_from_env(**kw), None
+    if not config.backend_url:
+        launcher = scope_values(Scope.LAUNCHER, values_from_env(None, (Scope.LAUNCHER,)))
+        reference = start_reference_backend(tokenizer=config.tokenizer, r3_layers=launcher["reference_r3_layers"],
+                                            r3_topk=launcher["reference_r3_topk"])
+        config = dataclasses.replace(config, backend_url=reference.url)
+    return config, reference
 
 
 def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
@@ -106,14 +103,15 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
+    app.config["SHINKEN_CORE"] = config
     app.extensions[CORE_EXTENSION_KEY] = core
     _add_routes(app, core, HttpLimits.from_env(), config.backend_url)
     return app
 
 
 def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:
-    @app.errorhandler(BodyError)
-    def body_error(exc: BodyError) -> Response:
+    @app.errorhandler(WebappError)
+    def webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return to_flask_response(error_response(exc.status, str(exc)))
 
     @app.errorhandler(HTTPException)

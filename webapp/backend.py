@@ -29,6 +29,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
+from webapp.settings import default
 
 __all__ = ["CHAT_COMPLETIONS_PATH", "MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
            "ProxyReply", "parse_backend_reply", "replay_spans"]
@@ -113,8 +114,8 @@ class ProxyReply:
 
 
 class BackendClient:
-    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, read_timeout: float = 600.0,
-                 pool_maxsize: int = 64) -> None:
+    def __init__(self, base_url: str, *, connect_timeout: float = default("connect_timeout"),
+                 read_timeout: float = default("read_timeout"), pool_maxsize: int = default("pool_maxsize")) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = (connect_timeout, read_timeout)
         self._http = requests.Session()

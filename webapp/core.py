@@ -54,6 +54,7 @@ from webapp.session_errors import (
     SessionNotFound,
     UpstreamStatus,
 )
+from webapp.settings import MAX_BODY_BYTES, default
 from webapp.tito import (
     INITIAL_STATE,
     MAX_TRIM_TOKENS,
@@ -83,8 +84,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Computer-use turns carry base64 screenshots; a few dozen 1080p PNGs fit well within this.
-MAX_CHAT_BODY_BYTES = 256 << 20
+MAX_CHAT_BODY_BYTES = MAX_BODY_BYTES  # webapp.settings: the one body cap of every HTTP entry
+TURN_WAIT_MARGIN = 30.0  # see CoreConfig.turn_wait
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Fields the core sets on every backend request, whatever the client sent (as miles forces
 # them: token accounting needs the logprobs and meta_info; ``no_stop_trim: false`` keeps the
@@ -143,21 +144,30 @@ def error_reply(exc: SessionError, *, openai: bool = False) -> Reply:
 
 @dataclass
 class CoreConfig:
+    """The ``core`` settings of :data:`webapp.settings.SETTINGS` (defaults and docs there)."""
+
     backend_url: str
-    tokenizer: str | None = None  # None: the byte tokenizer; else a dir with tokenizer.json + template
-    connect_timeout: float = 5.0
-    read_timeout: float = 600.0
-    pool_maxsize: int = 64  # pooled backend connections per core (one per concurrent turn)
-    turn_wait_timeout: float | None = None  # wait for a session's previous turn; None: connect+read+30
+    tokenizer: str | None = default("tokenizer")  # None: the byte tokenizer
+    connect_timeout: float = default("connect_timeout")
+    read_timeout: float = default("read_timeout")
+    pool_maxsize: int = default("pool_maxsize")
+    turn_wait_timeout: float | None = default("turn_wait_timeout")  # None: see turn_wait()
     # Routing replay (miles' --use-rollout-routing-replay): > 0 asks the backend for R3
     # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
-    routing_replay_layers: int = 0
-    indexer_replay: bool = False  # ask for ``indexer_topk`` (miles' --use-rollout-indexer-replay)
+    routing_replay_layers: int = default("routing_replay_layers")
+    indexer_replay: bool = default("indexer_replay")  # miles' --use-rollout-indexer-replay
     # Work and session bounds; see webapp.limits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
+
+    def turn_wait(self) -> float:
+        """How long a turn waits for its session's previous one: as set, else that turn's whole
+        backend budget plus a margin (so a waiting turn outlasts the one it waits for)."""
+        if self.turn_wait_timeout is not None:
+            return self.turn_wait_timeout
+        return self.connect_timeout + self.read_timeout + TURN_WAIT_MARGIN
 
 
 @dataclass(frozen=True)
@@ -381,7 +391,7 @@ class SessionCore:
     client, backend or session error (those become error replies)."""
 
     def __init__(self, tokenizer: ChatTokenizer, backend: BackendClient, *,
-                 registry: SessionRegistry | None = None, turn_wait_timeout: float = 630.0,
+                 registry: SessionRegistry | None = None, turn_wait_timeout: float | None = None,
                  routing_replay_layers: int = 0, indexer_replay: bool = False,
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL) -> None:
@@ -391,7 +401,9 @@ class SessionCore:
         self.limits = limits if limits is not None else RequestLimits()
         self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
                                     self.registry.remove)
-        self.turn_wait_timeout = turn_wait_timeout
+        # None: CoreConfig's rule over the default timeouts (one rule, not a second default);
+        # build_session_core passes the configured one.
+        self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
         self.routing_replay_layers = routing_replay_layers
         self.forced_fields = dict(FORCED_BACKEND_FIELDS)
         if routing_replay_layers > 0:
@@ -595,12 +607,9 @@ def _parse_samples_body(body: bytes) -> int | None:
 
 def build_session_core(config: CoreConfig) -> SessionCore:
     """The one builder every adapter uses, so single- and multi-process modes cannot drift."""
-    wait = config.turn_wait_timeout
-    if wait is None:
-        wait = config.connect_timeout + config.read_timeout + 30.0
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
-    return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=wait,
+    return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=config.turn_wait(),
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),

@@ -29,7 +29,8 @@ import gevent
 from gevent import monkey
 from werkzeug.exceptions import ClientDisconnected
 
-from webapp.settings import number_settings_from_env
+from webapp.errors import WebappError
+from webapp.settings import Scope, default, values_from_env
 
 try:  # the WSGI server both modes run under; absent in a bare Flask test client
     from gunicorn.http.errors import NoMoreData, ParseException
@@ -40,13 +41,13 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["BodyError", "BodyTimeout", "HttpLimits", "MalformedBody", "iter_body", "read_body"]
 
-DEFAULT_BODY_TIMEOUT = 300.0  # 256 MiB at ~7 Mbit/s; a stalled client is dropped well before
-DEFAULT_MAX_CLIENT_CONNECTIONS = 256
+DEFAULT_BODY_TIMEOUT: float = default("body_timeout")  # 256 MiB at ~7 Mbit/s; a stalled client goes before
+DEFAULT_MAX_CLIENT_CONNECTIONS: int = default("max_client_connections")
 READ_CHUNK = 1 << 20
 
 
-class BodyError(Exception):
-    """The request body could not be read; ``status`` is the HTTP answer."""
+class BodyError(WebappError):
+    """The request body could not be read; ``status`` is the HTTP answer (webapp.errors)."""
 
     status = 400
 
@@ -71,7 +72,8 @@ class HttpLimits:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HttpLimits:
-        return cls(**number_settings_from_env(cls, environ))
+        """The ``http`` settings of :data:`webapp.settings.SETTINGS` the environment sets."""
+        return cls(**values_from_env(environ, (Scope.HTTP,)))
 
 
 def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,

@@ -5,9 +5,12 @@ gevent. ``docs/ipc.md`` is the normative description of the wire format.
 
 Frame (one per message)::
 
-    u64 BE total_length | u64 BE request_id | u8 type | payload
+    "SK" magic | u8 version | u64 BE total_length | u64 BE request_id | u8 type | payload
 
-``total_length`` counts the whole frame, header included (so it is always >= 17).
+``total_length`` counts the whole frame, header included (so it is always >= 20). Every frame
+carries :data:`MAGIC` and :data:`IPC_VERSION`, checked before anything else: a peer speaking
+another version (a router and workers from different installs) is :class:`IpcVersionMismatch`,
+anything else is :class:`IpcProtocolError`; neither is ever read as a length.
 
 Envelope (payload of REQUEST and REPLY)::
 
@@ -18,13 +21,14 @@ REPLY carries ``"streamed": true`` and ``"length"``, and the body follows as BOD
 at most :data:`MAX_BODY_CHUNK` bytes, paced by the receiver's CREDIT frames. That keeps a
 multi-GiB records reply from holding the channel: small frames interleave between chunks.
 
-Exception tree::
+Exception tree (a branch of :class:`webapp.errors.WebappError`; ``status`` in brackets)::
 
     IpcError                    base of everything raised by the IPC layer
     ├── IpcChannelClosed        the channel is down (EOF, I/O error, corrupt frame, closed
     │                           locally); every pending and every later request fails with it
     ├── IpcProtocolError        the peer sent a malformed frame or envelope (tears the channel
-    │                           down; wrapped as the ``__cause__`` of IpcChannelClosed)
+    │   │                       down; wrapped as the ``__cause__`` of IpcChannelClosed)
+    │   └── IpcVersionMismatch  the peer's frames carry another IPC_VERSION
     ├── FrameTooLarge           a message over MAX_FRAME_BYTES, refused at send time: fails that
     │                           request only, the channel stays up
     ├── IpcTimeout              a deadline passed (also a TimeoutError); the channel stays up
@@ -48,14 +52,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from webapp.errors import WebappError
+
 __all__ = [
     "CREDIT",
     "FRAME_HEADER",
     "INLINE_BODY_MAX",
+    "IPC_VERSION",
+    "MAGIC",
     "MAX_BODY_CHUNK",
     "MAX_FRAME_BYTES",
     "RECEIVE_POOL_IDLE_SECONDS",
     "RECEIVE_POOL_MAX_BYTES",
+    "WORKER_BOOT_ERROR",
     "WORKER_BUSY",
     "Buffer",
     "Frame",
@@ -67,6 +76,8 @@ __all__ = [
     "IpcProtocolError",
     "IpcRemoteError",
     "IpcTimeout",
+    "IpcVersionMismatch",
+    "Op",
     "ReceiveBufferPool",
     "body_length",
     "decode_credit",
@@ -77,12 +88,16 @@ __all__ = [
     "encode_error_frame",
     "encode_frame",
     "iter_frames",
+    "pack_header",
     "split_body",
 ]
 
 Buffer = bytes | bytearray | memoryview
 
-FRAME_HEADER = struct.Struct(">QQB")
+MAGIC = b"SK"
+# Bump on any change to the frame layout, the envelope or the ops' meta (docs/ipc.md).
+IPC_VERSION = 1
+FRAME_HEADER = struct.Struct(">2sBQQB")  # magic, version, total_length, request_id, type
 _U64 = struct.Struct(">Q")
 CREDIT = _U64
 
@@ -120,8 +135,24 @@ class FrameType(enum.IntEnum):
     CANCEL = 6  # router -> worker: the caller gave up; stop streaming, drop the reply
 
 
+class Op(enum.StrEnum):
+    """The ops of a REQUEST (``meta["op"]``); the worker's answers: docs/ipc.md."""
+
+    PING = "ping"  # heartbeat, answered without touching the core; ``config: true``: echo it
+    HEALTH = "health"
+    CREATE_SESSION = "create_session"
+    GET_SESSION = "get_session"
+    DELETE_SESSION = "delete_session"
+    CHAT = "chat"  # body: the client's request; ``budget``: seconds the turn may take
+    SAMPLES = "samples"  # body: the client's ``{"max_seq_len": ...}``
+    PROXY = "proxy"  # ``method``, ``path``, ``query``, ``headers``; body: the client's
+
+
 # ``remote_type`` of the ERROR a worker answers at once when it runs too many requests.
 WORKER_BUSY = "WorkerBusy"
+# ``remote_type`` of the ERROR a worker that could not boot answers every request with; it
+# then exits with webapp.worker.EXIT_BOOT_ERROR.
+WORKER_BOOT_ERROR = "WorkerBootError"
 
 # The largest payload each frame type may announce; checked before allocating.
 _MAX_PAYLOAD = {
@@ -134,12 +165,16 @@ _MAX_PAYLOAD = {
 }
 
 
-class IpcError(Exception):
+class IpcError(WebappError):
     """Base class of IPC errors."""
+
+    status = 502
 
 
 class IpcChannelClosed(IpcError):
     """The channel is down; ``reason`` says why (the original error is ``__cause__``)."""
+
+    status = 503
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -147,11 +182,23 @@ class IpcChannelClosed(IpcError):
 
 
 class IpcProtocolError(IpcError):
-    """The peer broke the framing rules (corrupt length, unknown type, bad envelope)."""
+    """The peer broke the framing rules (bad magic, corrupt length, unknown type, bad envelope)."""
+
+
+class IpcVersionMismatch(IpcProtocolError):
+    """The peer's frames carry IPC version ``peer`` where this side speaks ``ours``."""
+
+    def __init__(self, peer: int, ours: int = IPC_VERSION) -> None:
+        super().__init__(f"IPC version mismatch: the peer speaks version {peer}, this side {ours} "
+                         "(router and workers from different installs?)")
+        self.peer = peer
+        self.ours = ours
 
 
 class FrameTooLarge(IpcError):
     """A message of ``size`` bytes exceeds ``limit``; refused before anything was sent."""
+
+    status = 413
 
     def __init__(self, size: int, limit: int = MAX_FRAME_BYTES) -> None:
         super().__init__(f"frame of {size} bytes exceeds the {limit}-byte limit")
@@ -161,6 +208,8 @@ class FrameTooLarge(IpcError):
 
 class IpcTimeout(IpcError, TimeoutError):
     """A request or body chunk did not arrive before its deadline."""
+
+    status = 504
 
 
 class IpcRemoteError(IpcError):
@@ -175,6 +224,10 @@ class IpcRemoteError(IpcError):
     def worker_busy(self) -> bool:
         """The worker refused the request unrun (over its in-flight limit): safe to retry."""
         return self.remote_type == WORKER_BUSY
+
+    @property
+    def status(self) -> int:  # type: ignore[override]
+        return 503 if self.worker_busy else 500
 
     def to_payload(self) -> bytes:
         return json.dumps({"type": self.remote_type, "message": self.message}).encode()
@@ -212,7 +265,12 @@ def encode_frame(request_id: int, ftype: FrameType, payload: Sequence[Buffer] = 
     total = FRAME_HEADER.size + body_length(payload)
     if total > MAX_FRAME_BYTES:
         raise FrameTooLarge(total)
-    return [FRAME_HEADER.pack(total, request_id, ftype), *payload]
+    return [pack_header(total, request_id, ftype), *payload]
+
+
+def pack_header(total: int, request_id: int, ftype: int, version: int = IPC_VERSION, magic: bytes = MAGIC) -> bytes:
+    """The header of a frame of ``total`` bytes (tests pass another ``version`` or ``magic``)."""
+    return FRAME_HEADER.pack(magic, version, total, request_id, ftype)
 
 
 def encode_envelope_frame(
@@ -344,8 +402,8 @@ class FrameDecoder:
     def _parse_staged(self) -> list[Frame]:
         frames = []
         while self._end - self._start >= FRAME_HEADER.size:
-            total, request_id, raw_type = FRAME_HEADER.unpack_from(self._stage, self._start)
-            ftype = _check_header(total, raw_type)
+            magic, version, total, request_id, raw_type = FRAME_HEADER.unpack_from(self._stage, self._start)
+            ftype = _check_header(magic, version, total, raw_type)
             payload_len = total - FRAME_HEADER.size
             body_start = self._start + FRAME_HEADER.size
             available = self._end - body_start
@@ -464,7 +522,11 @@ def _size_class(size: int) -> int:
     return -(-size // step) * step
 
 
-def _check_header(total: int, raw_type: int) -> FrameType:
+def _check_header(magic: bytes, version: int, total: int, raw_type: int) -> FrameType:
+    if magic != MAGIC:
+        raise IpcProtocolError(f"not a Shinken IPC frame (magic {magic!r}, expected {MAGIC!r})")
+    if version != IPC_VERSION:
+        raise IpcVersionMismatch(version)
     try:
         ftype = FrameType(raw_type)
     except ValueError:

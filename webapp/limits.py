@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webapp.session_errors import BodyTooLarge, InvalidJSON, SessionError
+from webapp.settings import default
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -48,10 +49,11 @@ __all__ = [
     "loads_strict",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # a long tool output or document, far below the 256 MiB body cap
-DEFAULT_MAX_PROMPT_TOKENS = 1 << 20  # the longest context windows served today
-DEFAULT_MAX_SESSIONS = 10_000  # per worker (per shard); the single-process server is one worker
-DEFAULT_SESSION_IDLE_TTL = 86_400.0  # one day without a request: the client is gone
+# Declared in webapp.settings.SETTINGS; named here for the core's callers.
+DEFAULT_MAX_MESSAGE_BYTES: int = default("max_message_bytes")  # a long tool output, far below the body cap
+DEFAULT_MAX_PROMPT_TOKENS: int = default("max_prompt_tokens")  # the longest context windows served today
+DEFAULT_MAX_SESSIONS: int = default("max_sessions")  # per worker (per shard); single-process: one worker
+DEFAULT_SESSION_IDLE_TTL: float = default("session_idle_ttl")  # a day without a request: the client is gone
 # Requests nest a handful of levels (messages -> content parts -> image_url); tool schemas a
 # few more. Far below the interpreter's recursion limit, which a 1,000-level body reached.
 MAX_JSON_DEPTH = 64

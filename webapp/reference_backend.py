@@ -45,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from shinken_sync.lifetime import watch_parent
-from webapp.settings import parse_bind
+from webapp.settings import MAX_BODY_BYTES, parse_bind
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
 
 __all__ = [
@@ -67,7 +67,7 @@ ACTION_VERBS = ("click", "type", "key", "scroll")
 _WORDS = ("hello world", "shinken", "report.pdf", "quarterly numbers", "search terms", "ok")
 _KEYS = ("Return", "Tab", "Escape", "ctrl+s", "ctrl+l", "alt+F4", "BackSpace")
 MODEL_NAME = "shinken-reference"
-MAX_REQUEST_BYTES = 256 << 20
+MAX_REQUEST_BYTES = MAX_BODY_BYTES
 # 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
 _R3_BLOCK_INTS = 3 * 4096
 READY_TIMEOUT = 30.0

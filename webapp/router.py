@@ -17,10 +17,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import gevent
 from flask import Flask, Response, has_request_context, request
@@ -28,24 +28,21 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
 from webapp.backend_liveness import probe_backend
-from webapp.http_limits import BodyError, HttpLimits, iter_body
-from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
+from webapp.errors import WebappError
+from webapp.http_limits import HttpLimits, iter_body
+from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
-from webapp.settings import number_settings_from_env, replay_settings_from_env
+from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
-from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
+from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
 
 __all__ = ["API_KEY_ENV", "RouterConfig", "create_app", "start_supervisor", "stop_supervisor"]
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "SHINKEN_API_KEY"
+API_KEY_ENV: str = BY_NAME["api_key"].env_var or ""
 _EXTENSION = "shinken_supervisor"
-# Mirrors the session core's chat body limit, so the router refuses (413) before reading more.
-MAX_REQUEST_BODY_BYTES = 256 << 20
-# RouterConfig fields passed to every worker's CoreConfig when set.
-_CORE_LIMITS = ("max_message_bytes", "max_prompt_tokens", "max_sessions", "session_idle_ttl")
 # Headers the router's own server owns; a worker's copy would duplicate them.
 _OWN_HEADERS = frozenset({"server", "date", "content-length", "content-type", "transfer-encoding",
                           "connection", "keep-alive"})
@@ -53,64 +50,59 @@ _OWN_HEADERS = frozenset({"server", "date", "content-length", "content-type", "t
 
 @dataclass
 class RouterConfig:
-    workers: int
-    backend_url: str
-    tokenizer: str | None = None
-    api_key: str | None = None  # None: no auth; else required as a bearer on all but /health
-    connect_timeout: float = 5.0  # backend connect, per turn (the worker's core)
-    read_timeout: float = 600.0  # backend read, per turn
-    control_timeout: float = 30.0  # deadline of create/get head/delete
-    chat_margin: float = 60.0  # a chat's deadline is connect + read timeouts + this
-    health_timeout: float = 2.0  # /health asks every worker with this deadline
-    chunk_timeout: float = 60.0  # a streamed body chunk must arrive within this
-    startup_timeout: float = 60.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
-    routing_replay_layers: int = 0  # the workers' replay settings (webapp.settings.REPLAY_SETTINGS)
-    indexer_replay: bool = False
-    busy_timeout: float = 600.0  # see SupervisorConfig
-    # The session core's work and session bounds, per worker; None: the core's default
-    # (webapp.limits, which the router does not import: it pulls in the core's errors).
-    max_message_bytes: int | None = None
-    max_prompt_tokens: int | None = None
-    max_sessions: int | None = None
-    session_idle_ttl: float | None = None
+    """The ``router`` settings of :data:`webapp.settings.SETTINGS` (defaults and docs there),
+    plus ``core``: the ``core`` settings every worker's ``CoreConfig`` is built from (given
+    ones; :meth:`supervisor_config` fills in the rest from the table, so the whole config
+    reaches the workers)."""
+
+    workers: int = default("workers")
+    core: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = default("api_key")  # None: no auth; else a bearer on all but /health
+    control_timeout: float = default("control_timeout")
+    chat_margin: float = default("chat_margin")
+    health_timeout: float = default("health_timeout")
+    chunk_timeout: float = default("chunk_timeout")
+    startup_timeout: float = default("startup_timeout")
+    heartbeat_interval: float = default("heartbeat_interval")
+    heartbeat_timeout: float = default("heartbeat_timeout")
+    busy_timeout: float = default("busy_timeout")
+    boot_attempts: int = default("boot_attempts")
+
+    def __post_init__(self) -> None:
+        self.core = scope_values(Scope.CORE, self.core)
+        if not self.core["backend_url"]:
+            raise ValueError(f"the router needs a backend URL ({BY_NAME['backend_url'].env_var})")
+
+    @property
+    def backend_url(self) -> str:
+        return str(self.core["backend_url"])
 
     @property
     def chat_timeout(self) -> float:
-        return self.connect_timeout + self.read_timeout + self.chat_margin
+        return self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin
 
     @property
     def chat_budget(self) -> float:
         """What the worker's turn may take (lock wait + backend call): half the margin less
         than :attr:`chat_timeout`, the other half left for the body and reply on the channel,
         so the worker's own 503/502 arrives before the router answers 504."""
-        return self.connect_timeout + self.read_timeout + self.chat_margin / 2
+        return self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin / 2
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> RouterConfig:
-        """``SHINKEN_WORKERS``, ``SHINKEN_BACKEND_URL``, ``SHINKEN_TOKENIZER``, ``SHINKEN_API_KEY``,
-        and ``SHINKEN_<FIELD>`` (upper case) for every other number field."""
-        env = os.environ if environ is None else environ
-        try:
-            backend_url = env["SHINKEN_BACKEND_URL"]
-        except KeyError:
-            raise ValueError("SHINKEN_BACKEND_URL is not set") from None
-        return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
-                   tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **{k: v for k, v in {**number_settings_from_env(cls, env), **replay_settings_from_env(env)}.items()
-                      if k != "workers"})
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:
+        """Every ``router`` and ``core`` setting from ``SHINKEN_<NAME>``.
+
+        Raises ``ValueError`` without a backend URL or for a variable that does not parse.
+        """
+        values = values_from_env(environ, (Scope.ROUTER, Scope.CORE))
+        core = {name: values.pop(name) for name in list(values) if BY_NAME[name].scope is Scope.CORE}
+        return cls(core=core, **values)
 
     def supervisor_config(self) -> SupervisorConfig:
-        limits = {name: getattr(self, name) for name in _CORE_LIMITS if getattr(self, name) is not None}
         return SupervisorConfig(
-            workers=self.workers,
-            core={"backend_url": self.backend_url, "tokenizer": self.tokenizer,
-                  "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
-                  "routing_replay_layers": self.routing_replay_layers, "indexer_replay": self.indexer_replay,
-                  **limits},
-            startup_timeout=self.startup_timeout, heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout, busy_timeout=self.busy_timeout)
+            workers=self.workers, core=dict(self.core), startup_timeout=self.startup_timeout,
+            heartbeat_interval=self.heartbeat_interval, heartbeat_timeout=self.heartbeat_timeout,
+            busy_timeout=self.busy_timeout, boot_attempts=self.boot_attempts)
 
 
 def _error(status: int, message: str, **extra: object) -> Response:
@@ -183,13 +175,13 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     app = Flask("webapp.router")
     app.extensions[_EXTENSION] = supervisor
     app.config["SHINKEN_ROUTER"] = config
-    app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES  # refused (413) before reading more
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
     # miles' session_server_instance_id: this router process (its workers' sessions live and
     # die with it), so a client can tell after a restart that its sessions are gone.
     instance_id = uuid.uuid4().hex
 
-    def call(session_id: str, op: str, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
+    def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
         shard = shard_for(session_id, supervisor.workers)
         try:
@@ -197,15 +189,11 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                                        timeout=timeout or config.control_timeout,
                                        chunk_timeout=config.chunk_timeout, body_stream=body_stream,
                                        body_length=body_length)
-        except ShardUnavailable as exc:
-            return _error(503, str(exc), shard=shard)
-        except IpcTimeout as exc:
-            return _error(504, f"session worker for shard {shard} did not answer in time: {exc}", shard=shard)
-        except FrameTooLarge as exc:
-            return _error(413, str(exc))
-        except IpcRemoteError as exc:
-            status = 503 if exc.worker_busy else 500
-            return _error(status, f"session worker for shard {shard} failed: {exc}", shard=shard)
+        except FrameTooLarge as exc:  # the request itself was refused: no shard to blame
+            return _error(exc.status, str(exc))
+        except WebappError as exc:  # one rule for every layer's error: its own status (webapp.errors)
+            text = str(exc) if isinstance(exc, ShardUnavailable) else f"session worker for shard {shard}: {exc}"
+            return _error(exc.status, text, shard=shard)
         return _relay(reply)
 
     @app.before_request
@@ -226,16 +214,16 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
-    @app.errorhandler(BodyError)
-    def _body_error(exc: BodyError) -> Response:
+    @app.errorhandler(WebappError)
+    def _webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return _error(exc.status, str(exc))
 
     @app.get("/health")
     def health() -> Response:
         def ask(shard: int) -> str | None:
             try:
-                reply = supervisor.request(shard, {"op": "health"}, timeout=config.health_timeout)
-            except (ShardUnavailable, IpcError) as exc:
+                reply = supervisor.request(shard, {"op": Op.HEALTH}, timeout=config.health_timeout)
+            except WebappError as exc:
                 return str(exc)
             return None if reply.status == 200 else f"health status {reply.status}"
 
@@ -255,7 +243,9 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
             if backend_problem is not None:
                 detail += f"; {backend_problem}"
-            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad),
+            # failed_shards: never restarted (their workers could not boot); the launcher gives up on them
+            failed = [slot["shard"] for slot in supervisor.status() if slot["state"] == SlotState.FAILED.value]
+            return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad), failed_shards=failed,
                           backend="ok" if backend_problem is None else "unreachable")
         if backend_problem is not None:
             return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
@@ -264,25 +254,25 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions")
     def create_session() -> Response:
-        return call(mint_session_id(), "create_session")
+        return call(mint_session_id(), Op.CREATE_SESSION)
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return call(session_id, "get_session")
+        return call(session_id, Op.GET_SESSION)
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:
-        return call(session_id, "delete_session")
+        return call(session_id, Op.DELETE_SESSION)
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
         length = request.content_length
         pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
         if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
-            return call(session_id, "chat", b"".join(pieces), timeout=config.chat_timeout,
+            return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
                         budget=config.chat_budget)
         # Streamed on to the worker as it arrives: the router never holds a whole large body.
-        return call(session_id, "chat", body_stream=pieces, body_length=length, timeout=config.chat_timeout,
+        return call(session_id, Op.CHAT, body_stream=pieces, body_length=length, timeout=config.chat_timeout,
                     budget=config.chat_budget)
 
     def _small_body() -> bytes:
@@ -291,12 +281,12 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return call(session_id, "samples", _small_body())
+        return call(session_id, Op.SAMPLES, _small_body())
 
     # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:
-        return call(session_id, "proxy", _small_body(), timeout=config.chat_timeout,
+        return call(session_id, Op.PROXY, _small_body(), timeout=config.chat_timeout,
                     method=request.method, path=path, query=request.query_string.decode(),
                     headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
 

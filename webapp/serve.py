@@ -3,9 +3,11 @@
 ::
 
     shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
-                           [--tokenizer PATH] [--api-key-file PATH] [--max-prompt-tokens N]
-                           [--max-message-bytes N] [--max-sessions N] [--session-idle-ttl S]
-                           [--routing-replay-layers L] [--indexer-replay] ...
+                           [--tokenizer PATH] [--api-key-file PATH] [--<setting> VALUE] ...
+
+Every setting of :data:`webapp.settings.SETTINGS` is a flag here and a ``SHINKEN_<NAME>``
+variable (a flag wins); this process resolves them all and hands gunicorn, and so the router,
+the single-process app and every session worker, the whole resolved set as ``SHINKEN_*``.
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -27,6 +29,7 @@ error (a taken port, a bad number) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -34,31 +37,37 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
-from shinken_sync.cliargs import Parser, non_negative_int
+from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
-from webapp.http_limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS
-from webapp.limits import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_SESSION_IDLE_TTL,
+from webapp.errors import WebappError
+from webapp.settings import (
+    BY_NAME,
+    add_arguments,
+    defaults,
+    embedded_replay_layers,
+    given_values,
+    launcher_env,
+    parse_bind,
 )
-from webapp.settings import parse_bind
 
 if TYPE_CHECKING:
     from webapp.reference_backend import ReferenceBackendProcess
 
-__all__ = ["READY_URL_PATTERN", "main", "server_argv"]
+__all__ = ["READY_URL_PATTERN", "SessionServerNotReady", "SessionServerProcess", "main", "server_argv",
+           "start_session_server"]
 
+API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
 READY_TIMEOUT = 120.0
-EXIT_NOT_READY = 3  # gunicorn died or /health never turned 200 before READY_TIMEOUT
+# gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
+EXIT_NOT_READY = 3
 _POLL = 0.05
 # Matches the ready line's URL (group 1); for launchers that read this process's stdout.
 READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
@@ -71,6 +80,137 @@ def server_argv(workers: int, backend_url: str | None = None, bind: str = "127.0
     return argv + (["--backend-url", backend_url] if backend_url else [])
 
 
+class SessionServerNotReady(WebappError):
+    """A session server started with :func:`start_session_server` did not become ready:
+    ``exit_code`` (None: still running at the deadline, then stopped) and ``detail`` (its ready
+    line's error, or the tail of its output) say why."""
+
+    def __init__(self, message: str, exit_code: int | None, detail: str) -> None:
+        super().__init__(f"{message}{f': {detail}' if detail else ''}")
+        self.exit_code = exit_code
+        self.detail = detail
+
+
+class SessionServerProcess:
+    """A ``shinken-session-server`` child process (see :func:`start_session_server`).
+
+    It dies with this process however this process dies (``PR_SET_PDEATHSIG``: SIGTERM, a
+    graceful stop), and so does everything it starts. Its stdout is read for the ready line
+    (which reports the port it bound, so port 0 has no race); the rest of its output goes to
+    ``log_path`` (or is discarded).
+    """
+
+    def __init__(self, argv: list[str], log_path: Path | None = None, *, own_session: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 (closed in close())
+        self.log_path = log_path
+        self._ready: dict[str, object] | None = None
+        self._got_line = threading.Event()
+        # own_session: a terminal's Ctrl-C then reaches only the caller, which stops it in order.
+        self._proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self._log or subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=own_session,
+            preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509 (see shinken_sync.lifetime)
+        self._reader = threading.Thread(target=self._read_stdout, name="session-server-stdout", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def url(self) -> str:
+        """The base URL; only once :meth:`wait_ready` returned."""
+        if self._ready is None:
+            raise RuntimeError("the session server is not ready (call wait_ready first)")
+        return str(self._ready["url"])
+
+    def _read_stdout(self) -> None:
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:  # until the process (and gunicorn, which shares it) exits
+            if not self._got_line.is_set():
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    line = None
+                if isinstance(line, dict) and "ready" in line:
+                    self._ready = line
+                    self._got_line.set()
+                    continue
+            if self._log is not None and not self._log.closed:
+                self._log.write(raw)
+        self._got_line.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT + 10.0) -> str:
+        """Wait for the ready line; returns the URL.
+
+        Raises :class:`SessionServerNotReady` (the process stopped) when it exits, reports
+        ``"ready": false`` or says nothing within ``timeout``.
+        """
+        if not self._got_line.wait(timeout):
+            self.close()
+            raise SessionServerNotReady(f"the session server was not ready after {timeout:.0f} s", None,
+                                        self._tail())
+        if self._ready is None or self._ready.get("ready") is not True:
+            error = str(self._ready.get("error", "")) if self._ready else ""
+            self._ready = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(30)  # it exits by itself after a "ready": false line
+            code = self.close()
+            raise SessionServerNotReady(f"the session server exited with code {code}", code,
+                                        error or self._tail())
+        return self.url
+
+    def _tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        if self._log is not None and not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-2000:].strip()
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        """Stop it gracefully (SIGTERM; SIGKILL after ``timeout``); returns its exit code."""
+        _terminate(self._proc, timeout)
+        self._reader.join(5)
+        if self._log is not None:
+            self._log.close()
+        return self._proc.returncode
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (a graceful stop), then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_session_server(workers: int = 1, backend_url: str | None = None, bind: str = "127.0.0.1:0",
+                         *extra: str, log_path: Path | None = None, own_session: bool = False,
+                         wait: bool = True, env: dict[str, str] | None = None) -> SessionServerProcess:
+    """Start ``shinken-session-server`` (the one launcher: every embedder — ``shinken demo``,
+    tests, benches — goes through it) with ``extra`` flags; ``bind`` port 0 is bound by the
+    server itself, which reports the port, so there is no free-port race.
+
+    With ``wait`` (default) returns once it is ready (``.url``), else at once (then call
+    :meth:`SessionServerProcess.wait_ready`). Raises :class:`SessionServerNotReady`.
+    """
+    server = SessionServerProcess(server_argv(workers, backend_url, bind, *extra), log_path,
+                                  own_session=own_session, env=env)
+    if wait:
+        server.wait_ready()
+    return server
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -81,74 +221,35 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _health_ok(host: str, port: int) -> bool:
+def _health(host: str, port: int) -> tuple[bool, str | None]:
+    """(/health answers 200, why it never will: the reason of shards whose workers could not boot)."""
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     conn = http.client.HTTPConnection(connect_host, port, timeout=5)
     try:
         conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
+        response = conn.getresponse()
+        if response.status == 200:
+            return True, None
+        body = json.loads(response.read() or b"{}")
+        return False, (str(body.get("error")) if isinstance(body, dict) and body.get("failed_shards") else None)
+    except (OSError, ValueError):
+        return False, None
     finally:
         conn.close()
 
 
-# Numeric settings passed on as SHINKEN_<DEST> (upper case): the router (RouterConfig) and the
-# single-process app (CoreConfig) both read them from the environment, so each works in both modes.
-_ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
-    ("--heartbeat-timeout", float, ("seconds a session worker may miss heartbeats (with no CPU progress) "
-                                   "before it is restarted; router mode (default: the built-in setting)")),
-    ("--busy-timeout", float, ("seconds a session worker may miss heartbeats while using CPU before it is "
-                              "restarted; router mode (default 600)")),
-    ("--read-timeout", float, "backend read timeout per turn, seconds (default: the built-in setting)"),
-    ("--max-message-bytes", int, (f"413 for a message whose text is over this many UTF-8 bytes "
-                                 f"(default {DEFAULT_MAX_MESSAGE_BYTES})")),
-    ("--max-prompt-tokens", int, (f"413 for a turn whose prompt is over this many tokens "
-                                 f"(default {DEFAULT_MAX_PROMPT_TOKENS})")),
-    ("--max-sessions", int, (f"429 for a new session past this many live ones per worker "
-                            f"(default {DEFAULT_MAX_SESSIONS})")),
-    ("--body-timeout", float, (f"408 for a request body not received within this many seconds "
-                              f"(default {DEFAULT_BODY_TIMEOUT:g})")),
-    ("--max-client-connections", int, (f"429 for a connection past this many open ones from one client "
-                                      f"address (default {DEFAULT_MAX_CLIENT_CONNECTIONS})")),
-    ("--session-idle-ttl", float, (f"seconds after which a session nobody used is deleted "
-                                  f"(default {DEFAULT_SESSION_IDLE_TTL:g})")),
-)
-
-
-def _env_name(flag: str) -> str:
-    return "SHINKEN_" + flag.lstrip("-").replace("-", "_").upper()
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """``--bind``, ``--api-key-file`` and one option per setting of :data:`webapp.settings.SETTINGS`."""
     parser = Parser(prog="shinken-session-server",
-                    description="Run the Shinken session server (router + session workers) under gunicorn.")
-    parser.add_argument("--workers", type=non_negative_int, default=1,
-                        help="session worker processes (0: the single-process server)")
-    parser.add_argument("--backend-url", default=None,
-                        help="inference backend base URL (default: start the embedded reference backend)")
+                    description="Run the Shinken session server (router + session workers) under gunicorn. "
+                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.")
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on; port 0 picks a free one (default: 127.0.0.1:8000)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="dir with tokenizer.json + chat template (default: the byte tokenizer)")
     parser.add_argument("--api-key-file", default=None, type=Path,
                         help="require 'Authorization: Bearer KEY' on all routes but /health, KEY being "
                              "this file's content (owner-only permissions; router mode only). "
                              "Or set $SHINKEN_API_KEY (default: no key)")
-    parser.add_argument("--api-key", default=None,
-                        help="the key itself: visible to every user in ps, so deprecated "
-                             "(use --api-key-file or $SHINKEN_API_KEY) (default: none)")
-    parser.add_argument("--reference-r3-layers", type=non_negative_int, default=4,
-                        help="routed-expert layers the embedded reference backend returns per token "
-                             "(0: none; ignored with --backend-url)")
-    parser.add_argument("--routing-replay-layers", type=non_negative_int, default=None,
-                        help="routing replay (R3): ask the backend for routed_experts; the model's MoE "
-                             "layer count, which /samples shapes R3 with (0: off; default: off, or "
-                             "--reference-r3-layers with the embedded reference backend)")
-    parser.add_argument("--indexer-replay", action="store_true",
-                        help="indexer replay: ask the backend for indexer_topk (default: off)")
-    for flag, kind, help_text in _ENV_SETTINGS:
-        parser.add_argument(flag, type=kind, default=None, help=help_text)
+    add_arguments(parser)
     return parser
 
 
@@ -178,7 +279,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
               "use --api-key-file or SHINKEN_API_KEY", file=sys.stderr, flush=True)
         _scrub_title(args.api_key)
         return args.api_key or None
-    return os.environ.get("SHINKEN_API_KEY") or None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _scrub_title(secret: str) -> None:
@@ -193,10 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     host, port = args.bind
     try:
+        given = given_values(args)
         api_key = _api_key(args)
-    except ApiKeyFileError as exc:
+    except (ApiKeyFileError, ValueError) as exc:
         parser.error(str(exc))
-    if api_key and args.workers == 0:
+    values = {**defaults(), **given}
+    workers = values["workers"]
+    if api_key and workers == 0:
         parser.error("--api-key is enforced by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
     # after the backend is already up.
@@ -206,31 +310,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"cannot listen on {host}:{port}: {exc.strerror}; pass --bind with a free port (or port 0)")
     port = listener.getsockname()[1]
     backend = None
-    backend_url = args.backend_url
-    replay_layers = args.routing_replay_layers
+    backend_url = values["backend_url"]
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
         def start_backend(bind: str | None) -> ReferenceBackendProcess:
             # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
-            return start_reference_backend(tokenizer=args.tokenizer, r3_layers=args.reference_r3_layers,
-                                           **({"bind": bind} if bind else {}))
+            return start_reference_backend(tokenizer=values["tokenizer"], r3_layers=values["reference_r3_layers"],
+                                           r3_topk=values["reference_r3_topk"], **({"bind": bind} if bind else {}))
 
         # Restarted on the same address whenever it dies: the workers keep its URL.
         backend = SupervisedBackend(start_backend)
         backend_url = backend.url
-        if replay_layers is None:
-            replay_layers = args.reference_r3_layers
-    env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
-    env.pop("SHINKEN_API_KEY", None)
-    settings = [(_env_name(flag), getattr(args, _env_name(flag)[len("SHINKEN_"):].lower()))
-                for flag, _kind, _help in _ENV_SETTINGS]
-    for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key), *settings,
-                        ("SHINKEN_ROUTING_REPLAY_LAYERS", replay_layers),
-                        ("SHINKEN_INDEXER_REPLAY", "1" if args.indexer_replay else None)):
-        if value is not None:
-            env[name] = str(value)
-    app_uri = "webapp.router:create_app()" if args.workers else "webapp.app:create_app()"
+        values["routing_replay_layers"] = embedded_replay_layers(given)
+    values["backend_url"], values["api_key"] = backend_url, api_key
+    env = launcher_env(values)
+    app_uri = "webapp.router:create_app()" if workers else "webapp.app:create_app()"
     argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
                      "--no-control-socket", "--worker-class", "webapp.gunicorn_worker.SessionServerWorker",
                      "--workers", "1", app_uri]
@@ -250,27 +345,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, forward)
     try:
         deadline = time.monotonic() + READY_TIMEOUT
-        while not _health_ok(host, port):
-            if gunicorn.poll() is not None or time.monotonic() > deadline:
-                print(json.dumps({"ready": False, "error": "gunicorn exited or /health never answered 200"}),
-                      flush=True)
-                if gunicorn.poll() is None:
-                    gunicorn.terminate()
-                    gunicorn.wait(30)
+        while not (health := _health(host, port))[0]:
+            if gunicorn.poll() is not None or time.monotonic() > deadline or health[1] is not None:
+                # a shard whose workers could not boot is never restarted: say why now, not at the deadline
+                print(json.dumps({"ready": False, "error": health[1] or "gunicorn exited or /health never "
+                                                                        "answered 200"}), flush=True)
+                _terminate(gunicorn, 30.0)
                 return EXIT_NOT_READY
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
-        print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": args.workers,
+        print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,
                           "backend_url": backend_url, "pid": os.getpid()}), flush=True)
         return gunicorn.wait()
     finally:
-        if gunicorn.poll() is None:
-            gunicorn.terminate()
-            try:
-                gunicorn.wait(30)
-            except subprocess.TimeoutExpired:
-                gunicorn.kill()
-                gunicorn.wait()
+        _terminate(gunicorn, 30.0)
         if backend is not None:
             backend.close()
 

@@ -9,7 +9,7 @@ branch on it) and ``type`` is :attr:`SessionError.openai_type`. ``UpstreamStatus
 exception whose body is passed through verbatim. Texts a miles client could match on are
 worded as miles words them (``session not found: session_id=...``, ``invalid JSON body: ...``).
 
-Exception tree::
+Exception tree (a branch of :class:`webapp.errors.WebappError`)::
 
     SessionError                      status 500 unless a subclass says otherwise
     ├── BadRequest                    400  the client broke the rules; nothing is stored
@@ -33,6 +33,8 @@ Exception tree::
 from __future__ import annotations
 
 import re
+
+from webapp.errors import WebappError
 
 __all__ = [
     "AppendOnlyViolation",
@@ -59,7 +61,7 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
-class SessionError(Exception):
+class SessionError(WebappError):
     """Base of every error the session core raises on purpose."""
 
     status: int = 500

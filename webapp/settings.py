@@ -1,5 +1,22 @@
-"""Parsing of the settings the session server's entry points share: ``HOST:PORT`` binds and
-``SHINKEN_<FIELD>`` numbers (float and int fields) from the environment.
+"""The session server's settings, each declared once in :data:`SETTINGS` (gunicorn's ``Setting``
+table is the model): name, type, default, environment variable, launcher flag, scope and doc line.
+
+Everything else derives from the table:
+
+- ``shinken-session-server``'s options (:func:`add_arguments`) and the environment it hands
+  gunicorn (:func:`launcher_env`): a flag wins over ``SHINKEN_<NAME>``, which wins over the default;
+- the environment readers (:func:`values_from_env`) behind ``RouterConfig.from_env`` (router
+  mode), the single-process app and ``HttpLimits.from_env`` (both modes);
+- the worker's config: the router hands every worker ALL ``core`` settings (``RouterConfig.core``,
+  filled with :func:`scope_values`), so a core setting works in both modes by construction;
+- the table in ``docs/session-server-ops.md`` (:func:`docs_table`; a test keeps them equal).
+
+Scopes: ``core`` = a field of ``webapp.core.CoreConfig`` (every session core: the single-process
+app's, each router worker's); ``router`` = ``webapp.router.RouterConfig`` (router mode only);
+``http`` = ``webapp.http_limits.HttpLimits`` (both modes); ``launcher`` = read by whoever starts
+the server or its embedded reference backend. A test checks that each config dataclass has
+exactly its scope's fields, with the table's defaults: adding a setting is one table entry
+plus the field.
 
 Imports nothing of the session core or the tokenizers, so the router may use it.
 """
@@ -7,21 +24,222 @@ Imports nothing of the session core or the tokenizers, so the router may use it.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
-import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ENV_PREFIX", "REPLAY_SETTINGS", "float_settings_from_env", "number_settings_from_env", "parse_bind",
-           "replay_settings_from_env"]
+__all__ = ["BY_NAME", "ENV_PREFIX", "MAX_BODY_BYTES", "SETTINGS", "Scope", "Setting", "add_arguments", "default",
+           "defaults", "docs_table", "embedded_replay_layers", "given_values", "launcher_env", "parse_bind",
+           "scope_values", "values_from_env"]
 
 ENV_PREFIX = "SHINKEN_"
+# Not a setting: the request body cap of every HTTP entry (router, single-process app, reference
+# backend). Computer-use turns carry base64 screenshots; a few dozen 1080p PNGs fit well within.
+MAX_BODY_BYTES = 256 << 20
 DEFAULT_HOST = "127.0.0.1"
-# The replay settings of the session core (``webapp.core.CoreConfig`` fields), declared once:
-# name -> type. The router carries them to its workers, the single-process app reads them
-# directly; ``shinken-session-server`` sets them from ``--routing-replay-layers`` /
-# ``--indexer-replay``.
-REPLAY_SETTINGS: dict[str, type] = {"routing_replay_layers": int, "indexer_replay": bool}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class Scope(enum.Enum):
+    CORE = "core"
+    ROUTER = "router"
+    HTTP = "http"
+    LAUNCHER = "launcher"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the config field; env SHINKEN_<NAME>, flag --<name-with-dashes>
+    kind: type  # int, float, bool or str (the type of a value that is not None)
+    default: Any  # None: off / derived, as ``doc`` says
+    scope: Scope
+    doc: str
+    minimum: float | None = None  # numbers: the smallest legal value
+    choices: tuple[str, ...] | None = None  # strings: the legal values
+    cli: bool = True  # has a launcher flag
+    env: bool = True  # is read from the environment
+
+    @property
+    def env_var(self) -> str | None:
+        return ENV_PREFIX + self.name.upper() if self.env else None
+
+    @property
+    def flag(self) -> str | None:
+        return "--" + self.name.replace("_", "-") if self.cli else None
+
+    def parse(self, raw: str) -> Any:
+        """``raw`` as this setting's value. Raises ``ValueError`` saying what is wanted."""
+        text = raw.strip()
+        if self.kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
+            return text.lower() in _TRUE
+        if self.kind is str:
+            if self.choices is not None and text not in self.choices:
+                raise ValueError(f"must be one of {', '.join(self.choices)}, got {raw!r}")
+            return text or None
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise ValueError(f"must be {'a whole number' if self.kind is int else 'a number'}, got {raw!r}") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"must be >= {self.minimum:g}, got {raw!r}")
+        return value
+
+
+_S, _C, _R, _H, _L = Setting, Scope.CORE, Scope.ROUTER, Scope.HTTP, Scope.LAUNCHER
+
+# The table. Order is the --help and docs order. Defaults are stated here and nowhere else.
+SETTINGS: tuple[Setting, ...] = (
+    # -- launcher: who starts the server (and its embedded reference backend) -------------------
+    _S("workers", int, 1, _R, "session worker processes (0: the single-process server, no router)", minimum=0),
+    _S("reference_r3_layers", int, 4, _L, "routed-expert layers the embedded reference backend returns per "
+       "token (0: none; ignored with a backend URL); routing replay follows it unless set", minimum=0),
+    _S("reference_r3_topk", int, 8, _L, "routed experts per layer and token of the embedded reference backend",
+       minimum=1),
+    # -- core: every session core (single-process app, each router worker) ----------------------
+    _S("backend_url", str, None, _C, "inference backend base URL (unset: start the embedded reference backend)"),
+    _S("tokenizer", str, None, _C, "dir with tokenizer.json + chat template (unset: the byte tokenizer)"),
+    _S("connect_timeout", float, 5.0, _C, "backend connect timeout per turn, seconds", minimum=0),
+    _S("read_timeout", float, 600.0, _C, "backend read timeout per turn, seconds", minimum=0),
+    _S("pool_maxsize", int, 64, _C, "pooled backend connections per session core (one per concurrent turn)",
+       minimum=1),
+    _S("turn_wait_timeout", float, None, _C, "seconds a turn waits for the session's previous turn "
+       "(unset: connect + read timeouts + 30)", minimum=0),
+    _S("routing_replay_layers", int, 0, _C, "routing replay (R3): ask the backend for routed_experts; the "
+       "model's MoE layer count /samples shapes R3 with (0: off; with the embedded backend: "
+       "reference_r3_layers)", minimum=0),
+    _S("indexer_replay", bool, False, _C, "indexer replay: ask the backend for indexer_topk"),
+    _S("max_message_bytes", int, 8 << 20, _C, "413 for a message whose text is over this many UTF-8 bytes",
+       minimum=1),
+    _S("max_prompt_tokens", int, 1 << 20, _C, "413 for a turn whose prompt is over this many tokens", minimum=1),
+    _S("max_sessions", int, 10_000, _C, "429 for a new session past this many live ones per session core "
+       "(per worker)", minimum=1),
+    _S("session_idle_ttl", float, 86_400.0, _C, "seconds after which a session nobody used is deleted",
+       minimum=0),
+    # -- router: router mode only ----------------------------------------------------------------
+    _S("api_key", str, None, _R, "require 'Authorization: Bearer KEY' on all routes but /health (the flag "
+       "shows the key in ps: prefer --api-key-file or the environment variable)"),
+    _S("control_timeout", float, 30.0, _R, "deadline of a create/get/delete on a worker, seconds", minimum=0),
+    _S("chat_margin", float, 60.0, _R, "a chat's deadline is connect + read timeouts + this, seconds",
+       minimum=0),
+    _S("health_timeout", float, 2.0, _R, "/health asks every worker with this deadline, seconds", minimum=0),
+    _S("chunk_timeout", float, 60.0, _R, "a streamed body chunk must reach a worker within this, seconds",
+       minimum=0),
+    _S("startup_timeout", float, 60.0, _R, "a session worker's spawn to first heartbeat (tokenizer loading "
+       "included), seconds", minimum=0),
+    _S("heartbeat_interval", float, 1.0, _R, "seconds between heartbeats to a session worker", minimum=0),
+    _S("heartbeat_timeout", float, 10.0, _R, "seconds a session worker may miss heartbeats (with no CPU "
+       "progress) before it is restarted", minimum=0),
+    _S("busy_timeout", float, 600.0, _R, "seconds a session worker may miss heartbeats while using CPU "
+       "before it is restarted", minimum=0),
+    _S("boot_attempts", int, 3, _R, "a shard whose worker fails to boot this many times in a row is marked "
+       "failed (reason in /health) instead of respawned", minimum=1),
+    # -- http: the HTTP front (both modes) -------------------------------------------------------
+    _S("body_timeout", float, 300.0, _H, "408 for a request body not received within this many seconds",
+       minimum=0),
+    _S("max_client_connections", int, 256, _H, "429 for a connection past this many open ones from one "
+       "client address", minimum=1),
+)
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+assert len(BY_NAME) == len(SETTINGS), "a setting is declared twice"
+
+
+def default(name: str) -> Any:
+    """The table's default of setting ``name`` (config dataclasses declare their fields with it)."""
+    return BY_NAME[name].default
+
+
+def values_from_env(environ: Mapping[str, str] | None = None,
+                    scopes: Iterable[Scope] = tuple(Scope)) -> dict[str, Any]:
+    """The settings of ``scopes`` that ``SHINKEN_<NAME>`` sets, parsed, by name.
+
+    Raises ``ValueError`` naming the variable when one does not parse.
+    """
+    env = os.environ if environ is None else environ
+    wanted = frozenset(scopes)
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        key = setting.env_var
+        if setting.scope in wanted and key is not None and key in env:
+            try:
+                values[setting.name] = setting.parse(env[key])
+            except ValueError as exc:
+                raise ValueError(f"{key} {exc}") from None
+    return values
+
+
+def scope_values(scope: Scope, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every setting of ``scope``: ``given`` where it has one, else the table's default."""
+    given = given or {}
+    return {s.name: given.get(s.name, s.default) for s in SETTINGS if s.scope is scope}
+
+
+def embedded_replay_layers(given: Mapping[str, Any]) -> int:
+    """Routing replay with the embedded reference backend: as set, else its R3 layers, so the
+    embedded setup exercises the routed-expert path end to end (in both server modes)."""
+    if given.get("routing_replay_layers") is not None:
+        return int(given["routing_replay_layers"])
+    layers = given.get("reference_r3_layers")
+    return int(default("reference_r3_layers") if layers is None else layers)
+
+
+# -- the launcher --------------------------------------------------------------------------------
+
+def _arg_type(setting: Setting) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None  # argparse names the flag
+
+    convert.__name__ = setting.name  # argparse names the converter in some messages
+    return convert
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per setting with a flag. Every default is None ("not given"): the launcher
+    then takes ``SHINKEN_<NAME>`` or the table's default (:func:`launcher_env`), and the help
+    shows both."""
+    for s in SETTINGS:
+        if s.flag is None:
+            continue
+        shown = "unset" if s.default is None else s.default
+        help_text = f"{s.doc} (default: {shown}; env {s.env_var}; scope {s.scope.value})"
+        if s.kind is bool:
+            parser.add_argument(s.flag, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(s.flag, type=_arg_type(s), default=None, metavar=s.name.upper(), help=help_text)
+
+
+def given_values(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings given to the launcher: its flag where given, else ``SHINKEN_<NAME>`` where
+    set. Raises ``ValueError`` naming a variable that does not parse."""
+    flags = {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name, None) is not None}
+    return {**values_from_env(environ), **flags}
+
+
+def defaults() -> dict[str, Any]:
+    """Every setting's default, by name."""
+    return {s.name: s.default for s in SETTINGS}
+
+
+def launcher_env(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the launched server reads its settings from: ``environ`` with
+    ``SHINKEN_<NAME>`` set for every setting that has a value (None: left unset)."""
+    env = dict(os.environ if environ is None else environ)
+    for s in SETTINGS:
+        key = s.env_var
+        if key is None:
+            continue
+        value = values.get(s.name)
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = ("1" if value else "0") if s.kind is bool else str(value)
+    return env
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -37,57 +255,15 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or DEFAULT_HOST, int(port)
 
 
-def number_settings_from_env(config_class: type, environ: Mapping[str, str] | None = None,
-                             kinds: tuple[type, ...] = (float, int)) -> dict[str, float | int]:
-    """``SHINKEN_<FIELD>`` (upper case) for every number field (of ``kinds``: float, int, or
-    either of them ``| None``) of the dataclass ``config_class`` that the environment sets, as
-    keyword arguments for it.
+# -- docs ----------------------------------------------------------------------------------------
 
-    Raises ``ValueError`` naming the variable when one is not a number of the field's kind.
-    """
-    env = os.environ if environ is None else environ
-    settings: dict[str, float | int] = {}
-    for name, hint in typing.get_type_hints(config_class).items():
-        kind = next((k for k in kinds if hint is k or hint == (k | None)), None)
-        if kind is None:
-            continue
-        key = f"{ENV_PREFIX}{name.upper()}"
-        if key in env:
-            settings[name] = _number(key, env[key], kind)
-    return settings
-
-
-def float_settings_from_env(config_class: type, environ: Mapping[str, str] | None = None) -> dict[str, float]:
-    """:func:`number_settings_from_env` for the float fields only."""
-    return number_settings_from_env(config_class, environ, (float,))  # type: ignore[return-value]
-
-
-def _number(key: str, raw: str, kind: type = float) -> float | int:
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
-
-
-def replay_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int | bool]:
-    """``SHINKEN_ROUTING_REPLAY_LAYERS`` (an integer >= 0) and ``SHINKEN_INDEXER_REPLAY`` (a
-    boolean: 1/0, true/false, yes/no, on/off) when set, as :data:`REPLAY_SETTINGS` keywords.
-
-    Raises ``ValueError`` naming the variable when one does not parse.
-    """
-    env = os.environ if environ is None else environ
-    settings: dict[str, int | bool] = {}
-    for name, kind in REPLAY_SETTINGS.items():
-        key = f"{ENV_PREFIX}{name.upper()}"
-        if key not in env:
-            continue
-        raw = env[key].strip()
-        if kind is bool:
-            if raw.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"{key} must be a boolean (1/0, true/false), got {raw!r}")
-            settings[name] = raw.lower() in _TRUE
-        else:
-            if not raw.isdigit():
-                raise ValueError(f"{key} must be an integer >= 0, got {raw!r}")
-            settings[name] = int(raw)
-    return settings
+def docs_table() -> str:
+    """The Markdown table of every setting (``docs/session-server-ops.md`` holds this text)."""
+    rows = ["| setting | flag | environment | type | default | scope | what |",
+            "|---|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        shown = "unset" if s.default is None else s.default
+        rows.append(f"| `{s.name}` | {f'`{s.flag}`' if s.flag else '-'} | "
+                    f"{f'`{s.env_var}`' if s.env_var else '-'} | {s.kind.__name__} | {shown} | "
+                    f"{s.scope.value} | {s.doc} |")
+    return "\n".join(rows) + "\n"

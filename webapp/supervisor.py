@@ -10,7 +10,10 @@ no CPU time since the last check (:class:`_Progress`, from ``/proc``) — or aft
 ``busy_timeout`` of missed pings in a row. A dead or hung worker marks its shard down at
 once (its requests get :class:`ShardUnavailable` -> 503 without waiting), is killed and
 reaped, and is restarted with exponential backoff. Its in-memory sessions are gone; the
-other shards never notice.
+other shards never notice. A worker that cannot boot (it answers ``WorkerBootError`` and exits
+with ``worker.EXIT_BOOT_ERROR``, e.g. a bad tokenizer path) is retried ``boot_attempts`` times
+in a row at most; then its slot is ``FAILED``, with the reason its requests and ``/health``
+report, and is never restarted (:class:`SlotState`).
 
 Must be started after gevent's monkey-patching — in gunicorn's ``post_worker_init`` hook or
 lazily on first use — never in the gunicorn master or at ``--preload``: the workers and their
@@ -19,6 +22,8 @@ sockets belong to the process that will drive them.
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 import multiprocessing
 import os
@@ -34,18 +39,22 @@ from gevent import monkey
 from gevent.socket import wait_read
 
 from webapp import worker
-from webapp.ipc import Buffer, IpcChannelClosed, IpcError, IpcTimeout
+from webapp.errors import WebappError
+from webapp.ipc import WORKER_BOOT_ERROR, Buffer, IpcChannelClosed, IpcError, IpcRemoteError, IpcTimeout, Op
 from webapp.ipc_channel import IpcClient, IpcReply, open_socket
+from webapp.settings import default
 
-__all__ = ["ShardUnavailable", "Supervisor", "SupervisorConfig"]
+__all__ = ["ShardUnavailable", "SlotState", "Supervisor", "SupervisorConfig"]
 
 log = logging.getLogger(__name__)
 
 _STOP_GRACE = 5.0  # a worker gets this long to exit on EOF before SIGKILL
 
 
-class ShardUnavailable(Exception):
-    """The worker owning ``shard`` is not serving (starting, dead, hung or stopped)."""
+class ShardUnavailable(WebappError):
+    """The worker owning ``shard`` is not serving (starting, dead, hung, stopped or failed)."""
+
+    status = 503
 
     def __init__(self, shard: int, reason: str) -> None:
         super().__init__(f"session worker for shard {shard} is unavailable: {reason}")
@@ -57,10 +66,12 @@ class ShardUnavailable(Exception):
 class SupervisorConfig:
     workers: int
     core: dict[str, Any]  # keyword arguments of webapp.core.CoreConfig (plain data: no core import)
-    startup_timeout: float = 60.0  # spawn to first heartbeat (tokenizer loading included)
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0  # a worker that cannot answer a ping this long, making no progress, is hung
-    busy_timeout: float = 600.0  # ... and one missing pings this long is hung even while using CPU
+    # The router settings of webapp.settings.SETTINGS (defaults and docs there):
+    startup_timeout: float = default("startup_timeout")  # spawn to first heartbeat
+    heartbeat_interval: float = default("heartbeat_interval")
+    heartbeat_timeout: float = default("heartbeat_timeout")  # no answer this long, no progress: hung
+    busy_timeout: float = default("busy_timeout")  # ... and this long: hung even while using CPU
+    boot_attempts: int = default("boot_attempts")  # failed boots in a row before the shard is failed
     restart_backoff: float = 0.1  # first restart delay, doubled per consecutive failure
     restart_backoff_max: float = 5.0
 
@@ -69,16 +80,26 @@ class SupervisorConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
 
 
+class SlotState(enum.Enum):
+    STARTING = "starting"  # spawned, its first heartbeat not answered yet
+    READY = "ready"  # serving
+    DOWN = "down"  # dead or hung: being reaped and restarted (503 meanwhile)
+    STOPPED = "stopped"  # the supervisor is stopping
+    FAILED = "failed"  # could not boot boot_attempts times in a row: never restarted (503)
+
+
 @dataclass
 class _Slot:
     shard: int
-    state: str = "starting"  # starting | ready | down | stopped
+    state: SlotState = SlotState.STARTING
     reason: str = "starting"
+    boot_failed: bool = False  # the current incarnation reported (or exited with) a boot error
     hung: bool = False  # the current incarnation stopped answering pings: no grace when reaped
     client: IpcClient | None = None
     process: Any = None
     pid: int | None = None
     restarts: int = 0
+    config: dict[str, Any] | None = None  # the CoreConfig the worker runs with, as it reported it
     lost: gevent.event.Event = field(default_factory=gevent.event.Event)
 
 
@@ -110,14 +131,14 @@ class Supervisor:
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every shard is ready; False if some are not within ``timeout``."""
         with gevent.Timeout(timeout, False):
-            while not all(slot.state == "ready" for slot in self._slots):
+            while not all(slot.state is SlotState.READY for slot in self._slots):
                 gevent.sleep(0.02)
             return True
         return False
 
     def status(self) -> list[dict[str, Any]]:
-        return [{"shard": s.shard, "state": s.state, "reason": s.reason, "restarts": s.restarts,
-                 "pid": s.pid} for s in self._slots]
+        return [{"shard": s.shard, "state": s.state.value, "reason": s.reason, "restarts": s.restarts,
+                 "pid": s.pid, "config": s.config} for s in self._slots]
 
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
@@ -133,7 +154,7 @@ class Supervisor:
         self.start()
         slot = self._slots[shard]
         client = slot.client
-        if slot.state != "ready" or client is None:
+        if slot.state is not SlotState.READY or client is None:
             raise ShardUnavailable(shard, slot.reason)
         try:
             return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout,
@@ -147,7 +168,8 @@ class Supervisor:
             return
         self._stopping = True
         for slot in self._slots:
-            slot.state, slot.reason = "stopped", "server shutting down"
+            if slot.state is not SlotState.FAILED:
+                slot.state, slot.reason = SlotState.STOPPED, "server shutting down"
             if slot.client is not None:
                 slot.client.close("server shutting down")
         # Each slot greenlet reaps its own worker on the way out; then sweep up the rest.
@@ -160,12 +182,20 @@ class Supervisor:
 
     def _run_slot(self, slot: _Slot) -> None:
         backoff = self.config.restart_backoff
+        boot_failures = 0
         while not self._stopping:
             served = self._run_worker(slot)
             if self._stopping:
                 return
             if served:  # only consecutive failures to start back off
                 backoff = self.config.restart_backoff
+            boot_failures = boot_failures + 1 if slot.boot_failed else 0
+            if boot_failures >= self.config.boot_attempts:
+                # A respawn would fail the same way (a bad setting): say why, once, and stop.
+                slot.state = SlotState.FAILED
+                slot.reason = f"failed: the worker could not boot ({boot_failures} attempts): {slot.reason}"
+                log.error("session worker for shard %d %s; not restarting it", slot.shard, slot.reason)
+                return
             slot.restarts += 1
             log.warning("session worker for shard %d down (%s); restarting in %.1f s",
                         slot.shard, slot.reason, backoff)
@@ -175,7 +205,8 @@ class Supervisor:
     def _run_worker(self, slot: _Slot) -> bool:
         """Run one worker incarnation to its end; True if it became ready at some point."""
         cfg = self.config
-        slot.state, slot.reason, slot.pid, slot.hung = "starting", "worker starting", None, False
+        slot.state, slot.reason, slot.pid, slot.hung = SlotState.STARTING, "worker starting", None, False
+        slot.boot_failed = False
         slot.lost = lost = gevent.event.Event()
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
@@ -203,21 +234,27 @@ class Supervisor:
         """Returns once the worker is lost (the slot is down by then): did it ever serve?"""
         cfg = self.config
         try:
-            client.request({"op": "ping"}, timeout=cfg.startup_timeout)
+            hello = client.request({"op": Op.PING, "config": True}, timeout=cfg.startup_timeout)
         except IpcTimeout:
             self._mark_down(slot, lost, f"hung: no heartbeat within the {cfg.startup_timeout} s startup timeout",
                             hung=True)
             return False
+        except IpcRemoteError as exc:
+            slot.boot_failed = exc.remote_type == WORKER_BOOT_ERROR
+            self._mark_down(slot, lost, f"failed to boot: {exc.message}" if slot.boot_failed
+                            else f"failed to start ({exc})")
+            return False
         except IpcError as exc:
             self._mark_down(slot, lost, f"failed to start ({exc})")
             return False
-        slot.state, slot.reason = "ready", "ready"
+        slot.state, slot.reason = SlotState.READY, "ready"
+        slot.config = json.loads(hello.body).get("config") if hello.stream is None else None
         log.info("session worker for shard %d ready (pid %d)", slot.shard, slot.pid)
         progress = _Progress(slot.pid)
         missed_since: float | None = None
         while not lost.wait(cfg.heartbeat_interval):
             try:
-                client.request({"op": "ping"}, timeout=cfg.heartbeat_timeout)
+                client.request({"op": Op.PING}, timeout=cfg.heartbeat_timeout)
             except IpcTimeout:
                 now = time.monotonic()
                 missed_since = now - cfg.heartbeat_timeout if missed_since is None else missed_since
@@ -239,13 +276,15 @@ class Supervisor:
     def _mark_down(self, slot: _Slot, lost: gevent.event.Event, reason: str, *, hung: bool = False) -> None:
         # The first signal wins (sentinel, EOF, failed heartbeat); from this instant the
         # shard answers 503 without waiting for the slot greenlet to wake up.
-        if slot.lost is lost and slot.state not in ("down", "stopped"):
-            slot.state, slot.reason, slot.hung = "down", reason, hung
+        if slot.lost is lost and slot.state is not SlotState.DOWN and slot.state is not SlotState.STOPPED:
+            slot.state, slot.reason, slot.hung = SlotState.DOWN, reason, hung
         lost.set()
 
     def _watch_sentinel(self, slot: _Slot, process: Any, lost: gevent.event.Event) -> None:
         wait_read(process.sentinel)  # readable once the process is gone; killed with its slot
         code = process.exitcode  # None when SIGCHLD has not been processed yet
+        if code == worker.EXIT_BOOT_ERROR:
+            slot.boot_failed = True
         self._mark_down(slot, lost, "worker process exited" + (f" with code {code}" if code is not None else ""))
 
 

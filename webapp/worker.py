@@ -6,12 +6,12 @@ every request in its own greenlet, so blocking ``core.chat`` calls (backend I/O 
 ``requests``) overlap. This module imports nothing of the session core at import time: the
 router imports it (to name the spawn target) and must stay free of the core and tokenizers.
 
-Ops (``meta["op"]``): ``ping`` (heartbeat, answered by the hub without touching the core),
-``health``, ``create_session``, ``get_session``, ``delete_session``, ``chat`` (body = the
-client's request body; optional ``budget``: seconds the turn may take, see
-``SessionCore.chat``), ``samples`` (body = the client's ``{"max_seq_len": ...}``) and
-``proxy`` (``method``, ``path``, ``query``, ``headers``; body = the client's body). Every op but ``ping``/``health`` names a ``session_id`` that must
-hash to this worker's shard.
+Ops: :class:`webapp.ipc.Op` (docs/ipc.md). Every op but ``ping``/``health`` names a
+``session_id`` that must hash to this worker's shard.
+
+A worker that cannot build its session core (a bad tokenizer path...) answers every request,
+the supervisor's startup ping first, with a ``WorkerBootError`` carrying the reason, and exits
+with :data:`EXIT_BOOT_ERROR` once the supervisor closes the channel.
 
 The worker dies with its parent three ways: ``PR_SET_PDEATHSIG`` (SIGKILL), a parent-pid
 watch every second, and EOF on the channel (the router closing it, or dying).
@@ -19,18 +19,26 @@ watch every second, and EOF on the channel (the router closing it, or dying).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from shinken_sync.lifetime import die_with_parent
+from webapp.ipc import WORKER_BOOT_ERROR, Op
 
-__all__ = ["PROCESS_TITLE", "run"]
+__all__ = ["EXIT_BOOT_ERROR", "PROCESS_TITLE", "WorkerBootError", "run"]
 
 PROCESS_TITLE = "shinken-session-worker[{shard}/{shards}]"
+# Exit code of a worker that could not build its session core (gunicorn's WORKER_BOOT_ERROR):
+# a respawn would fail the same way, so the supervisor marks the shard failed after
+# ``boot_attempts`` of them in a row instead of looping (docs/session-server-ops.md).
+EXIT_BOOT_ERROR = 3
 _PARENT_CHECK_INTERVAL = 1.0
+_BOOT_ERROR_LINGER = 60.0  # a boot-failed worker waits this long at most for the supervisor's ping
 
 log = logging.getLogger("webapp.worker")
 
@@ -59,12 +67,28 @@ def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_
     sys.exit(_serve(fd, shard, shards, core_config, parent_pid))
 
 
+class WorkerBootError(Exception):
+    """The worker could not build its session core; answered to every request, then exit."""
+
+
+assert WorkerBootError.__name__ == WORKER_BOOT_ERROR  # the remote_type the supervisor branches on
+
+
 def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent_pid: int) -> int:
-    from webapp.core import CoreConfig, build_session_core
     from webapp.ipc_channel import IpcServer, open_socket
 
-    core = build_session_core(CoreConfig(**core_config))
-    server = IpcServer(open_socket(fd), SessionOps(core, shard, shards), name=f"worker[{shard}/{shards}]")
+    sock = open_socket(fd)
+    try:
+        from webapp.core import CoreConfig, build_session_core
+
+        config = CoreConfig(**core_config)
+        core = build_session_core(config)
+    except Exception as exc:  # a bad setting (tokenizer path...): report it, do not loop
+        log.exception("cannot boot the session core for shard %d", shard)
+        reason = f"{type(exc).__name__}: {exc}"
+        return _refuse_until_closed(IpcServer(sock, _BootFailed(reason), name=f"worker[{shard}/{shards}]"),
+                                    parent_pid)
+    server = IpcServer(sock, SessionOps(core, shard, shards, config), name=f"worker[{shard}/{shards}]")
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
     try:
         while server.wait_closed(_PARENT_CHECK_INTERVAL) is None:
@@ -79,51 +103,81 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
         core.close()
 
 
-class SessionOps:
-    """Maps IPC ops to session-core calls; each returns a ``webapp.core.Reply``."""
+class _BootFailed:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
-    def __init__(self, core: Any, shard: int, shards: int) -> None:
+    def __call__(self, meta: dict[str, Any], body: memoryview) -> Any:
+        raise WorkerBootError(self.reason)
+
+
+def _refuse_until_closed(server: Any, parent_pid: int) -> int:
+    """Answer the supervisor's startup ping with the boot error (so the reason reaches /health),
+    then exit with :data:`EXIT_BOOT_ERROR` once it closes the channel (or after a while)."""
+    try:
+        for _ in range(int(_BOOT_ERROR_LINGER / _PARENT_CHECK_INTERVAL)):
+            if server.wait_closed(_PARENT_CHECK_INTERVAL) is not None or os.getppid() != parent_pid:
+                break
+        return EXIT_BOOT_ERROR
+    finally:
+        server.close()
+
+
+class SessionOps:
+    """Maps IPC ops (:class:`webapp.ipc.Op`) to session-core calls; each returns a ``webapp.core.Reply``."""
+
+    def __init__(self, core: Any, shard: int, shards: int, config: Any = None) -> None:
         from webapp import core as core_module
         from webapp.sharding import shard_for
 
         self._core = core
+        # The effective config, echoed by the startup ping: what the router sees it running with.
+        self._config = dataclasses.asdict(config) if config is not None else None
         self._shard = shard
         self._shards = shards
         self._shard_for = shard_for
         self._json_response = core_module.json_response
         self._error_response = core_module.error_response
+        # The ops that name a session, each a method taking (session_id, meta, body).
+        self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
+            Op.CHAT: self._chat,
+            Op.CREATE_SESSION: lambda sid, meta, body: core.create_session(sid),
+            Op.GET_SESSION: lambda sid, meta, body: core.get_session(sid),
+            Op.DELETE_SESSION: lambda sid, meta, body: core.delete_session(sid),
+            Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body)),
+            Op.PROXY: self._proxy,
+        }
 
     def __call__(self, meta: dict[str, Any], body: memoryview) -> Any:
-        op = meta.get("op")
-        if op == "ping":
-            return self._json_response(200, {"shard": self._shard, "pid": os.getpid()})
-        if op == "health":
+        raw = meta.get("op")
+        try:
+            op = Op(raw)
+        except ValueError:
+            return self._error_response(400, f"unknown op {raw!r}")
+        if op is Op.PING:
+            echo = {"config": self._config} if meta.get("config") else {}
+            return self._json_response(200, {"shard": self._shard, "pid": os.getpid(), **echo})
+        if op is Op.HEALTH:
             return self._core.health()
         session_id = meta.get("session_id")
         if not isinstance(session_id, str):
-            return self._error_response(400, f"op {op!r} needs a session_id")
+            return self._error_response(400, f"op {op.value!r} needs a session_id")
         owner = self._shard_for(session_id, self._shards)
         if owner != self._shard:  # a routing bug must be loud, not a silent 404
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
-        if op == "chat":
-            budget = meta.get("budget")
-            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                       or not budget > 0):
-                return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
-            return self._core.chat(session_id, bytes(body), budget)
-        if op == "create_session":
-            return self._core.create_session(session_id)
-        if op == "get_session":
-            return self._core.get_session(session_id)
-        if op == "delete_session":
-            return self._core.delete_session(session_id)
-        if op == "samples":
-            return self._core.samples(session_id, bytes(body))
-        if op == "proxy":
-            method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))
-            if not (isinstance(method, str) and isinstance(path, str) and isinstance(query, str)
-                    and isinstance(headers, dict)):
-                return self._error_response(400, "op 'proxy' needs method, path, query and headers")
-            return self._core.proxy(session_id, method, path, query, bytes(body), headers)
-        return self._error_response(400, f"unknown op {op!r}")
+        return self._session_ops[op](session_id, meta, body)
+
+    def _chat(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
+        budget = meta.get("budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget > 0):
+            return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
+        return self._core.chat(session_id, bytes(body), budget)
+
+    def _proxy(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
+        method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))
+        if not (isinstance(method, str) and isinstance(path, str) and isinstance(query, str)
+                and isinstance(headers, dict)):
+            return self._error_response(400, "op 'proxy' needs method, path, query and headers")
+        return self._core.proxy(session_id, method, path, query, bytes(body), headers)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import subprocess
+import sys
 
 from PIL import Image
 
@@ -120,3 +122,12 @@ def test_the_x_screen_program_names_every_input():
         ("scroll down", "at column 3, row 4", None), ("key", "Return", None), ("key", "Escape", None),
         ("key", "ctrl+s", None), ("key", "[1;3S", None), ("key", "BackSpace", None), ("typed", "ab", None),
     ]
+
+
+def test_the_demo_and_the_cli_import_no_webapp_until_they_start_the_session_server() -> None:
+    # shinken_sync must install and import without the session server's stack; the demo goes
+    # through webapp.serve.start_session_server (the one launcher) only when it runs.
+    code = ("import sys, shinken_sync.demo, shinken_sync.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('webapp', 'gunicorn', 'flask')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]"

@@ -20,9 +20,12 @@ from webapp.ipc import (
     IpcProtocolError,
     IpcRemoteError,
     IpcTimeout,
+    IpcVersionMismatch,
+    Op,
     decode_envelope,
     encode_envelope_frame,
     iter_frames,
+    pack_header,
 )
 from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcServer, open_socket
 
@@ -53,7 +56,7 @@ ENVELOPE_CASES += [(LARGE, 65536), (LARGE, 10**9)]
 def test_envelope_roundtrip(body: bytes, piece: int) -> None:
     meta = {"op": "chat", "session_id": "ab" * 16, "ünï": [1, None]}
     data = _wire(encode_envelope_frame(42, FrameType.REQUEST, meta, body))
-    assert len(data) == FRAME_HEADER.unpack_from(data)[0]
+    assert data[:3] == ipc.MAGIC + bytes([ipc.IPC_VERSION]) and len(data) == FRAME_HEADER.unpack_from(data)[2]
     data += _wire(encode_envelope_frame(43, FrameType.REPLY, {"status": 204}, [body, b"", b"tail"]))
     first, second = _roundtrip(data, piece)
     assert (first.request_id, first.type) == (42, FrameType.REQUEST)
@@ -89,12 +92,14 @@ def test_many_small_frames_in_one_read() -> None:
 @pytest.mark.parametrize(
     "header",
     [
-        FRAME_HEADER.pack(3, 1, FrameType.REQUEST),  # shorter than its own header
-        FRAME_HEADER.pack(MAX_FRAME_BYTES + 1, 1, FrameType.REQUEST),  # over the cap
-        FRAME_HEADER.pack(FRAME_HEADER.size + ipc.MAX_BODY_CHUNK + 1, 1, FrameType.BODY),
-        FRAME_HEADER.pack(FRAME_HEADER.size, 1, 99),  # unknown type
+        pack_header(3, 1, FrameType.REQUEST),  # shorter than its own header
+        pack_header(MAX_FRAME_BYTES + 1, 1, FrameType.REQUEST),  # over the cap
+        pack_header(FRAME_HEADER.size + ipc.MAX_BODY_CHUNK + 1, 1, FrameType.BODY),
+        pack_header(FRAME_HEADER.size, 1, 99),  # unknown type
+        pack_header(MAX_FRAME_BYTES, 1, FrameType.REQUEST, magic=b"GE"),  # not our frame (say, "GET ...")
+        pack_header(MAX_FRAME_BYTES, 1, FrameType.REQUEST, version=ipc.IPC_VERSION + 1),  # another version
     ],
-    ids=["short", "over-cap", "body-chunk-too-big", "unknown-type"],
+    ids=["short", "over-cap", "body-chunk-too-big", "unknown-type", "bad-magic", "other-version"],
 )
 def test_corrupt_header_is_rejected_before_allocating(header: bytes) -> None:
     allocations = []
@@ -104,12 +109,36 @@ def test_corrupt_header_is_rejected_before_allocating(header: bytes) -> None:
     assert allocations == []
 
 
+@pytest.mark.parametrize("version", [0, ipc.IPC_VERSION + 1, 255])
+def test_another_version_is_a_typed_error_naming_both_versions(version: int) -> None:
+    frame = _wire(ipc.encode_frame(1, FrameType.CANCEL))
+    other = pack_header(len(frame), 1, FrameType.CANCEL, version=version)
+    with pytest.raises(IpcVersionMismatch) as exc:
+        list(iter_frames(FrameDecoder(), [other]))
+    assert (exc.value.peer, exc.value.ours) == (version, ipc.IPC_VERSION)
+    assert f"peer speaks version {version}, this side {ipc.IPC_VERSION}" in str(exc.value)
+    assert isinstance(exc.value, IpcProtocolError) and exc.value.status == 502
+
+
+def test_a_peer_of_another_version_tears_the_channel_down_with_a_clear_cause() -> None:
+    a, b = socket.socketpair()
+    client = IpcClient(open_socket(a.detach()), name="victim")
+    pending = gevent.spawn(client.request, {"op": Op.PING}, b"", timeout=10)
+    gevent.sleep(0.05)
+    b.sendall(pack_header(FRAME_HEADER.size, 1, FrameType.REPLY, version=ipc.IPC_VERSION + 1))
+    pending.join(timeout=5)
+    assert isinstance(pending.exception, IpcChannelClosed)
+    assert isinstance(client.closed.__cause__, IpcVersionMismatch)
+    assert "IPC version mismatch" in client.closed.reason
+    b.close()
+
+
 def test_u64_length_above_4gib_without_allocating_it() -> None:
     size = 4 * GiB + 123
     # encoder: a lazily-mapped body never touched, so no memory is committed
     body = mmap.mmap(-1, size)
     header = ipc.encode_frame(7, FrameType.REQUEST, [body])[0]
-    total, rid, ftype = FRAME_HEADER.unpack(header)
+    _magic, _version, total, rid, ftype = FRAME_HEADER.unpack(header)
     assert (total, rid, ftype) == (size + FRAME_HEADER.size, 7, FrameType.REQUEST)
     assert total > 2**32  # would have wrapped in a u32
     # decoder: accepts the length and asks for a buffer of exactly that size
@@ -314,7 +343,7 @@ def test_corrupt_frame_tears_the_channel_down() -> None:
     client = IpcClient(open_socket(a.detach()), name="victim")
     pending = gevent.spawn(client.request, {"op": "echo"}, b"x", timeout=10)
     gevent.sleep(0.05)
-    b.sendall(FRAME_HEADER.pack(5, 1, FrameType.REPLY))
+    b.sendall(pack_header(5, 1, FrameType.REPLY))
     pending.join(timeout=5)
     assert isinstance(pending.exception, IpcChannelClosed)
     assert isinstance(client.closed.__cause__, IpcProtocolError)

@@ -85,7 +85,7 @@ def test_a_relayed_stream_is_closed_even_when_its_body_is_never_sent(method: str
 
 
 def test_health_reports_a_shard_whose_probe_crashed() -> None:
-    app = create_app(RouterConfig(workers=2, backend_url="http://127.0.0.1:9"))
+    app = create_app(RouterConfig(workers=2, core={"backend_url": "http://127.0.0.1:9"}))
     supervisor = app.extensions["shinken_supervisor"]
 
     def request(shard: int, meta: dict, body: bytes = b"", **kw: object) -> IpcReply:
@@ -106,7 +106,7 @@ def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_
         from gevent import monkey; monkey.patch_all()
         import json, sys
         from webapp.router import RouterConfig, create_app, start_supervisor, stop_supervisor
-        app = create_app(RouterConfig(workers=2, backend_url={backend.url!r}))
+        app = create_app(RouterConfig(workers=2, core={{"backend_url": {backend.url!r}}}))
         start_supervisor(app)
         assert app.extensions["shinken_supervisor"].wait_ready(60)
         client = app.test_client()

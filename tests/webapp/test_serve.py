@@ -8,10 +8,18 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
+import requests
 
 from tests.support import sigkill_and_expect_no_descendant
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import (
+    EXIT_NOT_READY,
+    READY_URL_PATTERN,
+    SessionServerNotReady,
+    server_argv,
+    start_session_server,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +71,25 @@ def test_bad_arguments_are_one_line_and_exit_code_2(args, names):
     (line,) = result.stderr.strip().splitlines()
     for name in names:
         assert name in line, line
+
+
+def test_start_session_server_binds_port_0_itself_and_reports_the_url(reference_backend_factory, tmp_path) -> None:
+    backend = reference_backend_factory()
+    log = tmp_path / "server.log"
+    with start_session_server(1, backend.url, "127.0.0.1:0", log_path=log) as server:
+        assert server.url.startswith("http://127.0.0.1:") and not server.url.endswith(":0")
+        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        assert requests.post(f"{server.url}/sessions", timeout=30).status_code == 200
+        pid = server.pid
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert log.stat().st_size > 0  # gunicorn's own output went to the log
+
+
+def test_start_session_server_says_why_it_is_not_ready(reference_backend_factory, tmp_path) -> None:
+    backend = reference_backend_factory()
+    missing = tmp_path / "no-such-tokenizer"
+    with pytest.raises(SessionServerNotReady) as exc:
+        start_session_server(1, backend.url, "127.0.0.1:0", "--tokenizer", str(missing),
+                             log_path=tmp_path / "server.log")
+    assert exc.value.exit_code == EXIT_NOT_READY and "could not boot" in exc.value.detail
+    assert str(missing) in str(exc.value)

@@ -4,17 +4,22 @@ worker behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import psutil
 import pytest
 import requests
 
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import EXIT_NOT_READY, READY_URL_PATTERN, server_argv
 from webapp.sharding import shard_for
 from webapp.supervisor import Supervisor, SupervisorConfig
+from webapp.worker import EXIT_BOOT_ERROR
 
 WORKERS = 3
 RECOVERY_LIMIT = 30.0  # generous bound for a restart on a loaded 2-core machine (not a speed target)
@@ -138,3 +143,53 @@ def test_router_death_takes_its_workers_and_sigterm_leaves_nothing(reference_bac
     server.close()
     assert server.proc.returncode == 0
     assert server.leftovers == []  # the graceful stop alone left nothing (close SIGKILLs the rest)
+
+
+@pytest.mark.integration
+def test_a_worker_that_cannot_boot_leaves_its_shard_failed_with_the_reason(reference_backend_factory,
+                                                                          tmp_path) -> None:
+    """A bad --tokenizer: each worker answers its startup ping with the reason and exits with
+    EXIT_BOOT_ERROR; after boot_attempts of them the shard is failed (not respawned every 5 s)."""
+    backend = reference_backend_factory()
+    missing = tmp_path / "no-such-tokenizer"
+    script = textwrap.dedent(f"""
+        from gevent import monkey; monkey.patch_all()
+        import gevent, json
+        from webapp.router import RouterConfig, create_app, start_supervisor, stop_supervisor
+        app = create_app(RouterConfig(workers=2, boot_attempts=2,
+                                      core={{"backend_url": {backend.url!r}, "tokenizer": {str(missing)!r}}}))
+        start_supervisor(app)
+        supervisor = app.extensions["shinken_supervisor"]
+        with gevent.Timeout(90):
+            while any(slot["state"] != "failed" for slot in supervisor.status()):
+                gevent.sleep(0.05)
+        codes = [slot.process.exitcode for slot in supervisor._slots]
+        gevent.sleep(1.5)  # a respawn loop would have started another worker by now
+        health = app.test_client().get("/health")
+        chat = app.test_client().post("/sessions")
+        print(json.dumps({{"status": supervisor.status(), "codes": codes, "health": health.status_code,
+                          "body": health.get_json(), "create": chat.status_code}}))
+        stop_supervisor(app)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["codes"] == [EXIT_BOOT_ERROR, EXIT_BOOT_ERROR]
+    for slot in result["status"]:
+        assert slot["state"] == "failed" and slot["restarts"] == 1  # two attempts, then no more
+        assert "could not boot (2 attempts)" in slot["reason"] and str(missing) in slot["reason"]
+    assert result["health"] == 503 and result["body"]["failed_shards"] == [0, 1]
+    assert str(missing) in result["body"]["error"]
+    assert result["create"] == 503
+
+
+@pytest.mark.integration
+def test_the_launcher_gives_up_at_once_on_a_worker_that_cannot_boot(reference_backend_factory, tmp_path) -> None:
+    backend = reference_backend_factory()
+    missing = tmp_path / "no-such-tokenizer"
+    run = subprocess.run(server_argv(1, backend.url, "127.0.0.1:0", "--tokenizer", str(missing)),
+                         check=False, capture_output=True, text=True, timeout=150)
+    assert run.returncode == EXIT_NOT_READY, run.stderr[-3000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    # the reason, at once (before: "/health never answered 200" after the whole ready deadline)
+    assert line["ready"] is False and "could not boot" in line["error"] and str(missing) in line["error"]
