@@ -47,7 +47,7 @@ from webapp.core import (
 )
 from webapp.http_limits import BodyError, HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.routes import PROXY_METHODS, is_openai_path
+from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images
 from webapp.settings import number_settings_from_env, replay_settings_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "create_app", "to_flask_response"]
@@ -139,7 +139,7 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return to_flask_response(core.get_session(session_id))
+        return to_flask_response(core.get_session(session_id, wants_images(request.args.get(IMAGES_QUERY))))
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:

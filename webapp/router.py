@@ -31,7 +31,14 @@ from webapp.backend_liveness import probe_backend
 from webapp.http_limits import BodyError, HttpLimits, iter_body
 from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
+from webapp.routes import (
+    IMAGES_QUERY,
+    PROXY_HEADERS,
+    PROXY_METHODS,
+    is_openai_path,
+    openai_error_body,
+    wants_images,
+)
 from webapp.settings import number_settings_from_env, replay_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
@@ -45,7 +52,8 @@ _EXTENSION = "shinken_supervisor"
 # Mirrors the session core's chat body limit, so the router refuses (413) before reading more.
 MAX_REQUEST_BODY_BYTES = 256 << 20
 # RouterConfig fields passed to every worker's CoreConfig when set.
-_CORE_LIMITS = ("max_message_bytes", "max_prompt_tokens", "max_sessions", "session_idle_ttl")
+_CORE_LIMITS = ("max_message_bytes", "max_prompt_tokens", "max_sessions", "session_idle_ttl", "max_image_bytes",
+                "max_images")
 # Headers the router's own server owns; a worker's copy would duplicate them.
 _OWN_HEADERS = frozenset({"server", "date", "content-length", "content-type", "transfer-encoding",
                           "connection", "keep-alive"})
@@ -75,6 +83,8 @@ class RouterConfig:
     max_prompt_tokens: int | None = None
     max_sessions: int | None = None
     session_idle_ttl: float | None = None
+    max_image_bytes: int | None = None
+    max_images: int | None = None
 
     @property
     def chat_timeout(self) -> float:
@@ -268,7 +278,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return call(session_id, "get_session")
+        return call(session_id, "get_session", images=wants_images(request.args.get(IMAGES_QUERY)))
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:

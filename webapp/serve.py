@@ -43,6 +43,7 @@ from shinken_sync.cliargs import Parser, non_negative_int
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
 from webapp.http_limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS
+from webapp.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES
 from webapp.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -111,6 +112,9 @@ _ENV_SETTINGS: tuple[tuple[str, type, str], ...] = (
                               f"(default {DEFAULT_BODY_TIMEOUT:g})")),
     ("--max-client-connections", int, (f"429 for a connection past this many open ones from one client "
                                       f"address (default {DEFAULT_MAX_CLIENT_CONNECTIONS})")),
+    ("--max-image-bytes", int, (f"400 for an image over this many (decoded) bytes "
+                               f"(default {DEFAULT_MAX_IMAGE_BYTES})")),
+    ("--max-images", int, f"400 for a request with more images than this (default {DEFAULT_MAX_IMAGES})"),
     ("--session-idle-ttl", float, (f"seconds after which a session nobody used is deleted "
                                   f"(default {DEFAULT_SESSION_IDLE_TTL:g})")),
 )

@@ -115,7 +115,7 @@ class SessionOps:
         if op == "create_session":
             return self._core.create_session(session_id)
         if op == "get_session":
-            return self._core.get_session(session_id)
+            return self._core.get_session(session_id, include_images=meta.get("images") is True)
         if op == "delete_session":
             return self._core.delete_session(session_id)
         if op == "samples":
