@@ -106,10 +106,12 @@ class RouterConfig:
             backend_url = env["SHINKEN_BACKEND_URL"]
         except KeyError:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
+        # One dict: routing_replay_layers is an int field too, read by both (the replay parser wins).
+        settings = {**{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"},
+                    **replay_settings_from_env(env)}
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
-                   **{k: v for k, v in number_settings_from_env(cls, env).items() if k != "workers"},
-                   **replay_settings_from_env(env))
+                   **settings)
 
     def supervisor_config(self) -> SupervisorConfig:
         limits = {name: getattr(self, name) for name in _CORE_LIMITS if getattr(self, name) is not None}

@@ -62,3 +62,11 @@ def test_number_settings_from_env_reads_int_fields_too() -> None:
     assert "max_message_bytes" not in core
     with pytest.raises(ValueError, match="SHINKEN_MAX_SESSIONS must be an integer"):
         number_settings_from_env(CoreConfig, {"SHINKEN_MAX_SESSIONS": "1.5"})
+
+
+def test_image_limits_are_settings_of_both_modes() -> None:
+    env = {"SHINKEN_MAX_IMAGE_BYTES": "5000", "SHINKEN_MAX_IMAGES": "4"}
+    assert number_settings_from_env(CoreConfig, env) == {"max_image_bytes": 5000, "max_images": 4}
+    core = RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b", **env}).supervisor_config().core
+    assert (core["max_image_bytes"], core["max_images"]) == (5000, 4)
+    assert "max_images" not in RouterConfig.from_env({"SHINKEN_BACKEND_URL": "http://b"}).supervisor_config().core
