@@ -153,7 +153,7 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
         body = read_body(request.stream, http_limits.body_timeout, request.content_length)
-        return to_flask_response(core.samples(session_id, body))
+        return to_flask_response(core.samples(session_id, body, wants_images(request.args.get(IMAGES_QUERY))))
 
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:

@@ -480,17 +480,20 @@ class SessionCore:
         body.append(b"}")
         return Reply(200, body)
 
-    def samples(self, session_id: str, body: bytes) -> Reply:
+    def samples(self, session_id: str, body: bytes, include_images: bool = False) -> Reply:
         """``POST /sessions/{id}/samples``: the session's training sample(s) as one safetensors
-        payload in miles' samples wire format (see ``webapp.samples``)."""
+        payload in miles' samples wire format (see ``webapp.samples``); ``include_images``: the
+        session's images too, one tensor each."""
         try:
             max_seq_len = _parse_samples_body(body)
-            records, state, metadata, _encoded = self._snapshot(self.registry.get(session_id))
+            session = self.registry.get(session_id)
+            records, state, metadata, _encoded = self._snapshot(session)
             turns = [record.turn for record in records]
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
             payload = encode_samples(samples, turns, metadata, empty_reason,
-                                     routing_replay_layers=self.routing_replay_layers)
+                                     routing_replay_layers=self.routing_replay_layers,
+                                     images=_session_images(session) if include_images else None)
         except SessionError as exc:
             return error_reply(exc)
         except Exception:
@@ -564,7 +567,8 @@ class SessionCore:
             payload, recorded = self._backend_payload(request, plan, images)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
-            record = self._record(recorded, plan, turn, reply, request_timestamp)
+            record = self._record(recorded, plan, turn, reply, request_timestamp,
+                                  tuple(image.sha256 for image, _url in images.images))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
@@ -594,7 +598,7 @@ class SessionCore:
 
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
-                request_timestamp: float) -> Record:
+                request_timestamp: float, images: tuple[str, ...] = ()) -> Record:
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
@@ -605,7 +609,7 @@ class SessionCore:
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
                              timestamp=timestamp, request_timestamp=request_timestamp, response=reply.raw,
-                             replay=replay)
+                             replay=replay, images=images)
         chunks = (head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}")
         return Record(chunks, summary)
 
@@ -631,10 +635,14 @@ _IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, splice
 _IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
 
 
+def _session_images(session: Session) -> list[DecodedImage]:
+    with session.state_lock:
+        return list(session.images.values())
+
+
 def _images_json(session: Session) -> list[bytes]:
     """``,"images":{sha256: {mime_type, width, height, data}}`` of the session's committed images."""
-    with session.state_lock:
-        images = list(session.images.values())
+    images = _session_images(session)
     out = [b',"images":{']
     for i, image in enumerate(images):
         meta = json.dumps({"mime_type": image.mime_type, "width": image.width, "height": image.height},

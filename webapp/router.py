@@ -303,7 +303,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return call(session_id, "samples", _small_body())
+        return call(session_id, "samples", _small_body(), images=wants_images(request.args.get(IMAGES_QUERY)))
 
     # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))

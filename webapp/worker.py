@@ -119,7 +119,7 @@ class SessionOps:
         if op == "delete_session":
             return self._core.delete_session(session_id)
         if op == "samples":
-            return self._core.samples(session_id, bytes(body))
+            return self._core.samples(session_id, bytes(body), include_images=meta.get("images") is True)
         if op == "proxy":
             method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))
             if not (isinstance(method, str) and isinstance(path, str) and isinstance(query, str)

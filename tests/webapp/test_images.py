@@ -21,6 +21,7 @@ import json
 import openai
 import pytest
 import requests
+import safetensors.numpy
 from PIL import Image
 
 from webapp.images import ImageLimits, QwenVLRule, extract_images
@@ -249,6 +250,20 @@ def test_screenshots_through_the_openai_client(server_url):
         assert [p["image_url"]["url"] for p in parts] == sent["image_data"]
     assert session.metadata["accumulated_token_ids"] == previous
     assert session.metadata["tito_session_mismatch"] == []
+
+    # /samples?images=1: the merged sample's tokens, its images in order, and their bytes
+    got = requests.post(f"{server_url}/sessions/{sid}/samples", params={"images": "1"}, json={}, timeout=30)
+    assert got.status_code == 200, got.text
+    tensors = safetensors.numpy.load(got.content)
+    head = json.loads(tensors["_samples_meta"].tobytes())
+    sample = head["samples"][-1]
+    assert sample["metadata"]["images"] == session.records[-1].request["image_data"]
+    tokens = tensors[f"tokens.{len(head['samples']) - 1}"].tolist()
+    assert len(pad_runs(tokens, vision.start_id, vision.pad_id)) == len(sample["metadata"]["images"])
+    for digest, data in want.items():
+        assert tensors[f"image.{digest}"].tobytes() == data and head["images"][digest]["width"] == 320
+    plain = safetensors.numpy.load(requests.post(f"{server_url}/sessions/{sid}/samples", json={}, timeout=30).content)
+    assert not any(name.startswith("image.") for name in plain)
 
 
 def test_the_reply_depends_on_the_pixels_end_to_end(server_url):
