@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_IMAGE_BYTES = 16 << 20  # a lossless 4K screenshot is ~10-20 MiB; JPEGs far less
-DEFAULT_MAX_IMAGES = 256  # per request: an agent resending a long episode's screenshots
+DEFAULT_MAX_IMAGES = 1024  # per request: an agent resending a long episode's screenshots (the body cap bounds the bytes)
 # Pixels decoded for one image: a small PNG can claim 100k x 100k (a decompression bomb).
 MAX_IMAGE_PIXELS = 64_000_000
 IMAGE_REF_PREFIX = "sha256:"
