@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from webapp.limits import require_positive
 from webapp.session_errors import (
     ImageNotBase64,
     ImageRefused,
@@ -86,9 +87,7 @@ class ImageLimits:
     max_images: int = DEFAULT_MAX_IMAGES
 
     def __post_init__(self) -> None:
-        for name in ("max_image_bytes", "max_images"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self)
 
 
 @dataclass(frozen=True, eq=False)

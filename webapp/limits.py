@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from webapp.session_errors import BodyTooLarge, InvalidJSON, SessionError
@@ -46,6 +46,7 @@ __all__ = [
     "TooManySessions",
     "json_depth_exceeds",
     "loads_strict",
+    "require_positive",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # a long tool output or document, far below the 256 MiB body cap
@@ -166,15 +167,20 @@ def _message_texts(message: Any) -> Iterable[str]:
             yield from (v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
 
 
+def require_positive(limits: Any) -> None:
+    """Every field of the dataclass ``limits`` >= 1, else ``ValueError`` naming it."""
+    for name in (f.name for f in fields(limits)):
+        if getattr(limits, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self)
 
     def check_messages(self, messages: Any) -> None:
         """Before rendering: every message's text within ``max_message_bytes``, the whole
