@@ -97,17 +97,18 @@ def image_session(url: str, sid: str, shots: list[bytes], latencies: list[float]
         http.close()
 
 
-def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Event | None, count: int) -> None:
-    """Small text chats one after the other on shard 0 (a fresh session every 50 turns)."""
+def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Event | None, count: int,
+          shard: int = 0) -> None:
+    """Small text chats one after the other on ``shard`` (a fresh session every 50 turns)."""
     http = Http(url)
-    (sid,) = sessions_on(url, 0, shards, 1)
+    (sid,) = sessions_on(url, shard, shards, 1)
     messages: list[dict] = []
     try:
         n = 0
         while (stop is None and n < count) or (stop is not None and not stop.is_set()):
             if len(messages) > 100:
                 http.request("DELETE", f"/sessions/{sid}")
-                (sid,) = sessions_on(url, 0, shards, 1)
+                (sid,) = sessions_on(url, shard, shards, 1)
                 messages = []
             messages.append({"role": "user", "content": f"probe {n}"})
             body = json.dumps({"messages": messages, "max_tokens": 64}).encode()
@@ -157,11 +158,40 @@ def run(workers: int, backend_url: str, sessions: int, turns: int, pool_of_shots
             "probe_loaded_n": len(loaded)}
 
 
+def run_hol(backend_url: str, sessions: int, turns: int, pool_of_shots: list[bytes]) -> dict:
+    """workers=2, every image session on shard 0; a probe on shard 0 and one on shard 1 at once.
+    Both share the machine's CPU; only the shard-0 probe shares the channel and the worker with
+    the image chats, so the gap between the two is what the shard itself costs a small chat."""
+    server = start_server(2, backend_url)
+    try:
+        url = server.url
+        sids = sessions_on(url, 0, 2, sessions)
+        probes: dict[int, list[float]] = {0: [], 1: []}
+        stop = gevent.event.Event()
+        probers = [gevent.spawn(probe, url, 2, probes[shard], stop, 0, shard) for shard in (0, 1)]
+        pool = gevent.pool.Pool(sessions)
+        latencies: list[float] = []
+        pool.map(lambda i: image_session(url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
+                                                         for t in range(turns)], latencies), range(sessions))
+        stop.set()
+        gevent.joinall(probers)
+    finally:
+        server.close()
+    out = {"image_chat_p50_ms": 1e3 * percentile(latencies, 50)}
+    for shard, values in probes.items():
+        out[f"shard{shard}_p50_ms"] = 1e3 * percentile(values, 50)
+        out[f"shard{shard}_p99_ms"] = 1e3 * percentile(values, 99)
+        out[f"shard{shard}_n"] = len(values)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="screenshot turns through the session server")
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--hol", action="store_true",
+                        help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
     shots = screenshots(max(args.turns, 40))
@@ -185,6 +215,13 @@ def main() -> None:
         if len(report) == 2:
             print(f"turns/s workers={report[1]['workers']} / workers={report[0]['workers']}: "
                   f"x{report[1]['turns_per_s'] / report[0]['turns_per_s']:.2f}", flush=True)
+        if args.hol:
+            r = run_hol(backend.url, args.sessions // 2, args.turns, shots)
+            report.append({"hol": r})
+            print(f"head-of-line (workers=2, {args.sessions // 2} image sessions all on shard 0, image chat p50 "
+                  f"{r['image_chat_p50_ms']:.0f} ms): text probe on shard 0 p50 {r['shard0_p50_ms']:.1f} / p99 "
+                  f"{r['shard0_p99_ms']:.1f} ms ({r['shard0_n']}), on shard 1 p50 {r['shard1_p50_ms']:.1f} / p99 "
+                  f"{r['shard1_p99_ms']:.1f} ms ({r['shard1_n']})", flush=True)
     finally:
         backend.close()
     if args.json:
