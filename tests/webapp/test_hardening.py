@@ -79,7 +79,7 @@ def _raw(url: str, request: bytes, *, reuse: http.client.HTTPConnection | None =
 
 def test_a_message_over_max_message_bytes_is_413_naming_the_limit(limited, sid) -> None:
     resp = _chat(limited, sid, {"messages": [{"role": "user", "content": "x" * 2001}]})
-    assert resp.status_code == 413 and "max_message_bytes=2000" in resp.json()["error"]
+    assert resp.status_code == 413 and "max_message_bytes=2000" in resp.json()["error"]["message"]
     ok = _chat(limited, sid, {"messages": [{"role": "user", "content": "x" * 1900}]})
     assert ok.status_code == 200, ok.text  # nothing was stored by the refused turn
 
@@ -89,7 +89,7 @@ def test_a_prompt_over_max_prompt_tokens_is_413_naming_the_limit(limited, sid) -
     messages = [{"role": "user", "content": "y" * 1500}, {"role": "assistant", "content": "z" * 1500},
                 {"role": "user", "content": "w" * 100}]
     resp = _chat(limited, sid, {"messages": messages})
-    assert resp.status_code == 413 and "max_prompt_tokens=3000" in resp.json()["error"]
+    assert resp.status_code == 413 and "max_prompt_tokens=3000" in resp.json()["error"]["message"]
     assert requests.get(f"{limited}/sessions/{sid}", timeout=30).json()["records"] == []
 
 
