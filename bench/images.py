@@ -113,7 +113,13 @@ def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Even
             messages.append({"role": "user", "content": f"probe {n}"})
             body = json.dumps({"messages": messages, "max_tokens": 64}).encode()
             start = time.perf_counter()
-            status, reply = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+            try:
+                status, reply = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+            except (OSError, IndexError):  # the server closed the keep-alive connection: not timed
+                http.close()
+                http = Http(url)
+                messages.pop()
+                continue
             latencies.append(time.perf_counter() - start)
             assert status == 200, reply[:300]
             messages.append({"role": "assistant", "content": json.loads(reply)["choices"][0]["message"]["content"]})
@@ -189,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="screenshot turns through the session server")
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=20)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--hol", action="store_true",
                         help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
