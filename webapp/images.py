@@ -38,6 +38,7 @@ import hashlib
 import io
 import math
 import re
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -194,7 +195,8 @@ def extract_images(raw_messages: Any, limits: ImageLimits,
                 raise TooManyImages(where, f"more than max_images={limits.max_images} images in one request")
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
-            image = decode_data_url(url, where, limits, {**known, **new} if new else known)
+            # A lookup, never an iteration: ``known`` may grow meanwhile (another turn committing).
+            image = decode_data_url(url, where, limits, ChainMap(new, known))
             if image.sha256 not in known:
                 new[image.sha256] = image
             images.append((image, url))

@@ -229,7 +229,8 @@ class HFChatTokenizer:
 
     The directory must hold ``tokenizer.json`` and a chat template, either in
     ``tokenizer_config.json`` (``chat_template``, a string or a list of named templates where
-    ``default`` wins) or in ``chat_template.jinja``. The end-of-turn token is
+    ``default`` wins), in ``chat_template.jinja`` or in ``chat_template.json`` (the processor's
+    file, as Qwen2-VL models ship it). The end-of-turn token is
     ``tokenizer_config.json``'s ``eos_token``. Rendering follows ``transformers``: a sandboxed
     environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``
     and a ``tojson`` filter that keeps non-ASCII text.
@@ -262,6 +263,10 @@ class HFChatTokenizer:
         if template is None and os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+        json_file = os.path.join(path, "chat_template.json")  # where Qwen2-VL / Qwen2.5-VL ship theirs
+        if template is None and os.path.isfile(json_file):
+            with open(json_file, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
         if not template:
             raise TokenizerLoadError(f"no chat template in {path}")
         eos = _token_content(config.get("eos_token"))

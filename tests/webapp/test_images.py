@@ -17,6 +17,7 @@ import base64
 import hashlib
 import io
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -122,6 +123,20 @@ def test_hf_adapter_loads_a_qwen2_vl_directory(vl_tokenizer_dir):
     assert "<|vision_start|><|image_pad|><|vision_end|>" in plan.prompt_text
     assert pad_runs(plan.prompt_ids, tok.vision.start_id, tok.vision.pad_id) == [SMALL_MAX_RULE_TABLE[s]
                                                                                 for s in sizes]
+
+
+def test_the_template_may_come_in_chat_template_json(vl_tokenizer_dir, tmp_path):
+    """Qwen2-VL / Qwen2.5-VL ship their template in the processor's chat_template.json."""
+    import shutil
+
+    for name in ("tokenizer.json", "preprocessor_config.json"):
+        shutil.copy(f"{vl_tokenizer_dir}/{name}", tmp_path / name)
+    config = json.loads(Path(vl_tokenizer_dir, "tokenizer_config.json").read_text())
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": config.pop("chat_template")}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFChatTokenizer(str(tmp_path))
+    text = tok.render([user("hi", png(30, 30))], add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in text and tok.vision is not None
 
 
 def test_a_text_only_model_refuses_images(hf_tokenizer_dir):
