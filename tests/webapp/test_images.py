@@ -111,6 +111,27 @@ def test_byte_tokenizer_expands_each_image_by_the_rule():
     assert plan.prompt_ids.count(vision.end_id) == len(sizes)
 
 
+def test_earlier_images_are_never_retokenized_and_never_replaced():
+    from webapp.session_errors import AppendOnlyViolation
+    from webapp.tito import commit_turn
+
+    a, b = png(300, 200, 1), png(300, 200, 2)
+    first = extract_images([user("one", a)], ImageLimits(), {})
+    plan = plan_turn(INITIAL_STATE, None, first.messages, None, BYTE)
+    reply = {"role": "assistant", "content": "ok"}
+    state = commit_turn(plan, reply, BYTE.encode("ok") + [BYTE.eos_token_id], BYTE.eos_token_id)
+    second = extract_images([user("one", a), reply, user("two", b)], ImageLimits(), first.new)
+    assert [image.sha256 for image, _ in second.images] == [hashlib.sha256(x).hexdigest() for x in (a, b)]
+    assert list(second.new) == [hashlib.sha256(b).hexdigest()]  # a: held already, not decoded again
+    plan2 = plan_turn(state, None, second.messages, None, BYTE)
+    assert plan2.prompt_ids[:len(state.token_ids)] == list(state.token_ids)
+    runs = pad_runs(plan2.prompt_ids, BYTE.vision.start_id, BYTE.vision.pad_id)
+    assert runs == [QwenVLRule().tokens(300, 200)] * 2
+    swapped = extract_images([user("one", b), reply, user("two", b)], ImageLimits(), first.new)
+    with pytest.raises(AppendOnlyViolation):  # an earlier screenshot replaced: not append-only
+        plan_turn(state, None, swapped.messages, None, BYTE)
+
+
 def test_hf_adapter_loads_a_qwen2_vl_directory(vl_tokenizer_dir):
     tok = HFChatTokenizer(vl_tokenizer_dir)
     assert tok.vision is not None and tok.vision.rule == QwenVLRule(max_pixels=401408)
