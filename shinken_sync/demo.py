@@ -12,6 +12,7 @@ end it fetches every session's token records and writes the trajectories.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import hashlib
 import io
@@ -35,7 +36,7 @@ from shinken_sync.trajectory_file import compact_records
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
 SCREEN = (1920, 1080)  # what SYSTEM_PROMPT tells the model, and the reference backend's action range
 SYSTEM_PROMPT = (
-    "You operate a 1920x1080 desktop. Each user message describes the latest screenshot. "
+    "You operate a 1920x1080 desktop. Each user message carries the latest screenshot. "
     'Answer with one action as JSON: {"action": {"verb": ..., ...}}.'
 )
 SERVER_START_TIMEOUT = 60.0
@@ -64,7 +65,9 @@ class Episode:
     steps: list[dict[str, Any]] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
-    final_jpeg: bytes = b""
+    final_jpeg: bytes = b""  # the last screenshot the model got, as the session server returned it
+    sent_images: list[str] = field(default_factory=list)  # sha256 of the screenshot sent each turn
+    images: dict[str, bytes] = field(default_factory=dict)  # sha256 -> bytes, from the session server
     first_observation: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     finished: bool = False
@@ -116,13 +119,21 @@ def wait_ready(server: Any, timeout: float = SERVER_START_TIMEOUT) -> str:
 
 
 def describe(obs: Any, turn: int, last: dict[str, Any] | None) -> str:
-    """The user message for one turn: what the agent sees, as text the byte tokenizer takes."""
+    """The text beside one turn's screenshot: the turn, the image's size and digest, the last action."""
     digest = hashlib.sha256(obs.data).hexdigest()[:16]
     text = (f"Turn {turn}. Screenshot {obs.width}x{obs.height} {obs.format}, {len(obs.data)} bytes, "
             f"sha256 {digest}, scale {obs.scale:g}.")
     if last is not None:
         text += f" Last action {json.dumps(last['action'], sort_keys=True)} -> {last['outcome']}."
     return text
+
+
+def observation_message(obs: Any, turn: int, last: dict[str, Any] | None) -> dict[str, Any]:
+    """One turn's user message: the text and the screenshot as an OpenAI image part (the JPEG
+    the sandbox returned, as a data URL: the session server fetches nothing)."""
+    url = f"data:image/{obs.format};base64," + base64.b64encode(obs.data).decode("ascii")
+    return {"role": "user", "content": [{"type": "text", "text": describe(obs, turn, last)},
+                                        {"type": "image_url", "image_url": {"url": url}}]}
 
 
 def parse_action(content: str) -> dict[str, Any]:
@@ -166,7 +177,8 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
         if stop.is_set():  # Ctrl-C: keep the turns taken so far, records included
             ep.interrupted = True
             break
-        messages.append({"role": "user", "content": describe(obs, turn, last)})
+        messages.append(observation_message(obs, turn, last))
+        ep.sent_images.append(hashlib.sha256(obs.data).hexdigest())
         t0 = time.monotonic()
         chat = http.post(f"{server}/sessions/{ep.session_id}/v1/chat/completions",
                          json={"model": "reference", "messages": messages}, timeout=HTTP_TIMEOUT)
@@ -188,12 +200,15 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
             step["observation"] = obs_meta(obs)
         ep.steps.append(step)
         progress.stepped(elapsed, row.outcome)
-    ep.final_jpeg = bytes(obs.data)
-    got = http.get(f"{server}/sessions/{ep.session_id}", timeout=HTTP_TIMEOUT)
+    # The records name each screenshot by sha256; the pixels come once each, beside them.
+    got = http.get(f"{server}/sessions/{ep.session_id}", params={"images": "1"}, timeout=HTTP_TIMEOUT)
     got.raise_for_status()
     body = got.json()
     ep.records = body["records"]
     ep.metadata = body["metadata"]
+    ep.images = {digest: base64.b64decode(image["data"]) for digest, image in body.get("images", {}).items()}
+    if ep.sent_images:
+        ep.final_jpeg = ep.images.get(ep.sent_images[-1], b"")
     ep.finished = True
 
 
@@ -223,7 +238,16 @@ def check_episode(ep: Episode) -> dict[str, Any]:
     return {"records": len(ep.records), "steps": len(ep.steps),
             "accumulated_matches_last_record": bool(acc) and acc == expected,
             "actions_match_records": actions_match,
+            "images_match_records": images_match(ep),
             "observation_changes": observation_changes(ep)}
+
+
+def images_match(ep: Episode) -> bool:
+    """Each record's ``image_data`` names the screenshots sent up to its turn, in order, and the
+    session server returned each of them with exactly those bytes."""
+    refs = [f"sha256:{digest}" for digest in ep.sent_images]
+    return all(rec["request"].get("image_data") == refs[:k + 1] for k, rec in enumerate(ep.records)) and all(
+        hashlib.sha256(ep.images.get(digest, b"")).hexdigest() == digest for digest in ep.sent_images)
 
 
 def run_consistent(episodes: list[Episode]) -> bool:
@@ -340,8 +364,8 @@ def _caption_font(size: int) -> Any:
 
 
 def contact_sheet(episodes: list[Episode], path: Path, total: int | None = None) -> None:
-    """Each episode's final screen with, above it, the episode, its turns and its last action with
-    the outcome; more than CONTACT_SHEET_TILES episodes are sampled evenly and the header says so."""
+    """Each episode's last screenshot the model got (the pixels the session server returned) with,
+    above it, the episode, its turns and the action the model chose from it with the outcome; more than CONTACT_SHEET_TILES episodes are sampled evenly and the header says so."""
     from PIL import Image, ImageDraw
 
     shots = [ep for ep in episodes if ep.final_jpeg]
@@ -358,7 +382,8 @@ def contact_sheet(episodes: list[Episode], path: Path, total: int | None = None)
     sheet = Image.new("RGB", (cols * _TILE[0], header + rows * tile_h), "white")
     draw = ImageDraw.Draw(sheet)
     shown = f"showing {len(shots)} of {total} episodes" if len(shots) < total else f"{total} episodes"
-    draw.text((6, 4), f"shinken demo: final screen of each episode ({shown})", fill="black", font=font)
+    draw.text((6, 4), f"shinken demo: the last screenshot the model got, per episode ({shown})", fill="black",
+              font=font)
     for i, ep in enumerate(shots):
         x, y = (i % cols) * _TILE[0], header + (i // cols) * tile_h
         img = Image.open(io.BytesIO(ep.final_jpeg)).convert("RGB")
@@ -472,13 +497,19 @@ def run(args: argparse.Namespace) -> int:
 
 TRAJECTORIES = "trajectories.jsonl"
 ROUTED_EXPERTS = "routed_experts.bin"
+IMAGES_DIR = "images"  # each screenshot the model got, once: images/<sha256>.jpg
 
 
 def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interrupted: bool) -> int:
     elapsed = progress.elapsed()
     finished = [ep for ep in episodes if ep.finished]
+    (out / IMAGES_DIR).mkdir(exist_ok=True)
     with open(out / TRAJECTORIES, "w") as f, open(out / ROUTED_EXPERTS, "wb") as r3:
         for ep in finished:
+            for digest, data in ep.images.items():
+                path = out / IMAGES_DIR / f"{digest}.jpg"
+                if not path.exists():
+                    path.write_bytes(data)
             line = {"episode": ep.index, "sandbox": ep.sandbox_id, "session_id": ep.session_id,
                     "interrupted": ep.interrupted, "first_observation": ep.first_observation, "steps": ep.steps,
                     "records": compact_records(ep.records, r3, ROUTED_EXPERTS), "metadata": ep.metadata,

@@ -12,7 +12,9 @@ episode's records grow with the square of its turns (about 6 GB for 8 x 200 turn
   when the prompt starts with the previous record's prompt + output (n ids; always, for
   append-only chats);
 * ``request.messages`` -> ``request.messages_from_previous: n`` + ``request.messages_new``
-  when they start with the previous request's n messages;
+  when they start with the previous request's n messages; ``request.image_data`` (the
+  images' ``sha256:`` references, one per image so far) likewise, as ``image_data_from_previous``
+  + ``image_data_new``;
 * each choice's ``meta_info.routed_experts`` -> ``{"file", "offset", "first_row", "rows",
   "row_bytes"}``: the raw rows (int32 LE) for the tokens from ``first_row`` on, appended to a
   binary side file. ``first_row`` is the first token the previous record had no row for, so
@@ -30,6 +32,9 @@ import copy
 from typing import Any, BinaryIO
 
 __all__ = ["compact_records", "expand_records"]
+
+# Request lists that repeat the previous request's and grow: stored as what each turn adds.
+_PREFIXED_LISTS = ("messages", "image_data")
 
 
 def _prompt(record: dict[str, Any]) -> list[int]:
@@ -66,11 +71,12 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
             n = len(_sequence(prev))
             del request["input_ids"]
             request["input_ids_from_previous"], request["input_ids_new"] = n, prompt[n:]
-        if (isinstance(request, dict) and isinstance(prev_request, dict)
-                and isinstance(request.get("messages"), list) and isinstance(prev_request.get("messages"), list)):
-            n = len(prev_request["messages"])
-            if request["messages"][:n] == prev_request["messages"]:
-                request["messages_from_previous"], request["messages_new"] = n, request.pop("messages")[n:]
+        for key in _PREFIXED_LISTS:
+            if (isinstance(request, dict) and isinstance(prev_request, dict)
+                    and isinstance(request.get(key), list) and isinstance(prev_request.get(key), list)):
+                n = len(prev_request[key])
+                if request[key][:n] == prev_request[key]:
+                    request[f"{key}_from_previous"], request[f"{key}_new"] = n, request.pop(key)[n:]
         # rows the previous record already stored: its prompt + output, less the last output token
         # (never fed back, so it has no routing)
         first_row = len(_sequence(prev)) - 1 if extends else 0
@@ -105,9 +111,10 @@ def expand_records(compact: list[dict[str, Any]], r3_data: bytes) -> list[dict[s
                 raise ValueError("the first compact record refers to a previous record")
             n = request.pop("input_ids_from_previous")
             request["input_ids"] = _sequence(prev)[:n] + request.pop("input_ids_new")
-        if isinstance(request, dict) and "messages_from_previous" in request:
-            n = request.pop("messages_from_previous")
-            request["messages"] = prev["request"]["messages"][:n] + request.pop("messages_new")
+        for key in _PREFIXED_LISTS:
+            if isinstance(request, dict) and f"{key}_from_previous" in request:
+                n = request.pop(f"{key}_from_previous")
+                request[key] = prev["request"][key][:n] + request.pop(f"{key}_new")
         rows_now: dict[int, bytes] = {}
         for i, choice in enumerate(_choices(full)):
             meta = choice.get("meta_info") or {}

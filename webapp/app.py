@@ -41,7 +41,7 @@ from webapp.core import (
 from webapp.errors import WebappError
 from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.routes import PROXY_METHODS, is_openai_path
+from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images
 from webapp.settings import Scope, embedded_replay_layers, scope_values, values_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
@@ -137,7 +137,7 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return to_flask_response(core.get_session(session_id))
+        return to_flask_response(core.get_session(session_id, wants_images(request.args.get(IMAGES_QUERY))))
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:
@@ -151,7 +151,7 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
         body = read_body(request.stream, http_limits.body_timeout, request.content_length)
-        return to_flask_response(core.samples(session_id, body))
+        return to_flask_response(core.samples(session_id, body, wants_images(request.args.get(IMAGES_QUERY))))
 
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:

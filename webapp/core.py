@@ -15,6 +15,13 @@ re-encoded or joined. Beside the bytes, a small :class:`webapp.samples.TurnRecor
 (token counts, output ids, logprobs) lets ``POST /sessions/{id}/samples`` assemble without
 re-parsing a reply.
 
+Images (``webapp.images``): each image part is checked, hashed and decoded once per session
+(the session keeps each image once, by sha256, at commit); the engine gets ``input_ids`` plus
+``image_data`` (the data URLs in order of appearance, SGLang's field) and messages whose image
+parts carry the reference ``sha256:<hex>``; the record holds the same request with each
+``image_data`` entry replaced by that reference (the one place a record is not the bytes sent).
+``GET /sessions/{id}?images=1`` adds ``"images": {sha256: {mime_type, width, height, data}}``.
+
 Errors answer ``{"error": "<text>"}`` on the session-management routes (miles' shape) and
 OpenAI's ``{"error": {"message", "type", "code"}}`` on the OpenAI routes (chat, and the
 proxy under ``v1/``): see ``webapp.session_errors`` and ``webapp.routes``.
@@ -22,6 +29,7 @@ proxy under ``v1/``): see ``webapp.session_errors`` and ``webapp.routes``.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -32,6 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
+from webapp.images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DecodedImage,
+    ImageLimits,
+    RequestImages,
+    extract_images,
+    wire_messages,
+)
 from webapp.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -161,6 +178,8 @@ class CoreConfig:
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's decoded bytes (webapp.images)
+    max_images: int = DEFAULT_MAX_IMAGES  # images in one request
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -188,10 +207,12 @@ class Session:
     previous: TitoState | None = None
     records: list[Record] = field(default_factory=list)  # one per checkpoint of ``state``
     rollbacks: int = 0
+    images: dict[str, DecodedImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
 
-    def commit(self, new_state: TitoState, plan: TurnPlan, record: Record) -> bool:
+    def commit(self, new_state: TitoState, plan: TurnPlan, record: Record,
+               images: dict[str, DecodedImage] | None = None) -> bool:
         """Store a finished turn; False (nothing stored) if the session was closed meanwhile.
 
         A rollback turn replaces the rolled-back record, as miles truncates its records: the
@@ -206,6 +227,8 @@ class Session:
                 self.records = self.records[:-1]
                 self.rollbacks += 1
             self.records.append(record)
+            if images:
+                self.images.update(images)
             return True
 
     def snapshot(self) -> tuple[list[Record], TitoState, int]:
@@ -394,11 +417,13 @@ class SessionCore:
                  registry: SessionRegistry | None = None, turn_wait_timeout: float | None = None,
                  routing_replay_layers: int = 0, indexer_replay: bool = False,
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
-                 session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL) -> None:
+                 session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
+                 image_limits: ImageLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.registry = registry if registry is not None else SessionRegistry()
         self.limits = limits if limits is not None else RequestLimits()
+        self.image_limits = image_limits if image_limits is not None else ImageLimits()
         self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
                                     self.registry.remove)
         # None: CoreConfig's rule over the default timeouts (one rule, not a second default);
@@ -446,7 +471,9 @@ class SessionCore:
         session.metadata_cache = (state, metadata, encoded)
         return records, state, metadata, encoded
 
-    def get_session(self, session_id: str) -> Reply:
+    def get_session(self, session_id: str, include_images: bool = False) -> Reply:
+        """miles' ``GetSessionResponse``; ``include_images``: plus ``"images"``, every image the
+        session's turns sent, once each (by sha256: the references in the records)."""
         self.expiry.sweep()
         try:
             session = self.registry.get(session_id)
@@ -459,20 +486,26 @@ class SessionCore:
             if i:
                 body.append(b",")
             body += record.chunks
-        body += (b'],"metadata":', encoded, b"}")
+        body += (b'],"metadata":', encoded)
+        if include_images:
+            body += _images_json(session)
+        body.append(b"}")
         return Reply(200, body)
 
-    def samples(self, session_id: str, body: bytes) -> Reply:
+    def samples(self, session_id: str, body: bytes, include_images: bool = False) -> Reply:
         """``POST /sessions/{id}/samples``: the session's training sample(s) as one safetensors
-        payload in miles' samples wire format (see ``webapp.samples``)."""
+        payload in miles' samples wire format (see ``webapp.samples``); ``include_images``: the
+        session's images too, one tensor each."""
         try:
             max_seq_len = _parse_samples_body(body)
-            records, state, metadata, _encoded = self._snapshot(self.registry.get(session_id))
+            session = self.registry.get(session_id)
+            records, state, metadata, _encoded = self._snapshot(session)
             turns = [record.turn for record in records]
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
             payload = encode_samples(samples, turns, metadata, empty_reason,
-                                     routing_replay_layers=self.routing_replay_layers)
+                                     routing_replay_layers=self.routing_replay_layers,
+                                     images=_session_images(session) if include_images else None)
         except SessionError as exc:
             return error_reply(exc)
         except Exception:
@@ -530,6 +563,8 @@ class SessionCore:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))
+        # Before the turn lock: the pixel decoding of new images holds up no other turn.
+        images = extract_images(request.get("messages"), self.image_limits, session.images)
         wait = self.turn_wait_timeout
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -538,30 +573,44 @@ class SessionCore:
         try:
             if session.closed:
                 raise SessionNotFound(session_id)
-            plan = plan_turn(session.state, session.previous, request.get("messages"),
+            plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
-            payload = self._backend_payload(request, plan)
+            payload, recorded = self._backend_payload(request, plan, images)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
-            record = self._record(payload, plan, turn, reply, request_timestamp)
+            record = self._record(recorded, plan, turn, reply, request_timestamp,
+                                  tuple(image.sha256 for image, _url in images.images))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
-            session.commit(new_state, plan, record)
+            session.commit(new_state, plan, record, images.new)
         finally:
             session.turn_lock.release()
         return self._client_reply(reply.parsed, request)
 
-    def _backend_payload(self, request: dict[str, Any], plan: TurnPlan) -> bytes:
+    def _backend_payload(self, request: dict[str, Any], plan: TurnPlan,
+                         images: RequestImages) -> tuple[bytes, bytes]:
+        """The body for the backend, and the same body as recorded (``image_data`` entries
+        replaced by their ``sha256:`` references); one serialization, the images spliced in."""
         payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
         payload.update(self.forced_fields)
         payload["input_ids"] = plan.prompt_ids
-        return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        if not images.images:
+            encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+            return encoded, encoded
+        payload["messages"] = wire_messages(images.messages)
+        payload["image_data"] = [_IMAGE_MARK] * len(images.images)
+        pieces = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode().split(_IMAGE_MARK_JSON)
+        sent, recorded = [pieces[0]], [pieces[0]]
+        for (image, url), piece in zip(images.images, pieces[1:]):
+            sent += (b'"', url.encode("ascii"), b'"', piece)  # checked: the base64 alphabet needs no escape
+            recorded += (b'"', image.ref.encode("ascii"), b'"', piece)
+        return b"".join(sent), b"".join(recorded)
 
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
-                request_timestamp: float) -> Record:
+                request_timestamp: float, images: tuple[str, ...] = ()) -> Record:
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
@@ -572,7 +621,7 @@ class SessionCore:
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
                              timestamp=timestamp, request_timestamp=request_timestamp, response=reply.raw,
-                             replay=replay)
+                             replay=replay, images=images)
         chunks = (head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}")
         return Record(chunks, summary)
 
@@ -594,6 +643,28 @@ class SessionCore:
         self.backend.close()
 
 
+_IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, spliced after encoding
+_IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
+
+
+def _session_images(session: Session) -> list[DecodedImage]:
+    with session.state_lock:
+        return list(session.images.values())
+
+
+def _images_json(session: Session) -> list[bytes]:
+    """``,"images":{sha256: {mime_type, width, height, data}}`` of the session's committed images."""
+    images = _session_images(session)
+    out = [b',"images":{']
+    for i, image in enumerate(images):
+        meta = json.dumps({"mime_type": image.mime_type, "width": image.width, "height": image.height},
+                          separators=(",", ":"))
+        out += ((b"," if i else b"") + f'"{image.sha256}":'.encode() + meta[:-1].encode() + b',"data":"',
+                base64.b64encode(image.data), b'"}')
+    out.append(b"}")
+    return out
+
+
 def _parse_samples_body(body: bytes) -> int | None:
     """``{"max_seq_len": int | null}`` (an empty body is ``{}``) -> max_seq_len."""
     params = loads_strict(body) if body.strip() else {}
@@ -613,4 +684,5 @@ def build_session_core(config: CoreConfig) -> SessionCore:
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
-                       max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl)
+                       max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl,
+                       image_limits=ImageLimits(config.max_image_bytes, config.max_images))

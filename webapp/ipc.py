@@ -135,8 +135,14 @@ class FrameType(enum.IntEnum):
     CANCEL = 6  # router -> worker: the caller gave up; stop streaming, drop the reply
 
 
-class Op(enum.StrEnum):
-    """The ops of a REQUEST (``meta["op"]``); the worker's answers: docs/ipc.md."""
+class Op(str, enum.Enum):
+    """The ops of a REQUEST (``meta["op"]``); the worker's answers: docs/ipc.md.
+
+    A ``str`` mixin rather than ``enum.StrEnum`` (3.11+): Python 3.10 is supported.
+    """
+
+    def __str__(self) -> str:  # the wire name, as StrEnum's str() would give
+        return str(self.value)
 
     PING = "ping"  # heartbeat, answered without touching the core; ``config: true``: echo it
     HEALTH = "health"

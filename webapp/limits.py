@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from webapp.session_errors import BodyTooLarge, InvalidJSON, SessionError
@@ -47,6 +47,7 @@ __all__ = [
     "TooManySessions",
     "json_depth_exceeds",
     "loads_strict",
+    "require_positive",
 ]
 
 # Declared in webapp.settings.SETTINGS; named here for the core's callers.
@@ -66,7 +67,7 @@ MAX_JSON_CONTAINERS = 2_000_000
 MAX_BYTES_PER_TOKEN = 16
 _SWEEP_INTERVAL = 1.0  # idle sessions are looked for at most this often
 _PAIR = re.compile(rb"\[\]|\{\}")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: 16x faster on base64
 # A \uD800-\uDFFF escape: the only way a surrogate gets into a decoded JSON string.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -168,15 +169,20 @@ def _message_texts(message: Any) -> Iterable[str]:
             yield from (v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
 
 
+def require_positive(limits: Any) -> None:
+    """Every field of the dataclass ``limits`` >= 1, else ``ValueError`` naming it."""
+    for name in (f.name for f in fields(limits)):
+        if getattr(limits, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(limits, name)}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self)
 
     def check_messages(self, messages: Any) -> None:
         """Before rendering: every message's text within ``max_message_bytes``, the whole

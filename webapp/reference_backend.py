@@ -20,7 +20,12 @@ hash of the input ids, then tokenized; the token ids are followed by the end-of-
     {"action": {"verb": "scroll", "x": 960, "y": 540, "dx": 0, "dy": -3}}
 
 Coordinates lie inside a 1920x1080 screen. Everything except ``created`` is a deterministic
-function of the input ids (and the knobs), so records can be checked exactly.
+function of the input ids and the images (and the knobs), so records can be checked exactly.
+
+Images: ``image_data`` (SGLang's field) is a list of images in order of appearance, each a
+``data:image/...;base64,`` URL or bare base64. The prompt must hold as many image pad runs
+(``<|vision_start|>`` then pads) as there are images, else 400; the sha256 of each image's
+bytes enters the digest, so one changed pixel changes the reply.
 
 When bound, it prints one JSON line on stdout: ``{"ready": true, "url": "http://HOST:PORT"}``.
 """
@@ -80,8 +85,11 @@ class R3Shape:
     num_experts: int = 128
 
 
-def _digest(input_ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16).digest()
+def _digest(input_ids: Sequence[int], images: Sequence[bytes] = ()) -> bytes:
+    h = hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16)
+    for image in images:
+        h.update(hashlib.sha256(image).digest())
+    return h.digest()
 
 
 def choose_action(digest: bytes) -> dict[str, Any]:
@@ -123,9 +131,10 @@ def routed_experts_b64(digest: bytes, num_tokens: int, shape: R3Shape) -> str:
 
 
 def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, max_tokens: int | None = None,
-                         want_r3: bool = False, r3: R3Shape = R3Shape()) -> dict[str, Any]:
-    """The full backend reply for ``input_ids`` (pure, except ``created``)."""
-    digest = _digest(input_ids)
+                         want_r3: bool = False, r3: R3Shape = R3Shape(),
+                         images: Sequence[bytes] = ()) -> dict[str, Any]:
+    """The full backend reply for ``input_ids`` and the image bytes (pure, except ``created``)."""
+    digest = _digest(input_ids, images)
     text = json.dumps(choose_action(digest), separators=(", ", ": "))
     output_ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
     finish_reason = "stop"
@@ -163,16 +172,16 @@ _R3_MARK = "\u2063R3\u2063"  # placeholder, spliced with the base64 bytes after 
 
 def reference_completion_json(input_ids: Sequence[int], tokenizer: ChatTokenizer, *,
                               max_tokens: int | None = None, want_r3: bool = False,
-                              r3: R3Shape = R3Shape()) -> bytes:
+                              r3: R3Shape = R3Shape(), images: Sequence[bytes] = ()) -> bytes:
     """``json.dumps(reference_completion(...))`` without running the encoder over the R3 string."""
-    reply = reference_completion(input_ids, tokenizer, max_tokens=max_tokens, want_r3=False, r3=r3)
+    reply = reference_completion(input_ids, tokenizer, max_tokens=max_tokens, want_r3=False, r3=r3, images=images)
     if not (want_r3 and r3.layers > 0):
         return json.dumps(reply).encode()
     meta = reply["choices"][0]["meta_info"]
     meta["routed_experts"] = _R3_MARK
     head, tail = json.dumps(reply).encode().split(json.dumps(_R3_MARK).encode())
     tokens = meta["prompt_tokens"] + meta["completion_tokens"] - 1
-    return b"".join((head, b'"', _routed_experts_base64(_digest(input_ids), tokens, r3), b'"', tail))
+    return b"".join((head, b'"', _routed_experts_base64(_digest(input_ids, images), tokens, r3), b'"', tail))
 
 
 class _BadRequest(Exception):
@@ -189,6 +198,27 @@ def _input_ids(request: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
     if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
         raise _BadRequest("input_ids must be a non-empty list of non-negative integers")
     return ids
+
+
+def _images(request: dict[str, Any], ids: Sequence[int], tokenizer: ChatTokenizer) -> list[bytes]:
+    """``image_data`` decoded, checked against the image pad runs of ``ids``."""
+    data = request.get("image_data")
+    if data is None:
+        data = []
+    if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+        raise _BadRequest("image_data must be a list of base64 strings or data URLs")
+    vision = tokenizer.vision
+    runs = vision.pad_runs(ids) if vision is not None else 0
+    if runs != len(data):
+        raise _BadRequest(f"input_ids hold {runs} image pad runs for {len(data)} image_data entries")
+    images = []
+    for k, item in enumerate(data):
+        encoded = item.split(",", 1)[1] if item.startswith("data:") else item
+        try:
+            images.append(base64.b64decode(encoded, validate=True))
+        except ValueError:
+            raise _BadRequest(f"image_data[{k}] is not base64") from None
+    return images
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -237,10 +267,11 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(request, dict):
                 raise _BadRequest("body must be a JSON object")
             ids = _input_ids(request, self.server.tokenizer)
+            images = _images(request, ids, self.server.tokenizer)
             max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
             reply = reference_completion_json(ids, self.server.tokenizer, max_tokens=max_tokens,
                                               want_r3=bool(request.get("return_routed_experts")),
-                                              r3=self.server.r3)
+                                              r3=self.server.r3, images=images)
         except (ValueError, _BadRequest) as exc:
             self._send(400, {"error": str(exc)})
             return

@@ -32,7 +32,14 @@ from webapp.errors import WebappError
 from webapp.http_limits import HttpLimits, iter_body
 from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
+from webapp.routes import (
+    IMAGES_QUERY,
+    PROXY_HEADERS,
+    PROXY_METHODS,
+    is_openai_path,
+    openai_error_body,
+    wants_images,
+)
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
@@ -258,7 +265,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:
-        return call(session_id, Op.GET_SESSION)
+        return call(session_id, Op.GET_SESSION, images=wants_images(request.args.get(IMAGES_QUERY)))
 
     @app.delete("/sessions/<session_id>")
     def delete_session(session_id: str) -> Response:
@@ -281,7 +288,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        return call(session_id, Op.SAMPLES, _small_body())
+        return call(session_id, Op.SAMPLES, _small_body(), images=wants_images(request.args.get(IMAGES_QUERY)))
 
     # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))

@@ -3,16 +3,24 @@ declared once; imports nothing, so the router may use it.
 
 - The catch-all proxy ``/sessions/<id>/<path>`` (miles' ``session_proxy``): its methods and
   the client headers forwarded to the backend (the API key and hop-by-hop headers stay here).
+- ``GET /sessions/<id>?images=1`` (and ``/samples?images=1``): the session's images as well.
 - The error shapes: OpenAI's ``{"error": {"message", "type", "code"}}`` under
   ``/sessions/<id>/v1/`` (the OpenAI routes), miles' ``{"error": "<text>"}`` elsewhere.
 """
 
 from __future__ import annotations
 
-__all__ = ["PROXY_HEADERS", "PROXY_METHODS", "is_openai_path", "openai_error_body"]
+__all__ = ["IMAGES_QUERY", "PROXY_HEADERS", "PROXY_METHODS", "is_openai_path", "openai_error_body", "wants_images"]
 
 PROXY_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH")
 PROXY_HEADERS = frozenset({"content-type", "accept"})
+IMAGES_QUERY = "images"  # the query parameter asking for the session's images (pixels) too
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+def wants_images(value: str | None) -> bool:
+    """The ``images`` query parameter's value (None: absent) -> include the images?"""
+    return value is not None and value.strip().lower() in _TRUE
 
 
 def is_openai_path(path: str) -> bool:

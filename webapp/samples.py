@@ -10,7 +10,9 @@ encoded so that miles' ``decode_samples_and_merge_input_sample`` reads it unchan
    output, ``status`` from ``finish_reason`` (stop/tool_calls: completed, length: truncated,
    abort: aborted, else pending), ``prefix_cache_info`` from ``cached_tokens`` /
    ``prompt_tokens``, ``weight_versions`` from ``weight_version``, and
-   ``metadata["lifecycle"]`` (``t0``/``t1``/``turn``/``req_ts``/``prev_t1``). Output tokens
+   ``metadata["lifecycle"]`` (``t0``/``t1``/``turn``/``req_ts``/``prev_t1``); with images,
+  ``metadata["images"]``: the ``sha256:`` references of the prompt's images in order (ours;
+  a merged sample keeps the last one's, which covers all of its tokens). Output tokens
    the next prompt does not carry are trimmed (at most ``max_trim_tokens`` on a non-last
    turn, none on the last); every accumulated id must be consumed.
 2. ``max_seq_len``: the first sample over the budget is cut to it (status truncated) and
@@ -48,6 +50,7 @@ from webapp.session_errors import SampleAssemblyError
 from webapp.tokenizers import ChatTokenizer, decode_lenient
 
 __all__ = [
+    "IMAGE_TENSOR_PREFIX",
     "META_KEY",
     "WIRE_FIELDS",
     "Sample",
@@ -57,6 +60,7 @@ __all__ = [
 ]
 
 META_KEY = "_samples_meta"
+IMAGE_TENSOR_PREFIX = "image."  # + sha256: one image's file bytes (``?images=1``)
 # The samples wire of miles' v1 server: field -> numpy dtype of its tensor, or None for a
 # field carried in the JSON meta. Order is miles'.
 WIRE_FIELDS: dict[str, np.dtype | None] = {
@@ -91,6 +95,7 @@ class TurnRecord:
     request_timestamp: float
     response: bytes  # the backend reply verbatim: the record's own bytes, not a copy
     replay: dict[str, tuple[int, int]]  # replay key -> span of its base64 text in ``response``
+    images: tuple[str, ...] = ()  # sha256 of each image in the prompt, in order of appearance
 
 
 @dataclass
@@ -148,6 +153,8 @@ def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: Sequence[int]
     if i:
         segment["prev_t1"] = turns[i - 1].timestamp
     sample.metadata["lifecycle"] = segment
+    if turn.images:  # the images of the prompt, in order: one pad run each in ``tokens``
+        sample.metadata["images"] = [f"sha256:{digest}" for digest in turn.images]
     return sample
 
 
@@ -270,8 +277,11 @@ def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, lay
 
 
 def encode_samples(samples: Sequence[Sample], turns: Sequence[TurnRecord], session_metadata: dict[str, Any],
-                   empty_reason: str | None, *, routing_replay_layers: int) -> bytes:
-    """One safetensors payload in miles' samples wire format (see the module docstring)."""
+                   empty_reason: str | None, *, routing_replay_layers: int,
+                   images: Sequence[Any] | None = None) -> bytes:
+    """One safetensors payload in miles' samples wire format (see the module docstring);
+    ``images`` (``webapp.images.DecodedImage``): each also as a uint8 tensor ``image.<sha256>``
+    (the file's bytes), described in the meta's ``images``."""
     tensors: dict[str, np.ndarray] = {}
     metas = []
     for i, sample in enumerate(samples):
@@ -293,6 +303,11 @@ def encode_samples(samples: Sequence[Sample], turns: Sequence[TurnRecord], sessi
         meta["nulls"] = nulls
         metas.append(meta)
     head = {"samples": metas, "session_metadata": session_metadata, "empty_reason": empty_reason}
+    if images is not None:
+        head["images"] = {image.sha256: {"mime_type": image.mime_type, "width": image.width,
+                                         "height": image.height} for image in images}
+        for image in images:
+            tensors[f"{IMAGE_TENSOR_PREFIX}{image.sha256}"] = np.frombuffer(image.data, dtype=np.uint8)
     tensors[META_KEY] = np.frombuffer(json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode(),
                                       dtype=np.uint8)
     return safetensors.numpy.save(tensors)

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
@@ -58,6 +58,8 @@ from webapp.settings import (
 )
 
 if TYPE_CHECKING:
+    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
+
     from webapp.reference_backend import ReferenceBackendProcess
 
 __all__ = ["READY_URL_PATTERN", "SessionServerNotReady", "SessionServerProcess", "main", "server_argv",

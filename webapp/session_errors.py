@@ -16,6 +16,12 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
     │   ├── InvalidField              400  a field is missing or has the wrong type/value
     │   ├── BodyTooLarge              413  request body over the named limit, refused unread
+    │   ├── ImageRefused              400  an image part the server does not take (webapp.images)
+    │   │   ├── RemoteImageURL        400  not a data:image/jpeg|png;base64 URL (nothing is fetched)
+    │   │   ├── ImageNotBase64        400  the data URL's payload is not base64
+    │   │   ├── ImageUndecodable      400  not a decodable JPEG/PNG, or a shape the vision rule refuses
+    │   │   ├── ImageTooLarge         400  over max_image_bytes or the pixel cap
+    │   │   └── TooManyImages         400  over max_images in one request
     │   └── AppendOnlyViolation       400  messages do not extend the stored ones
     │       └── RollbackTooDeep       400  rolls back more than one assistant step
     ├── SessionNotFound               404  unknown, deleted or closing session
@@ -44,8 +50,13 @@ __all__ = [
     "BackendUnreachable",
     "BadRequest",
     "BodyTooLarge",
+    "ImageNotBase64",
+    "ImageRefused",
+    "ImageTooLarge",
+    "ImageUndecodable",
     "InvalidField",
     "InvalidJSON",
+    "RemoteImageURL",
     "RollbackTooDeep",
     "SampleAssemblyError",
     "SessionBusy",
@@ -53,6 +64,7 @@ __all__ = [
     "SessionExists",
     "SessionNotFound",
     "TokenPrefixMismatch",
+    "TooManyImages",
     "UpstreamStatus",
 ]
 
@@ -94,6 +106,39 @@ class InvalidField(BadRequest):
 
 class BodyTooLarge(BadRequest):
     status = 413
+
+
+class ImageRefused(BadRequest):
+    """An image part refused; ``where`` is its place (``messages[i].content[j]``), the class
+    the reason (its ``code``: ``remote_image_url``, ``image_not_base64`` ...)."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(where, problem)
+        self.where = where
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"image refused at {self.where} ({self.code}): {self.problem}"
+
+
+class RemoteImageURL(ImageRefused):
+    pass
+
+
+class ImageNotBase64(ImageRefused):
+    pass
+
+
+class ImageUndecodable(ImageRefused):
+    pass
+
+
+class ImageTooLarge(ImageRefused):
+    pass
+
+
+class TooManyImages(ImageRefused):
+    pass
 
 
 class AppendOnlyViolation(BadRequest):

@@ -119,6 +119,8 @@ SETTINGS: tuple[Setting, ...] = (
        "(per worker)", minimum=1),
     _S("session_idle_ttl", float, 86_400.0, _C, "seconds after which a session nobody used is deleted",
        minimum=0),
+    _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
+    _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------
     _S("api_key", str, None, _R, "require 'Authorization: Bearer KEY' on all routes but /health (the flag "
        "shows the key in ps: prefer --api-key-file or the environment variable)"),

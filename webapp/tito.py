@@ -20,6 +20,10 @@ Rules (see docs/session-server.md):
   stored ids keep the tools they were rendered with: the closer is found by rendering the
   stored messages with the stored turn's tools, the suffix by rendering old and new messages
   both with the request's tools.
+- Images: the messages hold reference parts (``webapp.images``); the template renders one
+  pad token per image and :class:`webapp.images.Vision` repeats it to the image's token count,
+  for the images of the text being encoded only (the first turn: all; later turns: those of
+  the new messages). Earlier turns' images are never re-tokenized: their ids are stored.
 - The ids never drop a token the model emitted (the closer is appended after the output), so
   the chat template trims nothing: miles' ``max_trim_tokens`` is 0 (:data:`MAX_TRIM_TOKENS`).
 """
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from webapp.images import image_refs
 from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
 from webapp.tokenizers import ChatTokenizer, decode_lenient
 
@@ -41,6 +46,7 @@ __all__ = [
     "TitoState",
     "TurnPlan",
     "commit_turn",
+    "encode_messages",
     "normalize_message",
     "normalize_messages",
     "plan_turn",
@@ -184,6 +190,20 @@ def _turn_closer(reply_region: str, eos_token: str, ended_with_eos: bool) -> str
     return reply_region[k + len(eos_token):] if ended_with_eos else reply_region[k:]
 
 
+def encode_messages(tokenizer: ChatTokenizer, text: str, messages: Sequence[Message]) -> list[int]:
+    """``tokenizer.encode(text)``, ``text`` being what the template rendered for ``messages``:
+    each image's pad token expanded to its count (see :class:`webapp.images.Vision`)."""
+    ids = tokenizer.encode(text)
+    refs = image_refs(messages)
+    vision = tokenizer.vision
+    if vision is None:
+        if refs:
+            raise InvalidField("messages", f"the tokenizer {tokenizer.name!r} has no vision tokens: "
+                                           "this model takes no images")
+        return ids
+    return vision.expand(ids, refs)
+
+
 def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any, tools: Any,
               tokenizer: ChatTokenizer) -> TurnPlan:
     """Validate a turn's messages against the session and compute its prompt ids.
@@ -199,7 +219,8 @@ def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any,
         raise AppendOnlyViolation("the last message must not be an assistant message")
     prompt_text = tokenizer.render(messages, add_generation_prompt=True, tools=tools)
     if not base.messages:
-        return TurnPlan(base, rollback, messages, key, prompt_text, tokenizer.encode(prompt_text))
+        return TurnPlan(base, rollback, messages, key, prompt_text,
+                        encode_messages(tokenizer, prompt_text, messages))
     # The stored turn as it was rendered (its own tools): where its assistant reply ends.
     stored_render = tokenizer.render(base.messages, add_generation_prompt=False, tools=tools_of(base.tools_key))
     if not stored_render.startswith(base.rendered_prompt):
@@ -212,7 +233,7 @@ def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any,
             "chat template re-renders the stored messages differently when new messages follow")
     closer = _turn_closer(stored_render[len(base.rendered_prompt):], tokenizer.eos_token,
                           base.output_ended_with_eos)
-    new_ids = tokenizer.encode(closer + prompt_text[len(rendered_base):])
+    new_ids = encode_messages(tokenizer, closer + prompt_text[len(rendered_base):], messages[len(base.messages):])
     return TurnPlan(base, rollback, messages, key, prompt_text, [*base.token_ids, *new_ids])
 
 
@@ -263,8 +284,8 @@ def session_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[st
     """
     if not state.token_ids:
         return None
-    expected = tokenizer.encode(tokenizer.render(state.messages, add_generation_prompt=False,
-                                                 tools=tools_of(state.tools_key)))
+    expected = encode_messages(tokenizer, tokenizer.render(state.messages, add_generation_prompt=False,
+                                                           tools=tools_of(state.tools_key)), state.messages)
     special = tokenizer.special_token_ids
 
     def trimmed(ids: Sequence[int]) -> list[int]:

@@ -3,7 +3,7 @@
 Two implementations share the ``ChatTokenizer`` protocol:
 
 - ``ByteChatTokenizer``: the embedded default, no dependencies. One id per UTF-8 byte
-  (0..255) plus three ChatML special tokens; exact and reversible
+  (0..255) plus three ChatML and three vision special tokens; exact and reversible
   (``decode(encode(s)) == s`` for every str without U+F0000).
 - ``HFChatTokenizer``: a real model's ``tokenizer.json`` (via the ``tokenizers`` package) and
   its Jinja2 chat template, without importing ``transformers``.
@@ -27,6 +27,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from webapp.images import QwenVLRule, Vision
+
 __all__ = [
     "ByteChatTokenizer",
     "ChatTokenizer",
@@ -40,9 +42,10 @@ __all__ = [
 
 Message = dict[str, Any]
 
-# Rendered in place of a non-text content part (an image) by the byte template, which has no
-# vision tokens; a real model's template decides for itself.
+# Rendered in place of a content part that is neither text nor an image by the byte template.
 IMAGE_PLACEHOLDER = "<|image|>"
+# Qwen2-VL's vision tokens: the byte tokenizer's own, and the names looked for in a model's vocabulary.
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 
 
 class TokenizerLoadError(Exception):
@@ -54,6 +57,7 @@ class ChatTokenizer(Protocol):
     eos_token: str  # the end-of-turn marker the model emits to finish an assistant turn
     eos_token_id: int
     special_token_ids: frozenset[int]  # ids of the special (added, ``special=True``) tokens
+    vision: Vision | None  # None: the model takes no images (an image part is refused)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -132,8 +136,11 @@ def content_text(content: Any) -> str:
         return content
     pieces = []
     for part in content:
-        if isinstance(part, dict) and part.get("type") == "text":
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
             pieces.append(str(part.get("text", "")))
+        elif kind in ("image", "image_url"):
+            pieces.append(VISION_START + IMAGE_PAD + VISION_END)  # expanded per image by ``Vision``
         else:
             pieces.append(IMAGE_PLACEHOLDER)
     return "".join(pieces)
@@ -148,11 +155,13 @@ class ByteChatTokenizer:
     Template, per message: ``<|im_start|>{role}\\n{content}{tool calls}<|im_end|>\\n``; tool
     calls render as ``\\n<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``; a
     ``tools`` list renders first as a ``system`` block ``# Tools`` with one JSON per line; the
-    generation prompt is ``<|im_start|>assistant\\n``.
+    generation prompt is ``<|im_start|>assistant\\n``. An image part renders as Qwen2-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>`` (ids 259-261), the pad expanded by
+    :class:`webapp.images.QwenVLRule` with its defaults.
     """
 
     name = "byte-chatml"
-    SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD)
     eos_token = "<|im_end|>"
 
     def __init__(self) -> None:
@@ -162,6 +171,8 @@ class ByteChatTokenizer:
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
         self.special_token_ids = frozenset(self._special_by_id)
+        self.vision: Vision | None = Vision(self._special_ids[VISION_START], self._special_ids[IMAGE_PAD],
+                                            self._special_ids[VISION_END], QwenVLRule())
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -218,7 +229,8 @@ class HFChatTokenizer:
 
     The directory must hold ``tokenizer.json`` and a chat template, either in
     ``tokenizer_config.json`` (``chat_template``, a string or a list of named templates where
-    ``default`` wins) or in ``chat_template.jinja``. The end-of-turn token is
+    ``default`` wins), in ``chat_template.jinja`` or in ``chat_template.json`` (the processor's
+    file, as Qwen2-VL models ship it). The end-of-turn token is
     ``tokenizer_config.json``'s ``eos_token``. Rendering follows ``transformers``: a sandboxed
     environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``
     and a ``tojson`` filter that keeps non-ASCII text.
@@ -251,6 +263,10 @@ class HFChatTokenizer:
         if template is None and os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+        json_file = os.path.join(path, "chat_template.json")  # where Qwen2-VL / Qwen2.5-VL ship theirs
+        if template is None and os.path.isfile(json_file):
+            with open(json_file, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
         if not template:
             raise TokenizerLoadError(f"no chat template in {path}")
         eos = _token_content(config.get("eos_token"))
@@ -263,6 +279,7 @@ class HFChatTokenizer:
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
                                                                     "unk_token")}
+        self.vision = self._load_vision(path, config)
 
         def raise_exception(message: str) -> None:
             raise jinja2.exceptions.TemplateError(message)
@@ -279,6 +296,21 @@ class HFChatTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(template)
+
+    def _load_vision(self, path: str, config: dict[str, Any]) -> Vision | None:
+        """Qwen2-VL's vision tokens when the vocabulary has them as special tokens (the pad's
+        name from ``tokenizer_config.json``'s ``image_token`` if given), and the rule from
+        ``preprocessor_config.json`` (its defaults without one); None for a text-only model."""
+        names = (VISION_START, _token_content(config.get("image_token")) or IMAGE_PAD, VISION_END)
+        ids = [self._tok.token_to_id(name) for name in names]
+        if any(i is None or i not in self.special_token_ids for i in ids):
+            return None
+        rule = QwenVLRule()
+        pre_file = os.path.join(path, "preprocessor_config.json")
+        if os.path.isfile(pre_file):
+            with open(pre_file, encoding="utf-8") as f:
+                rule = QwenVLRule.from_preprocessor_config(json.load(f))
+        return Vision(ids[0], ids[1], ids[2], rule)
 
     def encode(self, text: str) -> list[int]:
         if not self._special_text.has_escapes(text):  # nothing but template text: exactly as the model's

@@ -142,9 +142,10 @@ class SessionOps:
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
             Op.CHAT: self._chat,
             Op.CREATE_SESSION: lambda sid, meta, body: core.create_session(sid),
-            Op.GET_SESSION: lambda sid, meta, body: core.get_session(sid),
+            Op.GET_SESSION: lambda sid, meta, body: core.get_session(sid, include_images=meta.get("images") is True),
             Op.DELETE_SESSION: lambda sid, meta, body: core.delete_session(sid),
-            Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body)),
+            Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body),
+                                                             include_images=meta.get("images") is True),
             Op.PROXY: self._proxy,
         }
 

@@ -1,6 +1,7 @@
 """`shinken demo` end to end: real session server, real shinkend sandboxes, real files."""
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -68,6 +69,18 @@ def test_demo_writes_consistent_trajectories(tmp_path):
         first_prompt, first_output = ids(records[0])
         assert last_prompt[: len(first_prompt) + len(first_output)] == first_prompt + first_output
 
+        # the screenshots reached the model: turn k's request names the first observation and the
+        # observations of steps 0..k-1 (what the sandbox returned), in order; their bytes are stored once
+        observed = [ep["first_observation"]["sha256"]] + [s["observation"]["sha256"] for s in steps]
+        for k, record in enumerate(records):
+            assert record["request"]["image_data"] == [f"sha256:{d}" for d in observed[:k + 1]]
+            vision_runs = sum(1 for a, b in zip(record["request"]["input_ids"], record["request"]["input_ids"][1:])
+                              if (a, b) == (259, 261))  # <|vision_start|><|image_pad|> of the byte tokenizer
+            assert vision_runs == k + 1
+        for digest in observed[:len(records)]:
+            assert hashlib.sha256((out / "images" / f"{digest}.jpg").read_bytes()).hexdigest() == digest
+        assert ep["check"]["images_match_records"] is True
+
     sheet = Image.open(out / "contact_sheet.png")
     assert sheet.width >= 480 and sheet.height >= 270
 
@@ -82,7 +95,8 @@ def _trajectories(out: Path) -> list[dict]:
 
 
 def _output_bytes(out: Path) -> int:
-    return sum(f.stat().st_size for f in out.iterdir() if f.name in ("trajectories.jsonl", "routed_experts.bin"))
+    files = [f for f in out.iterdir() if f.name in ("trajectories.jsonl", "routed_experts.bin")]
+    return sum(f.stat().st_size for f in [*files, *(out / "images").iterdir()])
 
 
 @pytest.mark.timeout(300)

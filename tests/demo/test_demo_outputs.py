@@ -4,6 +4,7 @@ trajectory file format and the X screen program's input decoding."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import struct
 import subprocess
@@ -39,7 +40,11 @@ def _episode(index: int, shas: list[str]) -> Episode:
     for turn, sha in enumerate(shas[1:]):
         ep.steps.append({"turn": turn, "action": ACTION, "outcome": "ok", "error": None,
                          "observation": {"sha256": sha}})
-        ep.records.append({"request": {"input_ids": [1, 2]},
+        # the screenshot sent this turn (the one before the step), as the session server holds it
+        data = shas[turn].encode()
+        ep.sent_images.append(hashlib.sha256(data).hexdigest())
+        ep.images[ep.sent_images[-1]] = data
+        ep.records.append({"request": {"input_ids": [1, 2], "image_data": [f"sha256:{d}" for d in ep.sent_images]},
                            "response": {"choices": [{"message": {"content": content},
                                                      "meta_info": {"output_token_logprobs": [[-0.1, 3]]}}]}})
     ep.metadata = {"accumulated_token_ids": [1, 2, 3]}
@@ -53,6 +58,17 @@ def test_a_run_whose_screens_never_change_is_not_consistent():
     lively = [_episode(0, ["a", "b", "b"]), *frozen[1:]]
     assert check_episode(lively[0])["observation_changes"] == 1
     assert run_consistent(lively) is True
+
+
+def test_records_must_name_the_screenshots_sent_with_their_bytes():
+    ep = _episode(0, ["a", "b", "c"])
+    assert check_episode(ep)["images_match_records"] is True
+    ep.records[1]["request"]["image_data"].reverse()  # out of order
+    assert check_episode(ep)["images_match_records"] is False
+    ep = _episode(0, ["a", "b", "c"])
+    ep.images[ep.sent_images[0]] = b"other pixels"
+    assert check_episode(ep)["images_match_records"] is False
+    assert run_consistent([ep]) is False
 
 
 def test_contact_sheet_samples_above_16_episodes(tmp_path):

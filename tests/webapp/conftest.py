@@ -10,6 +10,8 @@
   ``session_server_factory.gunicorn_argv(app, workers)`` builds the default argv.
 - ``hf_tokenizer_dir``: a directory with a small byte-level BPE ``tokenizer.json`` trained on
   the spot and a ChatML template in ``tokenizer_config.json`` (session-scoped).
+- ``vl_tokenizer_dir``: the same for the vision path: the vision special tokens, Qwen2-VL's chat
+  template and a ``preprocessor_config.json`` (session-scoped).
 - ``stub_backend_factory(handler)`` -> the URL of an in-process HTTP server whose
   ``handler(request_dict)`` returns ``(status, body_bytes)``, or None to never answer (until the
   module ends); for failure tests.
@@ -73,6 +75,47 @@ def hf_tokenizer_dir(tmp_path_factory) -> str:
         "chat_template": [{"name": "tool_use", "template": "unused"},
                           {"name": "default", "template": CHATML_TEMPLATE}],
     }))
+    return str(path)
+
+
+# Qwen2-VL's chat template (as its tokenizer_config.json ships it): each image part becomes
+# <|vision_start|><|image_pad|><|vision_end|>, a default system turn opens the conversation.
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|image_pad|>", "<|video_pad|>"]
+VL_PREPROCESSOR = {"min_pixels": 3136, "max_pixels": 401408, "patch_size": 14, "temporal_patch_size": 2,
+                   "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}
+
+
+@pytest.fixture(scope="session")
+def vl_tokenizer_dir(tmp_path_factory) -> str:
+    """A model directory laid out as Qwen2-VL's: a small byte-level BPE ``tokenizer.json`` with
+    the vision special tokens, its chat template in ``tokenizer_config.json`` and a
+    ``preprocessor_config.json`` (``max_pixels`` 401408, not the adapter's default)."""
+    path = tmp_path_factory.mktemp("vltok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=VL_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the agent looks at the screenshot and clicks the button"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN2_VL_TEMPLATE}))
+    (path / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR))
     return str(path)
 
 

@@ -45,7 +45,7 @@ def test_byte_template_renders_chatml_with_tools_and_tool_calls():
     text = tok.render(messages, add_generation_prompt=True, tools=[{"type": "function"}])
     assert text == (
         '<|im_start|>system\n# Tools\n{"type": "function"}<|im_end|>\n'
-        "<|im_start|>user\nlook: <|image|><|im_end|>\n"
+        "<|im_start|>user\nlook: <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
         '<|im_start|>assistant\n\n<tool_call>\n{"name": "click", "arguments": "{\\"x\\": 1}"}\n</tool_call><|im_end|>\n'
         "<|im_start|>tool\nok<|im_end|>\n"
         "<|im_start|>assistant\n"

@@ -1,0 +1,239 @@
+"""Screenshot turns benchmark: image chats through the session server (issue 16).
+
+    python bench/images.py [--sessions 32] [--turns 20] [--workers 1 2] [--json OUT]
+
+Per worker count, in one run: ``--sessions`` concurrent sessions x ``--turns`` turns, each turn
+adding one distinct 1280x720 JPEG (q80) as an OpenAI image part to a user message and
+resending the full history (as agents do: turn k's body carries k screenshots). Prints:
+
+1. turns/s and chat p50/p99 (the image chats);
+2. bytes stored per session (its records as ``GET /sessions/{id}`` returns them, plus each
+   image's bytes once) vs the sum of its request bodies;
+3. head-of-line: a probe session on the same shard (with workers=1 every session shares the
+   one shard) sends small text chats one after the other, idle and while the image chats
+   flow; the router streams each multi-MiB body to the worker in 1 MiB pieces, so a probe
+   chat waits for CPU, not behind whole bodies.
+
+The backend is the reference backend (it checks that the image pad runs match ``image_data``
+and hashes the images), so the backend's work is part of every figure. Everything shares the
+same cores with the load generator (and, on the team's box, with other engineers' runs): read
+the figures as same-run ratios, not capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import sys
+import time
+
+import gevent
+import gevent.event
+import gevent.pool
+import numpy as np
+from dataplane import Http, sessions_on, start_server  # importing it gevent-patches this process
+from PIL import Image
+
+from webapp.reference_backend import start_reference_backend
+
+SIZE = (1280, 720)
+
+
+def screenshots(count: int, seed: int = 0) -> list[bytes]:
+    """``count`` distinct 1280x720 JPEGs (q80) with desktop-like content: flat panels, bars,
+    and a noisy region (text-like detail), ~100-200 KB each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        img = np.full((SIZE[1], SIZE[0], 3), 235, dtype=np.uint8)
+        img[:40] = (40, 60, 90)  # title bar
+        for _ in range(12):  # windows and buttons
+            x, y = rng.integers(0, SIZE[0] - 200), rng.integers(40, SIZE[1] - 120)
+            img[y:y + rng.integers(40, 120), x:x + rng.integers(80, 200)] = rng.integers(0, 255, 3)
+        text = rng.integers(0, 2, (SIZE[1] // 4, SIZE[0] // 2), dtype=np.uint8) * 200
+        block = np.repeat(np.repeat(text, 2, axis=1), 2, axis=0)[:300, :600]
+        img[100 + (k % 50):400 + (k % 50), 300:900] = block[..., None]
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, "JPEG", quality=80)
+        out.append(buf.getvalue())
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def image_session(url: str, sid: str, shots: list[bytes], latencies: list[float]) -> dict:
+    """One session's turns; returns the bytes sent and stored."""
+    http = Http(url)
+    encoded: list[bytes] = [json.dumps({"role": "system", "content": "You operate a desktop."}).encode()]
+    sent = 0
+    try:
+        for turn, shot in enumerate(shots):
+            url_ = "data:image/jpeg;base64," + base64.b64encode(shot).decode()
+            encoded.append(json.dumps({"role": "user", "content": [
+                {"type": "text", "text": f"turn {turn}: the screen now"},
+                {"type": "image_url", "image_url": {"url": url_}}]}).encode())
+            body = b'{"model":"m","max_tokens":64,"messages":[' + b",".join(encoded) + b"]}"
+            sent += len(body)
+            start = time.perf_counter()
+            status, reply = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+            latencies.append(time.perf_counter() - start)
+            if status != 200:
+                raise RuntimeError(f"turn {turn}: {status} {reply[:300]!r}")
+            content = json.loads(reply)["choices"][0]["message"]["content"]
+            encoded.append(json.dumps({"role": "assistant", "content": content}).encode())
+        _, records = http.request("GET", f"/sessions/{sid}")
+        _, with_images = http.request("GET", f"/sessions/{sid}?images=1")
+        images = json.loads(with_images)["images"]
+        image_bytes = sum(len(base64.b64decode(i["data"])) for i in images.values())
+        http.request("DELETE", f"/sessions/{sid}")
+        return {"sent": sent, "records": len(records), "images": image_bytes, "unique_images": len(images)}
+    finally:
+        http.close()
+
+
+def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Event | None, count: int,
+          shard: int = 0) -> None:
+    """Small text chats one after the other on ``shard`` (a fresh session every 50 turns)."""
+    http = Http(url)
+    (sid,) = sessions_on(url, shard, shards, 1)
+    messages: list[dict] = []
+    try:
+        n = 0
+        while (stop is None and n < count) or (stop is not None and not stop.is_set()):
+            if len(messages) > 100:
+                http.request("DELETE", f"/sessions/{sid}")
+                (sid,) = sessions_on(url, shard, shards, 1)
+                messages = []
+            messages.append({"role": "user", "content": f"probe {n}"})
+            body = json.dumps({"messages": messages, "max_tokens": 64}).encode()
+            start = time.perf_counter()
+            try:
+                status, reply = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
+            except (OSError, IndexError):  # the server closed the keep-alive connection: not timed
+                http.close()
+                http = Http(url)
+                messages.pop()
+                continue
+            latencies.append(time.perf_counter() - start)
+            assert status == 200, reply[:300]
+            messages.append({"role": "assistant", "content": json.loads(reply)["choices"][0]["message"]["content"]})
+            n += 1
+    finally:
+        http.close()
+
+
+def run(workers: int, backend_url: str, sessions: int, turns: int, pool_of_shots: list[bytes]) -> dict:
+    server = start_server(workers, backend_url)
+    try:
+        url = server.url
+        idle: list[float] = []
+        probe(url, workers, idle, None, 40)
+        http = Http(url)
+        sids = [json.loads(http.request("POST", "/sessions")[1])["session_id"] for _ in range(sessions)]
+        http.close()
+        latencies: list[float] = []
+        loaded: list[float] = []
+        stop = gevent.event.Event()
+        prober = gevent.spawn(probe, url, workers, loaded, stop, 0)
+        pool = gevent.pool.Pool(sessions)
+        start = time.perf_counter()
+        results = pool.map(lambda i: image_session(url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
+                                                                   for t in range(turns)], latencies),
+                           range(sessions))
+        elapsed = time.perf_counter() - start
+        stop.set()
+        prober.join()
+    finally:
+        server.close()
+    stored = [r["records"] + r["images"] for r in results]
+    sent = [r["sent"] for r in results]
+    return {"workers": workers, "turns": sessions * turns, "elapsed_s": elapsed,
+            "turns_per_s": sessions * turns / elapsed,
+            "chat_p50_ms": 1e3 * percentile(latencies, 50), "chat_p99_ms": 1e3 * percentile(latencies, 99),
+            "stored_per_session_bytes": statistics.mean(stored), "sent_per_session_bytes": statistics.mean(sent),
+            "records_per_session_bytes": statistics.mean(r["records"] for r in results),
+            "images_per_session_bytes": statistics.mean(r["images"] for r in results),
+            "probe_idle_p50_ms": 1e3 * percentile(idle, 50), "probe_idle_p99_ms": 1e3 * percentile(idle, 99),
+            "probe_loaded_p50_ms": 1e3 * percentile(loaded, 50), "probe_loaded_p99_ms": 1e3 * percentile(loaded, 99),
+            "probe_loaded_n": len(loaded)}
+
+
+def run_hol(backend_url: str, sessions: int, turns: int, pool_of_shots: list[bytes]) -> dict:
+    """workers=2, every image session on shard 0; a probe on shard 0 and one on shard 1 at once.
+    Both share the machine's CPU; only the shard-0 probe shares the channel and the worker with
+    the image chats, so the gap between the two is what the shard itself costs a small chat."""
+    server = start_server(2, backend_url)
+    try:
+        url = server.url
+        sids = sessions_on(url, 0, 2, sessions)
+        probes: dict[int, list[float]] = {0: [], 1: []}
+        stop = gevent.event.Event()
+        probers = [gevent.spawn(probe, url, 2, probes[shard], stop, 0, shard) for shard in (0, 1)]
+        pool = gevent.pool.Pool(sessions)
+        latencies: list[float] = []
+        pool.map(lambda i: image_session(url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
+                                                         for t in range(turns)], latencies), range(sessions))
+        stop.set()
+        gevent.joinall(probers)
+    finally:
+        server.close()
+    out = {"image_chat_p50_ms": 1e3 * percentile(latencies, 50)}
+    for shard, values in probes.items():
+        out[f"shard{shard}_p50_ms"] = 1e3 * percentile(values, 50)
+        out[f"shard{shard}_p99_ms"] = 1e3 * percentile(values, 99)
+        out[f"shard{shard}_n"] = len(values)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="screenshot turns through the session server")
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--hol", action="store_true",
+                        help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
+    parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+    args = parser.parse_args()
+    shots = screenshots(max(args.turns, 40))
+    print(f"screenshots: {SIZE[0]}x{SIZE[1]} JPEG q80, mean {statistics.mean(map(len, shots)) / 1024:.0f} KiB; "
+          f"{args.sessions} sessions x {args.turns} turns, full history resent each turn", flush=True)
+    backend = start_reference_backend()
+    report = []
+    try:
+        for workers in args.workers:
+            r = run(workers, backend.url, args.sessions, args.turns, shots)
+            report.append(r)
+            print(f"workers={workers}: {r['turns_per_s']:.1f} turns/s ({r['turns']} turns in {r['elapsed_s']:.1f} s), "
+                  f"chat p50 {r['chat_p50_ms']:.0f} ms p99 {r['chat_p99_ms']:.0f} ms", flush=True)
+            print(f"  per session: sent {r['sent_per_session_bytes'] / 2**20:.1f} MiB in request bodies, stored "
+                  f"{r['stored_per_session_bytes'] / 2**20:.2f} MiB (records {r['records_per_session_bytes'] / 2**20:.2f}"
+                  f" MiB + images once {r['images_per_session_bytes'] / 2**20:.2f} MiB): "
+                  f"{r['sent_per_session_bytes'] / r['stored_per_session_bytes']:.1f}x less", flush=True)
+            print(f"  probe text chat on shard 0: idle p50 {r['probe_idle_p50_ms']:.1f} / p99 "
+                  f"{r['probe_idle_p99_ms']:.1f} ms; during the image chats p50 {r['probe_loaded_p50_ms']:.1f} / p99 "
+                  f"{r['probe_loaded_p99_ms']:.1f} ms ({r['probe_loaded_n']} probes)", flush=True)
+        if len(report) == 2:
+            print(f"turns/s workers={report[1]['workers']} / workers={report[0]['workers']}: "
+                  f"x{report[1]['turns_per_s'] / report[0]['turns_per_s']:.2f}", flush=True)
+        if args.hol:
+            r = run_hol(backend.url, args.sessions // 2, args.turns, shots)
+            report.append({"hol": r})
+            print(f"head-of-line (workers=2, {args.sessions // 2} image sessions all on shard 0, image chat p50 "
+                  f"{r['image_chat_p50_ms']:.0f} ms): text probe on shard 0 p50 {r['shard0_p50_ms']:.1f} / p99 "
+                  f"{r['shard0_p99_ms']:.1f} ms ({r['shard0_n']}), on shard 1 p50 {r['shard1_p50_ms']:.1f} / p99 "
+                  f"{r['shard1_p99_ms']:.1f} ms ({r['shard1_n']})", flush=True)
+    finally:
+        backend.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
