@@ -39,7 +39,6 @@ from typing import Any
 from . import actions as build
 from . import protocol
 from . import transport as transports
-from .daemon.args import SPECS as ARG_SPECS
 from .errors import (
     ActionDenied,
     ActionError,
@@ -62,6 +61,7 @@ from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_f
 from .providers.base import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
+from .verbs import ACTION_VERBS, STREAM_OPENERS, VERBS, WAITING_VERBS, Result
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
@@ -77,8 +77,6 @@ __all__ = [
 
 log = logging.getLogger("shinken_sync.client")
 
-# Verbs whose OK reply starts (or moves here) a stream the daemon then pushes.
-_STREAM_OPENERS = ("screencast_start", "resume_screencast")
 
 #: Byte budget for queued screencast frames per event loop; None = off.
 #: Recommended for fleets: ``256 << 20``. See the module docstring.
@@ -122,13 +120,6 @@ READ_FILE_CHUNK = 8 * 2**20
 Gateway = Callable[[Mapping[str, Any]], bool]
 LivenessProbe = Callable[[], Liveness]
 
-#: Verbs that manage screencasts have dedicated methods; step/act_batch refuse them.
-_STREAM_VERBS = frozenset({"screencast_start", "screencast_stop", "resume_screencast"})
-_ACTION_VERBS = protocol.VERBS - _STREAM_VERBS
-#: Verbs that wait in the daemon on purpose (their deadline includes the wait).
-_WAITING_VERBS = frozenset({"wait", "wait_stable", "wait_change", "exec"})
-#: Arguments that carry bytes, base64-encoded on the wire.
-_BINARY_ARGS = {"write_file": "data", "exec": "stdin"}
 
 
 class _StreamEnded:
@@ -302,7 +293,7 @@ async def _receive_hello(
 def _wire_args(verb: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """Drop None values (the daemon's defaults apply) and base64 bytes fields."""
     out = {name: value for name, value in args.items() if value is not None}
-    binary = _BINARY_ARGS.get(verb)
+    binary = VERBS[verb].binary_arg
     if binary is not None and isinstance(out.get(binary), (bytes, bytearray, memoryview)):
         out[binary] = base64.b64encode(out[binary]).decode("ascii")
     return out
@@ -314,24 +305,22 @@ def _split_action(index: int, action: Mapping[str, Any]) -> tuple[str, dict[str,
             f"actions[{index}] must be a dict like {{'verb': 'click', ...}}, not {type(action).__name__}"
         )
     verb = action.get("verb")
-    if verb not in _ACTION_VERBS:
+    if verb not in ACTION_VERBS:
         raise ValueError(
-            f"actions[{index}]: {verb!r} is not an action verb ({', '.join(sorted(_ACTION_VERBS))})"
+            f"actions[{index}]: {verb!r} is not an action verb ({', '.join(sorted(ACTION_VERBS))})"
         )
     return verb, {name: value for name, value in action.items() if name != "verb"}
 
 
 def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
     """Seconds a verb may legitimately take in the daemon before replying."""
-    if verb not in _WAITING_VERBS:  # the hot path: clicks, screenshots
+    if verb not in WAITING_VERBS:  # the hot path: clicks, screenshots
         return 0.0
-    args = {name: value for name, value in args.items() if value is not None}
-    if verb == "wait":
-        return args.get("ms", 0) / 1000
-    if verb in ("wait_stable", "wait_change", "exec"):
-        # The daemon's own default applies when the caller gave none.
-        return args.get("timeout_ms", ARG_SPECS[verb]["timeout_ms"].default) / 1000
-    return 0.0
+    spec = VERBS[verb]
+    assert spec.waits_on is not None
+    ms = args.get(spec.waits_on)
+    # The daemon's own default applies when the caller gave none.
+    return (ms if ms is not None else spec.default_wait_ms or 0) / 1000
 
 
 def call_deadline(
@@ -401,19 +390,17 @@ def _no_value(reply: protocol.Reply) -> None:
     return None  # input verbs reply with an empty result
 
 
-#: verb -> reply -> the value the method returns. Unlisted verbs return the result dict.
-_DECODERS: dict[str, Callable[[protocol.Reply], Any]] = {
-    "screenshot": _decode_screenshot,
-    "exec": _decode_exec,
-    "cursor": lambda reply: (reply.result["x"], reply.result["y"]),
-    "screen_size": lambda reply: (reply.result["width"], reply.result["height"]),
-    "click": _no_value,
-    "move": _no_value,
-    "drag": _no_value,
-    "scroll": _no_value,
-    "type": _no_value,
-    "key": _no_value,
+#: Result kind (shinken_sync.verbs) -> reply -> the value the method returns.
+#: Kinds without a decoder (dict, file, stream) return the result dict.
+_RESULT_DECODERS: dict[Result, Callable[[protocol.Reply], Any]] = {
+    Result.SCREENSHOT: _decode_screenshot,
+    Result.EXEC: _decode_exec,
+    Result.POINT: lambda reply: (reply.result["x"], reply.result["y"]),
+    Result.SIZE: lambda reply: (reply.result["width"], reply.result["height"]),
+    Result.NONE: _no_value,
 }
+#: verb -> its decoder, derived from the verb table.
+_DECODERS = {name: _RESULT_DECODERS[verb.result] for name, verb in VERBS.items() if verb.result in _RESULT_DECODERS}
 
 
 def _unwrap(verb: str, reply: protocol.Reply) -> Any:
@@ -618,7 +605,7 @@ class AsyncSandbox:
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.pop(call_id, None)
-        if pending is not None and pending.verb in _STREAM_OPENERS:
+        if pending is not None and pending.verb in STREAM_OPENERS:
             self._unclaimed_openers.add(call_id)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(
@@ -1014,10 +1001,10 @@ class AsyncSandbox:
             raise ProtocolViolation(f"reply to call {call_id!r}, which was never sent")
         pending.timer.cancel()
         if pending.future.done():  # the caller was cancelled
-            if pending.verb in _STREAM_OPENERS:
+            if pending.verb in STREAM_OPENERS:
                 self._stop_unclaimed_stream(reply)
             return
-        if reply.outcome == protocol.OK and pending.verb in _STREAM_OPENERS:
+        if reply.outcome == protocol.OK and pending.verb in STREAM_OPENERS:
             stream = self._register_stream(reply.result or {})
             if stream is not None:
                 pending.future.set_result(stream)

@@ -38,6 +38,7 @@ from . import client
 from .client import AsyncSandbox, aconnect
 from .errors import RPCTimeout
 from .sharedloop import LoopThreadDied, LoopTimeout, SharedLoop
+from .verbs import VERBS
 
 __all__ = ["CALLER_MARGIN", "CLOSE_DEADLINE", "Sandbox", "ScreencastStream", "connect"]
 
@@ -112,12 +113,14 @@ def _rpc(rpc_timeout: float, args: dict[str, Any]) -> float:
     return rpc_timeout
 
 
+#: Method name -> the verb it sends, from the verb table (``screencast`` sends
+#: ``screencast_start``); these methods get that verb's one-call deadline.
+_VERB_OF_METHOD = {verb.method: name for name, verb in VERBS.items()}
+
 _SANDBOX_RULES: dict[str, DeadlineRule] = {
     "read_file": _read_file_deadline,
     "act_batch": _act_batch_deadline,
     "step": _step_deadline,
-    "screencast": _one_call("screencast_start"),
-    "resume_screencast": _one_call("resume_screencast"),
     "close": _fixed(CLOSE_DEADLINE),
     "__aexit__": _fixed(CLOSE_DEADLINE),
 }
@@ -125,7 +128,6 @@ _SANDBOX_RULES: dict[str, DeadlineRule] = {
 _STREAM_RULES: dict[str, DeadlineRule] = {
     "next_frame": _next_frame_deadline,
     "__anext__": _next_frame_deadline,
-    "stop": _one_call("screencast_stop"),
 }
 
 # async protocol method -> its blocking counterpart
@@ -239,8 +241,8 @@ def _derive(facade: type[_Facade], source: type, rules: Mapping[str, DeadlineRul
             continue
         if name in rules:
             rule: DeadlineRule | None = rules[name]
-        elif name in client.protocol.VERBS:
-            rule = _one_call(name)
+        elif name in _VERB_OF_METHOD:
+            rule = _one_call(_VERB_OF_METHOD[name])
         else:
             rule = None  # a call's plain rpc_timeout
         method = _blocking(name, member, rule)

@@ -28,6 +28,7 @@ from shinken_sync.protocol import (
     encode_reply,
     quote,
 )
+from shinken_sync.verbs import check_names
 
 from .args import STREAM_PARAMS, Screen, validate
 from .deadline import within
@@ -257,3 +258,4 @@ HANDLERS: dict[str, Handler] = {
     "screencast_stop": _screencast_stop,
     "resume_screencast": _resume_screencast,
 }
+check_names("daemon.verbs.HANDLERS", HANDLERS)
