@@ -39,6 +39,7 @@ _EXPORTS = {
     "ShinkenError": "shinken_sync.errors",
     "ConnectError": "shinken_sync.errors",
     "AuthRefused": "shinken_sync.errors",
+    "ProtocolMismatch": "shinken_sync.errors",
     "ConnectionLost": "shinken_sync.errors",
     "SandboxDied": "shinken_sync.errors",
     "RPCTimeout": "shinken_sync.errors",

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from shinken_sync import actions, client, protocol, sync
+from shinken_sync import actions, client, client_protocol, protocol, sync
 from shinken_sync import verbs as table
 from shinken_sync.daemon import args as daemon_args
 from shinken_sync.daemon import verbs as daemon_verbs
@@ -55,7 +55,7 @@ def test_sandbox_methods_match_the_table(face):
 
 def test_decoders_and_deadlines_come_from_the_table():
     for name, verb in table.VERBS.items():
-        assert (name in client._DECODERS) == (verb.result in client._RESULT_DECODERS), name
+        assert (name in client_protocol.DECODERS) == (verb.result in client_protocol.RESULT_DECODERS), name
         waited = client.call_deadline(1.0, name, {}) - 1.0
         if verb.default_wait_ms:
             assert waited == pytest.approx(verb.default_wait_ms / 1000 + client.WAITING_VERB_SLACK)
