@@ -57,7 +57,7 @@ _EXPORTS = {
     "is_sandbox_death": "shinken_sync.errors",
     "tune_gc_for_fleet": "shinken_sync.fleetgc",
     "Provider": "shinken_sync.providers.base",
-    "Liveness": "shinken_sync.providers.base",
+    "Liveness": "shinken_sync.liveness",
     "LocalProvider": "shinken_sync.providers.local",
     "StaticProvider": "shinken_sync.providers.static",
 }

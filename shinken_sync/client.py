@@ -77,7 +77,7 @@ from .errors import (
     classify_exception,
 )
 from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
-from .providers.base import Liveness
+from .liveness import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
 

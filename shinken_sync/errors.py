@@ -58,7 +58,7 @@ from . import protocol
 from .transport import connection_closed_types
 
 if TYPE_CHECKING:
-    from .providers.base import Liveness
+    from .liveness import Liveness
 
 
 class ShinkenError(Exception):
