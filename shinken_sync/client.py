@@ -22,13 +22,20 @@ sandbox is gone; open screencasts end with a stream-lost sentinel.
 
 The frame budget knob
 ---------------------
-:data:`GLOBAL_FRAME_BUDGET_BYTES` (default None = off) caps the bytes of
-screencast frames queued on one event loop, across every connection on it.
-It is read at every frame push, on whichever loop the frame arrives: setting
-it applies from the next pushed frame on, on every loop; frames queued before
-stay until consumed or evicted by a later push. Each loop has its own budget
-of that size (two loops, two budgets). ``framebudget`` documents the eviction
-order; :func:`loop_frame_budget` reads the counters.
+Each event loop has one byte budget for the screencast frames queued on it,
+across every connection on it (two loops, two budgets). Its limit is set once,
+by its owner, and nothing else changes it:
+
+* :data:`GLOBAL_FRAME_BUDGET_BYTES` (default None = off) is the default: it is
+  read when a loop's budget is created (the first connection on the loop, or
+  :func:`loop_frame_budget`), so set it before connecting;
+* ``SharedLoop(frame_budget_bytes=...)`` gives a shared loop its own limit;
+* ``aconnect(frame_budget_bytes=...)`` (and ``connect``) sets the limit of the
+  loop it runs on, explicitly;
+* ``loop_frame_budget().limit = n`` changes it later, from the next push.
+
+``framebudget`` documents the eviction order; :func:`loop_frame_budget` reads
+the counters.
 """
 
 from __future__ import annotations
@@ -76,7 +83,15 @@ from .errors import (
     StreamLost,
     classify_exception,
 )
-from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
+from .framebudget import (
+    EMPTY,
+    USE_GLOBAL,
+    BudgetSetting,
+    FrameBudget,
+    FrameCounters,
+    FrameQueue,
+    budget_for_loop,
+)
 from .liveness import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
@@ -98,8 +113,9 @@ __all__ = [
 log = logging.getLogger("shinken_sync.client")
 
 
-#: Byte budget for queued screencast frames per event loop; None = off.
-#: Recommended for fleets: ``256 << 20``. See the module docstring.
+#: Default byte budget for queued screencast frames per event loop; None = off.
+#: Read when a loop's budget is created. Recommended for fleets: ``256 << 20``.
+#: See the module docstring.
 GLOBAL_FRAME_BUDGET_BYTES: int | None = None
 
 #: Calls started per event-loop turn across every connection of the loop; the
@@ -156,8 +172,9 @@ _ENDED = _StreamEnded()
 
 
 def loop_frame_budget(loop: asyncio.AbstractEventLoop | None = None) -> FrameBudget:
-    """The frame budget (and its counters) of ``loop``, default the running loop."""
-    return budget_for_loop(loop or asyncio.get_running_loop())
+    """The frame budget (and its counters) of ``loop``, default the running loop;
+    created with :data:`GLOBAL_FRAME_BUDGET_BYTES` as its limit if it has none yet."""
+    return budget_for_loop(loop or asyncio.get_running_loop(), GLOBAL_FRAME_BUDGET_BYTES)
 
 
 async def aconnect(
@@ -172,6 +189,7 @@ async def aconnect(
     gateway: Gateway | None = None,
     ssl: Any = None,
     max_queue_frames: int = DEFAULT_MAX_QUEUE_FRAMES,
+    frame_budget_bytes: BudgetSetting = USE_GLOBAL,
 ) -> AsyncSandbox:
     """Dial one sandbox and wait for its ``hello``.
 
@@ -192,6 +210,10 @@ async def aconnect(
         gateway: called with each ``step``/``act_batch`` action before it is
             sent; a false return marks the action ``denied`` and it is not sent.
         max_queue_frames: per-stream frame queue bound (drop-oldest).
+        frame_budget_bytes: the byte budget of queued frames on this event
+            loop (shared with the loop's other connections; None = off). Not
+            given: the loop keeps its limit, or takes
+            :data:`GLOBAL_FRAME_BUDGET_BYTES` if this is its first connection.
 
     Raises:
         AuthRefused: the daemon answered HTTP 401.
@@ -201,6 +223,8 @@ async def aconnect(
         raise ValueError(f"ping_jitter must be >= 0, not {ping_jitter}")
     if max_queue_frames < 1:
         raise ValueError(f"max_queue_frames must be >= 1, not {max_queue_frames}")
+    if frame_budget_bytes is not USE_GLOBAL and frame_budget_bytes is not None and frame_budget_bytes < 0:
+        raise ValueError(f"frame_budget_bytes must be >= 0 or None, not {frame_budget_bytes}")
     ping_interval = DEFAULT_PING_INTERVAL + (random.uniform(0.0, ping_jitter) if ping_jitter else 0.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + open_timeout
@@ -233,6 +257,8 @@ async def aconnect(
     # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
     except (asyncio.TimeoutError, OSError, *transport.handshake_errors) as exc:  # noqa: UP041
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
+    if frame_budget_bytes is not USE_GLOBAL:  # the caller's own, explicit setting
+        loop_frame_budget(loop).limit = frame_budget_bytes
     _tune_transport(ws)
     try:
         hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
@@ -311,7 +337,7 @@ class AsyncSandbox:
         self._gateway = gateway
         self._max_queue_frames = max_queue_frames
         self._loop = asyncio.get_running_loop()
-        self._budget = budget_for_loop(self._loop)
+        self._budget = loop_frame_budget(self._loop)
         self._turns = turn_budget_for_loop(self._loop)
         self._reply_turns = turn_budget_for_loop(self._loop, REPLIES)
         self._frame_counters = FrameCounters()
@@ -788,7 +814,6 @@ class AsyncSandbox:
     def _dispatch(self, message: str | bytes) -> None:
         event = self._proto.receive(message)
         if isinstance(event, FrameReceived):
-            self._budget.limit = GLOBAL_FRAME_BUDGET_BYTES
             event.stream._push(event.frame, event.size)
         elif isinstance(event, (Replied, StreamOpened)):
             call = event.call
