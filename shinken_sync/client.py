@@ -46,7 +46,7 @@ import copy
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import actions as build
 from . import protocol
@@ -232,6 +232,12 @@ async def aconnect(
     if ssl is not None:
         options["ssl"] = ssl
     transport = transports.choose()
+    # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
+    dial_errors: tuple[type[BaseException], ...] = (
+        asyncio.TimeoutError,
+        OSError,
+        *transport.handshake_errors,
+    )
     try:
         # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
         ws = await asyncio.wait_for(
@@ -254,8 +260,7 @@ async def aconnect(
         if status == 401:
             raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
         raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
-    # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
-    except (asyncio.TimeoutError, OSError, *transport.handshake_errors) as exc:  # noqa: UP041
+    except dial_errors as exc:
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
     if frame_budget_bytes is not USE_GLOBAL:  # the caller's own, explicit setting
         loop_frame_budget(loop).limit = frame_budget_bytes
@@ -282,7 +287,7 @@ def _tune_transport(ws: Any) -> None:
     """Apply :data:`READ_CHUNK_BYTES` where the transport has asyncio's ``max_size``
     read size (plain selector transports; TLS and other loops read their own way)."""
     transport = getattr(ws, "transport", None)
-    if isinstance(getattr(transport, "max_size", None), int):
+    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
         transport.max_size = READ_CHUNK_BYTES
 
 
@@ -342,7 +347,7 @@ class AsyncSandbox:
         self._reply_turns = turn_budget_for_loop(self._loop, REPLIES)
         self._frame_counters = FrameCounters()
         self._proto = ClientProtocol(hello, rpc_timeout)
-        self._stopping_unclaimed: set[asyncio.Task] = set()
+        self._stopping_unclaimed: set[asyncio.Task[None]] = set()
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
@@ -439,10 +444,10 @@ class AsyncSandbox:
         """Encode one call without sending it (``ClientProtocol.prepare``)."""
         return self._proto.prepare(verb, args, timeout, deadline)
 
-    async def _send(self, call: OutgoingCall) -> asyncio.Future:
+    async def _send(self, call: OutgoingCall) -> asyncio.Future[Any]:
         """Send a prepared call; return the future its reply (a protocol.Reply) resolves."""
         self._check_usable()
-        future = self._loop.create_future()
+        future: asyncio.Future[Any] = self._loop.create_future()
         if self._loss is not None:
             future.set_exception(self._loss_error())
             return future
@@ -454,7 +459,7 @@ class AsyncSandbox:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
 
-    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future[Any]:
         await self._admit(1)
         return await self._send(self._prepare(verb, args, timeout))
 
@@ -490,7 +495,7 @@ class AsyncSandbox:
     ) -> Screenshot:
         """Capture the screen (or ``region`` = x, y, width, height), downscaled so
         the long edge is at most ``max_long_edge``."""
-        return await self._act(build.screenshot(format, quality, max_long_edge, region), timeout)
+        return cast(Screenshot, await self._act(build.screenshot(format, quality, max_long_edge, region), timeout))
 
     async def click(
         self, x: int, y: int, button: str = "left", count: int = 1, *, timeout: float | None = None
@@ -524,25 +529,25 @@ class AsyncSandbox:
 
     async def wait(self, ms: int, *, timeout: float | None = None) -> dict[str, Any]:
         """Sleep ``ms`` in the sandbox (in order with the calls around it)."""
-        return await self._act(build.wait(ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait(ms), timeout))
 
     async def wait_stable(
         self, stable_ms: int | None = None, timeout_ms: int | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Return once the screen has been still for ``stable_ms``; ``ActionTimeout`` at ``timeout_ms``."""
-        return await self._act(build.wait_stable(stable_ms, timeout_ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait_stable(stable_ms, timeout_ms), timeout))
 
     async def wait_change(
         self, timeout_ms: int | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Return at the first screen change; ``ActionTimeout`` at ``timeout_ms``."""
-        return await self._act(build.wait_change(timeout_ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait_change(timeout_ms), timeout))
 
     async def cursor(self, *, timeout: float | None = None) -> tuple[int, int]:
-        return await self._act(build.cursor(), timeout)
+        return cast("tuple[int, int]", await self._act(build.cursor(), timeout))
 
     async def screen_size(self, *, timeout: float | None = None) -> tuple[int, int]:
-        return await self._act(build.screen_size(), timeout)
+        return cast("tuple[int, int]", await self._act(build.screen_size(), timeout))
 
     async def exec(
         self,
@@ -558,7 +563,7 @@ class AsyncSandbox:
     ) -> ExecResult:
         """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
-        return await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout)
+        return cast(ExecResult, await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout))
 
     async def read_file(
         self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None
@@ -590,7 +595,7 @@ class AsyncSandbox:
         *,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        return await self._act(build.write_file(path, data, append, make_dirs, mode), timeout)
+        return cast("dict[str, Any]", await self._act(build.write_file(path, data, append, make_dirs, mode), timeout))
 
     # -- batches -----------------------------------------------------------
 
@@ -911,7 +916,7 @@ class ScreencastStream:
         self._last_seq = last_seq
         self._missed = 0
         self._end_reason: str | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     @property
     def stream_id(self) -> str:

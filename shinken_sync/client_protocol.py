@@ -455,12 +455,13 @@ def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | Non
     max_bytes = args.get("max_bytes")
     if max_bytes is None:
         return None  # chunk count unknown; each chunk call is bounded on the loop
-    chunks = max(1, math.ceil(max_bytes / READ_FILE_CHUNK))
+    chunks = max(1, math.ceil(int(max_bytes) / READ_FILE_CHUNK))
     return chunks * call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
 
 
 def _caller_timeout(rpc_timeout: float, args: dict[str, Any]) -> float | None:
-    return args.get("timeout")
+    timeout = args.get("timeout")
+    return None if timeout is None else float(timeout)
 
 
 def _fixed(seconds: float) -> DeadlineRule:
