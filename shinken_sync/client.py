@@ -63,6 +63,7 @@ from .client_protocol import (
     UnclaimedStream,
     call_deadline,
     check_hello,
+    loss_error,
     pipelined_deadlines,
     split_action,
     unwrap,
@@ -77,7 +78,6 @@ from .errors import (
     FrameTimeout,
     ProtocolViolation,
     SandboxClosed,
-    SandboxDied,
     ShinkenError,
     Skipped,
     StreamLost,
@@ -859,20 +859,7 @@ class AsyncSandbox:
         # close_code is None when the TCP connection broke without a close frame.
         code, reason = self._ws.close_code, self._ws.close_reason or ""
         liveness = await self._probe_liveness()
-        if liveness is not None and not liveness.alive:
-            return SandboxDied.from_liveness(liveness, code=code, reason=reason)
-        detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
-        # Alive, "unknown", or no answer: a dropped connection, not a death.
-        said = "no liveness probe" if self._probe is None else (
-            "the provider did not answer" if liveness is None else
-            f"the provider says alive{': ' + liveness.detail if liveness.detail else ''}"
-        )  # fmt: skip
-        return ConnectionLost(
-            f"connection to sandbox {self.sandbox_id} lost{detail}; {said}",
-            code=code,
-            reason=reason,
-            liveness=liveness,
-        )
+        return loss_error(self.sandbox_id, code, reason, liveness, probed=self._probe is not None)
 
     async def _probe_liveness(self) -> Liveness | None:
         """Ask the provider, at most twice: a killed process closes its sockets a

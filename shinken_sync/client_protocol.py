@@ -36,6 +36,7 @@ from . import protocol
 from .errors import (
     ActionError,
     ActionTimeout,
+    ConnectionLost,
     MessageTooBig,
     ProtocolMismatch,
     ProtocolViolation,
@@ -43,6 +44,7 @@ from .errors import (
     SandboxDied,
     ShinkenError,
 )
+from .liveness import Liveness
 from .results import ExecResult, Screenshot
 from .verbs import ACTION_VERBS, STREAM_OPENERS, VERBS, WAITING_VERBS, Result
 
@@ -63,6 +65,7 @@ __all__ = [
     "StreamOpened",
     "call_deadline",
     "check_hello",
+    "loss_error",
     "pipelined_deadlines",
     "unwrap",
 ]
@@ -328,6 +331,29 @@ def check_hello(message: str | bytes | memoryview, url: str) -> protocol.Hello:
     if hello.protocol != protocol.PROTOCOL_VERSION:
         raise ProtocolMismatch(url, daemon=hello.protocol, client=protocol.PROTOCOL_VERSION)
     return hello
+
+
+# ---------------------------------------------------------------------------
+# The loss of a connection
+
+
+def loss_error(
+    sandbox_id: str, code: int | None, reason: str, liveness: Liveness | None, *, probed: bool
+) -> ConnectionLost:
+    """What a dropped connection's pending calls fail with: ``SandboxDied`` when
+    the provider's ``liveness`` says the sandbox is gone, else ``ConnectionLost``
+    (alive, "unknown", no answer, or no probe: a dropped connection is not a
+    death). ``code``/``reason`` are the close frame's (None: no close frame)."""
+    if liveness is not None and not liveness.alive:
+        return SandboxDied.from_liveness(liveness, code=code, reason=reason)
+    detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+    said = "no liveness probe" if not probed else (
+        "the provider did not answer" if liveness is None else
+        f"the provider says alive{': ' + liveness.detail if liveness.detail else ''}"
+    )  # fmt: skip
+    return ConnectionLost(
+        f"connection to sandbox {sandbox_id} lost{detail}; {said}", code=code, reason=reason, liveness=liveness
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -173,3 +173,18 @@ def test_the_hello_must_speak_this_protocol_version():
     assert (err.value.daemon, err.value.client) == (protocol.PROTOCOL_VERSION + 1, protocol.PROTOCOL_VERSION)
     with pytest.raises(ProtocolViolation, match="expected hello"):
         check_hello(_reply(1), "ws://x")
+
+
+def test_a_lost_connection_is_a_death_only_when_the_provider_says_so():
+    from shinken_sync.client_protocol import loss_error
+    from shinken_sync.errors import ConnectionLost, SandboxDied
+    from shinken_sync.liveness import Liveness
+
+    dead = loss_error("sb-1", None, "", Liveness(alive=False, exit_code=None, signal=9), probed=True)
+    assert isinstance(dead, SandboxDied) and dead.signal == 9
+    alive = loss_error("sb-1", 1006, "gone", Liveness(alive=True, detail="unknown"), probed=True)
+    assert type(alive) is ConnectionLost and (alive.code, alive.reason) == (1006, "gone")
+    assert "provider says alive: unknown" in str(alive) and alive.liveness.detail == "unknown"
+    silent = loss_error("sb-1", None, "", None, probed=True)
+    assert type(silent) is ConnectionLost and "did not answer" in str(silent) and silent.liveness is None
+    assert "no liveness probe" in str(loss_error("sb-1", None, "", None, probed=False))
