@@ -25,6 +25,9 @@ setup(
         "setproctitle>=1.3,<2",
         "numpy>=1.24",
         "safetensors>=0.4",
+        # The demo's (and the benches') progress bar and tables (docs/dependencies.md).
+        "tqdm>=4.66,<5",
+        "tabulate>=0.9,<1",
     ],
     extras_require={
         "xvfb": ["mss>=9,<11"],
@@ -43,7 +46,7 @@ setup(
             "psutil>=5.9",
             "pydantic>=2",
         ],
-        "lint": ["ruff==0.17.6"],
+        "lint": ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={
         "console_scripts": [

@@ -29,6 +29,7 @@ import time
 
 import requests
 
+from shinken_sync.stats import percentile
 from webapp.reference_backend import start_reference_backend
 from webapp.serve import READY_URL_PATTERN, server_argv
 
@@ -37,8 +38,7 @@ BODY = {"model": "reference", "messages": [{"role": "user", "content": "Click th
 
 def _summary(name: str, samples: list[float]) -> str:
     ms = sorted(s * 1e3 for s in samples[1:])
-    p95 = ms[min(len(ms) - 1, int(0.95 * len(ms)))]
-    return (f"{name:<34} p50 {statistics.median(ms):7.2f} ms  p95 {p95:7.2f} ms  max {ms[-1]:7.2f} ms  "
+    return (f"{name:<34} p50 {percentile(ms, 50):7.2f} ms  p95 {percentile(ms, 95):7.2f} ms  max {ms[-1]:7.2f} ms  "
             f"(first call {samples[0] * 1e3:.2f} ms, n={len(ms)})")
 
 

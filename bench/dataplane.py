@@ -49,6 +49,7 @@ import gevent.event
 import gevent.pool
 import psutil
 
+from shinken_sync.stats import percentile
 from webapp.ipc_channel import IpcClient, IpcServer, open_socket
 from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.sharding import shard_for
@@ -402,7 +403,7 @@ def chat_loop(url: str, body: bytes, sids: list[str], latencies: list[float]) ->
 
 
 def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98]
+    return percentile(values, 99)
 
 
 def bench_head_of_line(stub_url: str, assistant: dict, quick: bool) -> dict:

@@ -36,18 +36,17 @@ Prints a table per run and PASS/FAIL per gate (exit status 1 on any FAIL);
 ``--json OUT`` writes everything. See docs/fleet-gates.md.
 
 One module per concern: ``fleet_measure.py`` (constants, /proc readers, the
-click workload, round pacing, the run report), ``fleet_faces.py`` (the sync
-and async round runners), ``fleet_drills.py``, ``fleet_floor.py`` (the
+click workload, round pacing, the run report), ``fleet_faces.py`` (one round
+runner over a small driver per face), ``fleet_drills.py``, ``fleet_floor.py`` (the
 raw-recv floor), ``fleet_memory.py`` (RSS beside a thread-per-connection
 client), ``fleet_gates.py`` (every verdict); this file starts the fleet host
-and the child processes and prints.
+(the SDK's ``LocalFleetProvider``) and the child processes, and prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -58,7 +57,7 @@ from typing import Any
 
 # bench/ is this script's directory: on sys.path when run as a script (parent and children).
 from fleet_drills import DRILLS
-from fleet_faces import Callers, run_async_face, run_sync_face
+from fleet_faces import AsyncFace, Callers, SyncFace, run_face
 from fleet_gates import evaluate_gates, exit_status, format_gates
 from fleet_measure import (
     CHILD_TIMEOUT_S,
@@ -83,22 +82,26 @@ from fleet_measure import (
 # Child entry point
 
 
-def _run_on_own_loop(spec: dict[str, Any], coro: Any) -> Any:
-    """The async face's loop: uvloop under ``--transport fast`` (what the [fast]
-    extra's users would run), else asyncio's own, or with ``--async-loop fair``
-    the SDK's bounded-select loop (``sharedloop.new_fair_event_loop``)."""
+def _own_loop_runner(spec: dict[str, Any]) -> Any:
+    """The async face's loop, as an ``asyncio.Runner``: uvloop under ``--transport
+    fast`` (what the [fast] extra's users would run), else asyncio's own, or with
+    ``--async-loop fair`` the SDK's bounded-select loop (``sharedloop.new_fair_event_loop``)."""
     import asyncio
 
     if spec.get("transport") == "fast":
         import uvloop
 
-        return uvloop.run(coro)
+        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
     if spec.get("async_loop") == "fair":
         from shinken_sync.sharedloop import new_fair_event_loop
 
-        with asyncio.Runner(loop_factory=new_fair_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
+        return asyncio.Runner(loop_factory=new_fair_event_loop)
+    return asyncio.Runner()
+
+
+def _run_on_own_loop(spec: dict[str, Any], coro: Any) -> Any:
+    with _own_loop_runner(spec) as runner:
+        return runner.run(coro)
 
 
 def _child_main(spec_path: str) -> None:
@@ -125,7 +128,7 @@ def _child_main(spec_path: str) -> None:
     mode = spec["mode"]
     if mode == "rounds":
         if spec["face"] == "sync":
-            report = run_sync_face(spec)
+            report = run_face(spec, SyncFace(spec))
         elif spec["face"] == "floor":
             import fleet_floor
 
@@ -137,7 +140,8 @@ def _child_main(spec_path: str) -> None:
 
             report = fleet_floor.run_floor(spec, actions_of, OBSERVE, cpu_seconds)
         else:
-            report = _run_on_own_loop(spec, run_async_face(spec))
+            with _own_loop_runner(spec) as runner:
+                report = run_face(spec, AsyncFace(spec, runner))
     elif mode == "memory":
         import fleet_memory
 
@@ -159,61 +163,6 @@ def _child_main(spec_path: str) -> None:
 # ===========================================================================
 # Parent side: fleet host, child runs, gates, the printed report
 # ===========================================================================
-
-
-class FleetHost:
-    """A ``shinkend --fleet N`` process on loopback; ``urls`` once ready."""
-
-    def __init__(self, n: int, rtt_ms: float, workdir: Path) -> None:
-        self.n = n
-        self.rtt_ms = rtt_ms
-        self.workdir = workdir
-        self.token = os.urandom(16).hex()
-        self.token_file = workdir / f"token-{n}"
-        self.token_file.touch(mode=0o600)  # shinkend refuses a token file others can read
-        self.token_file.write_text(self.token)
-        self.stdout_path = workdir / f"host-{n}.out"
-        self.stderr_path = workdir / f"host-{n}.err"
-        self.proc: subprocess.Popen | None = None
-        self.urls: list[str] = []
-        self.ready_s = 0.0
-
-    def __enter__(self) -> FleetHost:  # noqa: PYI034 (3.10 has no typing.Self)
-        cmd = [
-            sys.executable, "-m", "shinken_sync.daemon.server",
-            "--display", "virtual", "--fleet", str(self.n), "--port", "0",
-            "--token-file", str(self.token_file), "--rtt-ms", str(self.rtt_ms),
-        ]  # fmt: skip
-        t = time.monotonic()
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        deadline = t + HOST_READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.stdout_path.read_text().partition("\n")
-            if line[1]:
-                ready = json.loads(line[0])
-                self.urls = list(ready["urls"])
-                self.ready_s = time.monotonic() - t
-                if len(self.urls) != self.n:
-                    raise RuntimeError(f"fleet host offers {len(self.urls)} sandboxes, asked for {self.n}")
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fleet host exited with {self.proc.returncode}: {self._tail()}")
-            time.sleep(0.05)
-        self.__exit__()
-        raise RuntimeError(f"fleet host not ready after {HOST_READY_TIMEOUT_S}s: {self._tail()}")
-
-    def _tail(self) -> str:
-        return self.stderr_path.read_text(errors="replace")[-2000:]
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
 
 
 def run_child(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -345,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shinken_sync.providers.local import LocalFleetProvider
+
     args = parse_args(argv)
     if args.child:
         _child_main(args.child)
@@ -374,11 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         drill_ns = {args.drill_n} if drill_modes else set()
         for n in sorted(set(ns) | drill_ns | set(memory_ns)):
-            with FleetHost(n, args.rtt_ms, workdir) as host:
-                print(f"\nfleet host N={n} ready in {host.ready_s:.1f}s (pid {host.proc.pid})", flush=True)
+            t = time.monotonic()
+            # The SDK's own fleet provider: shinkend --fleet N, its readiness and its teardown.
+            with LocalFleetProvider(n, rtt_ms=args.rtt_ms, start_timeout=HOST_READY_TIMEOUT_S) as host:
+                print(f"\nfleet host N={n} ready in {time.monotonic() - t:.1f}s (pid {host.pid})", flush=True)
+                sandboxes = host.create_many(n)
                 base = {
-                    "mode": "rounds", "n": n, "urls": host.urls, "token": host.token, "rtt_ms": args.rtt_ms,
-                    "rounds": args.rounds, "period": args.period, "host_pid": host.proc.pid,
+                    "mode": "rounds", "n": n, "urls": [sb.url for sb in sandboxes], "token": sandboxes[0].token,
+                    "rtt_ms": args.rtt_ms, "rounds": args.rounds, "period": args.period, "host_pid": host.pid,
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
                     "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
                     "actions": args.actions, "keepalive_interval": args.keepalive_interval,

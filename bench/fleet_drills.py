@@ -88,7 +88,6 @@ async def drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
     """Screencasts everywhere, 256 MiB budget on, 10% of consumers stop reading."""
     import asyncio
 
-    import shinken_sync.client as client_mod
     from shinken_sync.client import loop_frame_budget
     from shinken_sync.errors import FrameTimeout
 
@@ -112,12 +111,14 @@ async def drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
 
     consumers = {i: asyncio.ensure_future(consume(i)) for i in sandboxes}
     used_max = 0
+    settling = False  # the limit was lowered and no push has evicted down to it yet
 
     def sample_budget() -> None:
-        nonlocal used_max
-        # A new knob value reaches the loop's budget (and evicts) at the next
-        # frame push; until then the old limit is the one in force.
-        if budget.limit == client_mod.GLOBAL_FRAME_BUDGET_BYTES:
+        nonlocal used_max, settling
+        # A new limit evicts at the next frame push; until then the bytes
+        # queued under the old one may exceed it.
+        settling = settling and budget.limit is not None and budget.used_bytes > budget.limit
+        if not settling:
             used_max = max(used_max, budget.used_bytes)
 
     async def watch_budget() -> None:
@@ -148,7 +149,7 @@ async def drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
             # unlike wall-clock, it does not move with the machine's other load
             "client_cpu_ms_per_step": 1000 * (cpu_seconds() - cpu0) / max(1, log.frames - steps0),
             "loadavg_max": max(load),
-            "budget_limit_bytes": client_mod.GLOBAL_FRAME_BUDGET_BYTES,
+            "budget_limit_bytes": budget.limit,
             "budget_used_max_bytes": used_max,
             "used_within_budget": budget.limit is None or used_max <= budget.limit,
             "evicted_stalled": sum(evicted[i] for i in stalled),
@@ -161,11 +162,12 @@ async def drill_stall(spec: dict[str, Any]) -> dict[str, Any]:
         consumers[i].cancel()
     await phase("stalled_256MiB", STALL_ROUNDS)
     # 10% of N x 32-frame queues cannot fill 256 MiB at this N, so the budget
-    # above never had to evict. Shrink it (the module knob is read at every
-    # push) under what the stalled queues hold now, so eviction really runs,
-    # and check that it still hits only the stalled streams.
+    # above never had to evict. Shrink the loop's budget (a limit change applies
+    # at the next push) under what the stalled queues hold now, so eviction
+    # really runs, and check that it still hits only the stalled streams.
     tight = max(4 * int(log.bytes / max(1, log.frames)), budget.used_bytes // 2)
-    client_mod.GLOBAL_FRAME_BUDGET_BYTES = tight
+    settling = True
+    budget.limit = tight
     await phase("stalled_tight_budget", max(5, spec["rounds"] // 2))
     watcher.cancel()
     for task in consumers.values():

@@ -1,8 +1,12 @@
-"""The two faces' round runners: the blocking facade on a SharedLoop, and the async core.
+"""One round runner for both faces, over the shared measurement.
 
-Each runs in a fresh client process (``fleet.py --child``) and returns the
-run's report (``fleet_measure.finish_report``): dial all N sandboxes, run a
-warm-up round plus the measured rounds on the 1 Hz grid, close.
+:func:`run_face` runs in a fresh client process (``fleet.py --child``) and
+returns the run's report (``fleet_measure.finish_report``): dial all N
+sandboxes, run a warm-up round plus the measured rounds on the 1 Hz grid,
+close. What differs between the faces -- how to dial, sleep and run one round
+of steps -- is a small driver: :class:`SyncFace` (the blocking facade on a
+SharedLoop, greenlet or thread callers) or :class:`AsyncFace` (the async core
+on the process's own loop). Both use a 256 MiB per-loop frame budget.
 """
 
 from __future__ import annotations
@@ -69,157 +73,188 @@ class Callers:
             self._pool.shutdown(wait=True)
 
 
-def run_sync_face(spec: dict[str, Any]) -> dict[str, Any]:
-    import threading
+class SyncFace:
+    """The blocking facade: ``Sandbox`` objects on one SharedLoop, one caller
+    (greenlet or thread) per sandbox."""
 
-    import shinken_sync.client as client_mod
-    from shinken_sync.errors import ShinkenError
-    from shinken_sync.sharedloop import SharedLoop
-    from shinken_sync.sync import connect
+    name = "sync"
 
-    client_mod.GLOBAL_FRAME_BUDGET_BYTES = FLEET_BUDGET_BYTES
-    urls, token, n = spec["urls"], spec["token"], spec["n"]
-    callers = Callers(spec["callers"], n)
-    shared = SharedLoop()
-    loop = shared.loop
-    fds = FdHighWater()
-    hub_lag: list[float] = []
-    if spec["callers"] == "gevent":
-        import gevent
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from shinken_sync.sharedloop import SharedLoop
 
-        def hub_probe() -> None:
-            while True:
-                t = time.monotonic()
-                gevent.sleep(LAG_PROBE_S)
-                hub_lag.append(max(0.0, time.monotonic() - t - LAG_PROBE_S))
+        self.spec = spec
+        self.callers = Callers(spec["callers"], spec["n"])
+        self.shared = SharedLoop(frame_budget_bytes=FLEET_BUDGET_BYTES)
+        self.loop = self.shared.loop
+        self.hub_lag: list[float] = []
+        self._hub_probe: Any = None
+        self._probe: Any = None
 
-        hub_probe_g = gevent.spawn(hub_probe)
+    def dial_all(self) -> tuple[list[Any], dict[str, int]]:
+        import threading
 
-    rss: dict[str, int] = {"before": proc_status()["VmRSS"]}
-    dial_gate = threading.BoundedSemaphore(DIAL_CONCURRENCY)
-    connect_errors: dict[str, int] = {}
+        from shinken_sync.errors import ShinkenError
+        from shinken_sync.sync import connect
 
-    def dial(url: str) -> Any:
-        callers.sleep(random.uniform(0, DIAL_JITTER_S))
-        with dial_gate:
+        if self.spec["callers"] == "gevent":
+            import gevent
+
+            def hub_probe() -> None:
+                while True:
+                    t = time.monotonic()
+                    gevent.sleep(LAG_PROBE_S)
+                    self.hub_lag.append(max(0.0, time.monotonic() - t - LAG_PROBE_S))
+
+            self._hub_probe = gevent.spawn(hub_probe)
+        dial_gate = threading.BoundedSemaphore(DIAL_CONCURRENCY)
+        errors: dict[str, int] = {}
+
+        def dial(url: str) -> Any:
+            self.callers.sleep(random.uniform(0, DIAL_JITTER_S))
+            with dial_gate:
+                try:
+                    return connect(url, token=self.spec["token"], loop=self.shared,
+                                   ping_jitter=self.spec["ping_jitter"], rpc_timeout=RPC_TIMEOUT_S)  # fmt: skip
+                except ShinkenError as exc:  # counted and reported; the run goes on with the rest
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                    return None
+
+        return [sb for sb in self.callers.map(dial, self.spec["urls"]) if sb is not None], errors
+
+    def screen_size(self, sb: Any) -> tuple[int, int]:
+        return sb.screen_size()
+
+    def start_lag_probe(self, lag: list[float]) -> None:
+        self._probe = self.shared.submit(loop_lag_probe(lag))
+
+    def sleep(self, seconds: float) -> None:
+        self.callers.sleep(seconds)
+
+    def step_round(self, sandboxes: list[Any], clicks: Clicks, log: StepLog, spread: float) -> None:
+        from shinken_sync.errors import ShinkenError
+
+        def one_step(indexed: tuple[int, Any]) -> None:
+            i, sb = indexed
+            if spread:
+                self.callers.sleep(i * spread)
+            t = time.monotonic()
             try:
-                return connect(
-                    url, token=token, loop=shared, ping_jitter=spec["ping_jitter"], rpc_timeout=RPC_TIMEOUT_S
-                )
-            except ShinkenError as exc:  # counted and reported; the run goes on with the rest
-                connect_errors[type(exc).__name__] = connect_errors.get(type(exc).__name__, 0) + 1
-                return None
+                result = sb.step(clicks.actions(self.spec["actions"]), observe=OBSERVE)
+            except ShinkenError as exc:  # one failing sandbox never ends the round
+                log.record(time.monotonic() - t, error=exc)
+            else:
+                log.record(time.monotonic() - t, result)
 
+        self.callers.map(one_step, list(enumerate(sandboxes)))
+
+    def clear(self) -> None:
+        self.hub_lag.clear()
+
+    def finish(self) -> dict[str, Any]:
+        self._probe.cancel()
+        if self._hub_probe is None:
+            return {}
+        self._hub_probe.kill()
+        return {"hub_lag_s": summary(self.hub_lag)}
+
+    def close(self, sandboxes: list[Any]) -> None:
+        self.callers.map(lambda sb: sb.close(), sandboxes)
+        self.callers.close()
+        self.shared.close()
+
+
+class AsyncFace:
+    """The async core: ``AsyncSandbox`` objects on this process's own loop
+    (``runner`` runs one coroutine on it at a time; between two the loop is
+    idle for a few microseconds of this driver's code)."""
+
+    name = "async"
+
+    def __init__(self, spec: dict[str, Any], runner: Any) -> None:
+        import asyncio
+
+        self.spec = spec
+        self.run = runner.run
+        self.loop = runner.get_loop()
+        self._sleep = asyncio.sleep
+        self._probe: Any = None
+
+    def dial_all(self) -> tuple[list[Any], dict[str, int]]:
+        return self.run(dial_all(self.spec["urls"], self.spec["token"], ping_jitter=self.spec["ping_jitter"],
+                                 frame_budget_bytes=FLEET_BUDGET_BYTES))  # fmt: skip
+
+    def screen_size(self, sb: Any) -> tuple[int, int]:
+        return self.run(sb.screen_size())
+
+    def start_lag_probe(self, lag: list[float]) -> None:
+        self._probe = self.loop.create_task(loop_lag_probe(lag))
+
+    def sleep(self, seconds: float) -> None:
+        self.run(self._sleep(seconds))
+
+    def step_round(self, sandboxes: list[Any], clicks: Clicks, log: StepLog, spread: float) -> None:
+        actions = self.spec["actions"]
+        self.run(_gather([timed_step(sb, clicks, log, i * spread, actions) for i, sb in enumerate(sandboxes)]))
+
+    def clear(self) -> None:
+        pass
+
+    def finish(self) -> dict[str, Any]:
+        self._probe.cancel()
+        return {}
+
+    def close(self, sandboxes: list[Any]) -> None:
+        self.run(_gather([sb.close() for sb in sandboxes], return_exceptions=True))
+
+
+async def _gather(coros: list[Any], return_exceptions: bool = False) -> list[Any]:
+    """``asyncio.gather`` as a coroutine (``Runner.run`` takes coroutines only)."""
+    import asyncio
+
+    return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+
+
+def run_face(spec: dict[str, Any], face: SyncFace | AsyncFace) -> dict[str, Any]:
+    """One run of either face over the shared measurement: dial, warm up, the
+    measured rounds on the period grid, the report, close."""
+    fds = FdHighWater()
+    rss: dict[str, int] = {"before": proc_status()["VmRSS"]}
     t = time.monotonic()
-    sandboxes = [sb for sb in callers.map(dial, urls) if sb is not None]
+    sandboxes, connect_errors = face.dial_all()
     connect_s = time.monotonic() - t
     status = proc_status()
     rss.update(connected=status["VmRSS"], threads=status["Threads"])
     fds.sample()
     apply_gc_setting(spec)
-    width, height = sandboxes[0].screen_size() if sandboxes else (1, 1)
+    width, height = face.screen_size(sandboxes[0]) if sandboxes else (1, 1)
     clicks = Clicks(spec["clicks"], width, height)
-
     lag: list[float] = []
-    probe = shared.submit(loop_lag_probe(lag))
+    face.start_lag_probe(lag)
     log = StepLog()
-
     gc_pauses = GcPauses()
 
     def measure() -> None:
         log.reset()
         lag.clear()
-        hub_lag.clear()
+        face.clear()
         gc_pauses.clear()
 
     clock = RoundClock(spec["period"], spec["host_pid"], measure)
-
     spread = spec["spread_ms"] / 1000 / max(1, len(sandboxes))
-
-    def one_step(indexed: tuple[int, Any]) -> None:
-        i, sb = indexed
-        if spread:
-            callers.sleep(i * spread)
-        t = time.monotonic()
-        try:
-            result = sb.step(clicks.actions(spec["actions"]), observe=OBSERVE)
-        except ShinkenError as exc:  # one failing sandbox never ends the round
-            log.record(time.monotonic() - t, error=exc)
-        else:
-            log.record(time.monotonic() - t, result)
-
     for k in range(WARMUP_ROUNDS + spec["rounds"]):
-        callers.sleep(clock.delay(k))
+        face.sleep(clock.delay(k))
         started = clock.begin(k)
         clicks.next_round()
-        callers.map(one_step, list(enumerate(sandboxes)))
+        face.step_round(sandboxes, clicks, log, spread)
         clock.end(k, started)
         fds.sample()
-    frames = frame_counters(loop)
-    probe.cancel()
-    extra: dict[str, Any] = {}
-    if spec["callers"] == "gevent":
-        hub_probe_g.kill()
-        extra["hub_lag_s"] = summary(hub_lag)
+    frames = frame_counters(face.loop)
+    extra = face.finish()
     report = finish_report(
         spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses, extra
     )
     try:
-        callers.map(lambda sb: sb.close(), sandboxes)
-        callers.close()
-        shared.close()
+        face.close(sandboxes)
     except Exception as exc:  # noqa: BLE001 - the measurement stands; the failed teardown is reported
         report["teardown_error"] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
-    return report
-
-
-async def run_async_face(spec: dict[str, Any]) -> dict[str, Any]:
-    import asyncio
-
-    import shinken_sync.client as client_mod
-
-    client_mod.GLOBAL_FRAME_BUDGET_BYTES = FLEET_BUDGET_BYTES
-    loop = asyncio.get_running_loop()
-    fds = FdHighWater()
-    rss: dict[str, int] = {"before": proc_status()["VmRSS"]}
-    t = time.monotonic()
-    sandboxes, connect_errors = await dial_all(
-        spec["urls"], spec["token"], ping_jitter=spec["ping_jitter"]
-    )
-    connect_s = time.monotonic() - t
-    status = proc_status()
-    rss.update(connected=status["VmRSS"], threads=status["Threads"])
-    fds.sample()
-    apply_gc_setting(spec)
-    width, height = await sandboxes[0].screen_size() if sandboxes else (1, 1)
-    clicks = Clicks(spec["clicks"], width, height)
-
-    lag: list[float] = []
-    probe = asyncio.ensure_future(loop_lag_probe(lag))
-    log = StepLog()
-
-    gc_pauses = GcPauses()
-
-    def measure() -> None:
-        log.reset()
-        lag.clear()
-        gc_pauses.clear()
-
-    clock = RoundClock(spec["period"], spec["host_pid"], measure)
-    for k in range(WARMUP_ROUNDS + spec["rounds"]):
-        await asyncio.sleep(clock.delay(k))
-        started = clock.begin(k)
-        clicks.next_round()
-        spread = spec["spread_ms"] / 1000 / max(1, len(sandboxes))
-        await asyncio.gather(
-            *(timed_step(sb, clicks, log, i * spread, spec["actions"]) for i, sb in enumerate(sandboxes))
-        )
-        clock.end(k, started)
-        fds.sample()
-    probe.cancel()
-    frames = frame_counters(loop)
-    report = finish_report(
-        spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses
-    )
-    await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
     return report

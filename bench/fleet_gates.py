@@ -228,9 +228,10 @@ def exit_status(gates: list[dict[str, Any]]) -> int:
 
 
 def format_gates(gates: list[dict[str, Any]]) -> str:
-    width = max((len(row["gate"]) for row in gates), default=10)
-    return "\n".join(
-        f"  {row['verdict']:<4}  {row['gate']:<{width}}  {row['run']:<14} {row['value']}  "
-        f"(target {row['target']}; {row['kind']})"
-        for row in gates
-    )
+    """The verdict table (tabulate, the benches' and the demo's one table library)."""
+    from tabulate import tabulate
+
+    rows = [(row["verdict"], row["gate"], row["run"], row["value"], f"(target {row['target']}; {row['kind']})")
+            for row in gates]  # fmt: skip
+    table = tabulate(rows, tablefmt="plain", disable_numparse=True)
+    return "\n".join(f"  {line}" for line in table.splitlines())

@@ -18,6 +18,8 @@ from typing import Any
 
 from fleet_gates import SUSTAINED_LATE_FRACTION
 
+from shinken_sync.stats import percentile
+
 # ---------------------------------------------------------------------------
 # The plan's constants
 
@@ -60,17 +62,10 @@ MB = 1024 * 1024
 # Small measurement helpers (shared by the parent and the child)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no data."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100)
-    return ordered[int(rank) - 1]
-
-
 def summary(values: list[float], qs: Iterable[float] = (50, 95, 99)) -> dict[str, float | None]:
-    out: dict[str, float | None] = {f"p{q:g}": percentile(values, q) for q in qs}
+    """Nearest-rank percentiles (shinken_sync.stats, the one definition), max and n; None for no data."""
+    ordered = sorted(values)
+    out: dict[str, float | None] = {f"p{q:g}": percentile(ordered, q) if ordered else None for q in qs}
     out["max"] = max(values) if values else None
     out["n"] = len(values)
     return out
@@ -341,8 +336,7 @@ def frame_counters(loop: Any) -> dict[str, Any]:
         "frames_dropped": b.frames_dropped,
         "frames_evicted": b.frames_evicted,
         "budget_used_bytes": b.used_bytes,
-        # the knob, read at every frame push (the loop's own copy is set by the first push)
-        "budget_limit_bytes": client_mod.GLOBAL_FRAME_BUDGET_BYTES,
+        "budget_limit_bytes": b.limit,  # the loop's own limit
     }
 
 

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from websockets.asyncio.client import ClientConnection, connect
 
 from shinken_sync import protocol
+from shinken_sync.stats import percentile
 
 TARGET_P50_MS = {"virtual": 15.0, "xvfb": 25.0}
 START_TIMEOUT_S = 30.0
@@ -168,7 +169,7 @@ async def _prepare_xterm(url: str, token: str) -> None:
 
 
 def _p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[94]
+    return percentile(values, 95)
 
 
 def main() -> None:
@@ -203,11 +204,11 @@ def main() -> None:
                 lat, sizes = asyncio.run(measure(url, daemon.token, changes[scenario], shot, args.samples))
                 size = f"-> {edge}" if "max_long_edge" in shot else "full size"
                 label = f"{scenario}, {shot['format']} {size}"
-                line = (f"{backend:8} {label:32} p50 {statistics.median(lat):6.1f} ms  p95 {_p95(lat):6.1f} ms  "
+                line = (f"{backend:8} {label:32} p50 {percentile(lat, 50):6.1f} ms  p95 {_p95(lat):6.1f} ms  "
                         f"frame {statistics.mean(sizes) / 1024:6.1f} KiB")  # fmt: skip
                 if (scenario, shot["format"], "max_long_edge" in shot) == ("small change", "jpeg", True):
                     goal = TARGET_P50_MS[backend]
-                    line += f"  (target p50 <= {goal:.0f} ms: {'met' if statistics.median(lat) <= goal else 'MISSED'})"
+                    line += f"  (target p50 <= {goal:.0f} ms: {'met' if percentile(lat, 50) <= goal else 'MISSED'})"
                 print(line, flush=True)
         finally:
             daemon.stop()

@@ -38,6 +38,7 @@ import time
 import psutil
 import requests
 
+from shinken_sync.stats import percentile
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import SessionCore
 from webapp.reference_backend import R3Shape, reference_completion, start_reference_backend
@@ -46,11 +47,6 @@ from webapp.tokenizers import ByteChatTokenizer
 READY_TIMEOUT = 60.0
 SYSTEM_PROMPT = ("You operate a 1920x1080 desktop. Reply with one JSON action: "
                  '{"action": {"verb": ..., ...}} using click, type, key or scroll.')
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def start_server(backend_url: str, r3_layers: int) -> tuple[subprocess.Popen, str]:
@@ -127,12 +123,12 @@ def bench_sessions(args: argparse.Namespace) -> None:
         print(f"sessions x turns     {args.sessions} x {args.turns} (R3 {args.r3_layers} layers x top-{args.r3_topk}"
               f" int32/token)")
         print(f"turns/s              {n / wall:.1f}  ({n} turns in {wall:.1f} s, {len(errors)} errors)")
-        print(f"reply latency        p50 {percentile(latencies, 0.5) * 1e3:.1f} ms  p95 "
-              f"{percentile(latencies, 0.95) * 1e3:.1f} ms  max {max(latencies) * 1e3:.1f} ms")
+        print(f"reply latency        p50 {percentile(latencies, 50) * 1e3:.1f} ms  p95 "
+              f"{percentile(latencies, 95) * 1e3:.1f} ms  max {max(latencies) * 1e3:.1f} ms")
         if gets:
             sizes = [s for s, _ in gets]
             print(f"records GET          {statistics.mean(sizes) / 2**20:.1f} MiB avg/session, "
-                  f"p50 {percentile([t for _, t in gets], 0.5) * 1e3:.0f} ms, max {max(t for _, t in gets) * 1e3:.0f} ms")
+                  f"p50 {percentile([t for _, t in gets], 50) * 1e3:.0f} ms, max {max(t for _, t in gets) * 1e3:.0f} ms")
         if peak_rss:
             print(f"server peak RSS      {peak_rss / 2**30:.2f} GiB")
         for e in errors[:5]:

@@ -22,6 +22,7 @@ import time
 from shinken_sync import actions as A
 from shinken_sync.client import aconnect
 from shinken_sync.providers.local import LocalProvider
+from shinken_sync.stats import percentile
 
 
 def five_actions(i: int) -> list[dict]:
@@ -76,7 +77,7 @@ def main() -> None:
 
 
 def _p90(samples: list[float]) -> float:
-    return sorted(samples)[int(0.9 * len(samples))]
+    return percentile(samples, 90)
 
 if __name__ == "__main__":
     main()

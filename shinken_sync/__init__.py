@@ -39,6 +39,7 @@ _EXPORTS = {
     "ShinkenError": "shinken_sync.errors",
     "ConnectError": "shinken_sync.errors",
     "AuthRefused": "shinken_sync.errors",
+    "ProtocolMismatch": "shinken_sync.errors",
     "ConnectionLost": "shinken_sync.errors",
     "SandboxDied": "shinken_sync.errors",
     "RPCTimeout": "shinken_sync.errors",
@@ -56,7 +57,7 @@ _EXPORTS = {
     "is_sandbox_death": "shinken_sync.errors",
     "tune_gc_for_fleet": "shinken_sync.fleetgc",
     "Provider": "shinken_sync.providers.base",
-    "Liveness": "shinken_sync.providers.base",
+    "Liveness": "shinken_sync.liveness",
     "LocalProvider": "shinken_sync.providers.local",
     "StaticProvider": "shinken_sync.providers.static",
 }

@@ -1,9 +1,9 @@
 """Constructors for the plain action dicts that ``step`` and ``act_batch`` take.
 
 An action is a JSON-ready dict: ``{"verb": "click", "x": 10, "y": 20}``. The
-keys are the verb's argument names exactly as the daemon defines them
-(``shinken_sync.daemon.args``), so hand-written dicts and these helpers are
-interchangeable; ``AsyncSandbox``'s per-verb methods build their calls here
+keys are the verb's argument names exactly as the verb table declares them
+(``shinken_sync.verbs``; ``daemon.args`` validates them), so hand-written
+dicts and these helpers are interchangeable; ``AsyncSandbox``'s per-verb methods build their calls here
 too. Arguments left at None are omitted and the daemon applies its default.
 ``bytes`` values (``write_file`` data, ``exec`` stdin) may stay bytes: the
 client base64-encodes them when it sends the call.

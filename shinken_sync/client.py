@@ -1,9 +1,14 @@
 """The asyncio core: one :class:`AsyncSandbox` per WebSocket connection to shinkend.
 
-Each connection has exactly one reader task. It decodes every daemon message
-(:mod:`shinken_sync.protocol`) and routes it: replies by ``call_id`` to the
-future of the call awaiting them, screencast frames into their stream's
-bounded queue (:mod:`shinken_sync.framebudget`), ``stream_end`` to its stream.
+This module is the transport around :class:`~shinken_sync.client_protocol.ClientProtocol`,
+which holds the connection's state without any I/O (call ids, pending calls,
+deadlines, streams, reply routing, decoding). Here: dialing, the socket, one
+timer per call, waking waiters, and the liveness probe on a loss.
+
+Each connection has exactly one reader task. It feeds every daemon message to
+the protocol object and acts on the event it returns: a reply resolves the
+future of the call awaiting it, a screencast frame goes into its stream's
+bounded queue (:mod:`shinken_sync.framebudget`), ``stream_end`` ends its stream.
 Calls never read the socket themselves, so any number of them may be in flight
 at once: ``step`` sends all of its calls before awaiting any reply and costs
 about one round trip.
@@ -17,13 +22,20 @@ sandbox is gone; open screencasts end with a stream-lost sentinel.
 
 The frame budget knob
 ---------------------
-:data:`GLOBAL_FRAME_BUDGET_BYTES` (default None = off) caps the bytes of
-screencast frames queued on one event loop, across every connection on it.
-It is read at every frame push, on whichever loop the frame arrives: setting
-it applies from the next pushed frame on, on every loop; frames queued before
-stay until consumed or evicted by a later push. Each loop has its own budget
-of that size (two loops, two budgets). ``framebudget`` documents the eviction
-order; :func:`loop_frame_budget` reads the counters.
+Each event loop has one byte budget for the screencast frames queued on it,
+across every connection on it (two loops, two budgets). Its limit is set once,
+by its owner, and nothing else changes it:
+
+* :data:`GLOBAL_FRAME_BUDGET_BYTES` (default None = off) is the default: it is
+  read when a loop's budget is created (the first connection on the loop, or
+  :func:`loop_frame_budget`), so set it before connecting;
+* ``SharedLoop(frame_budget_bytes=...)`` gives a shared loop its own limit;
+* ``aconnect(frame_budget_bytes=...)`` (and ``connect``) sets the limit of the
+  loop it runs on, explicitly;
+* ``loop_frame_budget().limit = n`` changes it later, from the next push.
+
+``framebudget`` documents the eviction order; :func:`loop_frame_budget` reads
+the counters.
 """
 
 from __future__ import annotations
@@ -34,32 +46,53 @@ import copy
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import actions as build
 from . import protocol
 from . import transport as transports
-from .daemon.args import SPECS as ARG_SPECS
+from .client_protocol import (
+    READ_FILE_CHUNK,
+    WAITING_VERB_SLACK,
+    ClientProtocol,
+    FrameReceived,
+    OutgoingCall,
+    Replied,
+    StreamClosed,
+    StreamOpened,
+    UnclaimedStream,
+    call_deadline,
+    check_hello,
+    loss_error,
+    pipelined_deadlines,
+    split_action,
+    unwrap,
+    wire_args,
+)
 from .errors import (
     ActionDenied,
     ActionError,
-    ActionTimeout,
     AuthRefused,
     ConnectError,
     ConnectionLost,
     FrameTimeout,
-    MessageTooBig,
     ProtocolViolation,
-    RPCTimeout,
     SandboxClosed,
-    SandboxDied,
     ShinkenError,
     Skipped,
     StreamLost,
     classify_exception,
 )
-from .framebudget import EMPTY, FrameBudget, FrameCounters, FrameQueue, budget_for_loop
-from .providers.base import Liveness
+from .framebudget import (
+    EMPTY,
+    USE_GLOBAL,
+    BudgetSetting,
+    FrameBudget,
+    FrameCounters,
+    FrameQueue,
+    budget_for_loop,
+)
+from .liveness import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
 
@@ -67,6 +100,8 @@ __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
     "MAX_CALL_STARTS_PER_TURN",
     "MAX_REPLIES_PER_TURN",
+    "READ_FILE_CHUNK",
+    "WAITING_VERB_SLACK",
     "AsyncSandbox",
     "ScreencastStream",
     "aconnect",
@@ -77,11 +112,10 @@ __all__ = [
 
 log = logging.getLogger("shinken_sync.client")
 
-# Verbs whose OK reply starts (or moves here) a stream the daemon then pushes.
-_STREAM_OPENERS = ("screencast_start", "resume_screencast")
 
-#: Byte budget for queued screencast frames per event loop; None = off.
-#: Recommended for fleets: ``256 << 20``. See the module docstring.
+#: Default byte budget for queued screencast frames per event loop; None = off.
+#: Read when a loop's budget is created. Recommended for fleets: ``256 << 20``.
+#: See the module docstring.
 GLOBAL_FRAME_BUDGET_BYTES: int | None = None
 
 #: Calls started per event-loop turn across every connection of the loop; the
@@ -108,27 +142,15 @@ DEFAULT_MAX_QUEUE_FRAMES = 32
 LIVENESS_PROBE_TIMEOUT = 2.0
 #: A probe that still says "alive" is asked once more after this delay.
 LIVENESS_RECHECK_DELAY = 0.1
-#: Added to the duration of verbs that wait on purpose to form their deadline.
-WAITING_VERB_SLACK = 10.0
 #: Bytes one socket read asks for (asyncio's default is 256 KiB). A read
 #: allocates this much before shrinking to what arrived: above glibc's 128 KiB
 #: mmap threshold, every read of a ~72 KiB observation was an
 #: mmap + mremap + munmap. Below it, reads come from the heap.
 READ_CHUNK_BYTES = 120 * 1024
-#: read_file() without max_bytes fetches the file in calls of this size (the
-#: daemon's own per-call cap).
-READ_FILE_CHUNK = 8 * 2**20
 
 Gateway = Callable[[Mapping[str, Any]], bool]
 LivenessProbe = Callable[[], Liveness]
 
-#: Verbs that manage screencasts have dedicated methods; step/act_batch refuse them.
-_STREAM_VERBS = frozenset({"screencast_start", "screencast_stop", "resume_screencast"})
-_ACTION_VERBS = protocol.VERBS - _STREAM_VERBS
-#: Verbs that wait in the daemon on purpose (their deadline includes the wait).
-_WAITING_VERBS = frozenset({"wait", "wait_stable", "wait_change", "exec"})
-#: Arguments that carry bytes, base64-encoded on the wire.
-_BINARY_ARGS = {"write_file": "data", "exec": "stdin"}
 
 
 class _StreamEnded:
@@ -149,32 +171,10 @@ class _StreamLostMark:
 _ENDED = _StreamEnded()
 
 
-class _Call:
-    """One encoded call, ready to send."""
-
-    __slots__ = ("call_id", "deadline", "message", "verb")
-
-    def __init__(self, call_id: int, verb: str, message: str, deadline: float):
-        self.call_id = call_id
-        self.verb = verb
-        self.message = message
-        self.deadline = deadline
-
-
-class _Pending:
-    """One call awaiting its reply: the future and its deadline timer."""
-
-    __slots__ = ("future", "timer", "verb")
-
-    def __init__(self, future: asyncio.Future, timer: asyncio.TimerHandle, verb: str):
-        self.future = future
-        self.timer = timer
-        self.verb = verb
-
-
 def loop_frame_budget(loop: asyncio.AbstractEventLoop | None = None) -> FrameBudget:
-    """The frame budget (and its counters) of ``loop``, default the running loop."""
-    return budget_for_loop(loop or asyncio.get_running_loop())
+    """The frame budget (and its counters) of ``loop``, default the running loop;
+    created with :data:`GLOBAL_FRAME_BUDGET_BYTES` as its limit if it has none yet."""
+    return budget_for_loop(loop or asyncio.get_running_loop(), GLOBAL_FRAME_BUDGET_BYTES)
 
 
 async def aconnect(
@@ -189,6 +189,7 @@ async def aconnect(
     gateway: Gateway | None = None,
     ssl: Any = None,
     max_queue_frames: int = DEFAULT_MAX_QUEUE_FRAMES,
+    frame_budget_bytes: BudgetSetting = USE_GLOBAL,
 ) -> AsyncSandbox:
     """Dial one sandbox and wait for its ``hello``.
 
@@ -209,6 +210,10 @@ async def aconnect(
         gateway: called with each ``step``/``act_batch`` action before it is
             sent; a false return marks the action ``denied`` and it is not sent.
         max_queue_frames: per-stream frame queue bound (drop-oldest).
+        frame_budget_bytes: the byte budget of queued frames on this event
+            loop (shared with the loop's other connections; None = off). Not
+            given: the loop keeps its limit, or takes
+            :data:`GLOBAL_FRAME_BUDGET_BYTES` if this is its first connection.
 
     Raises:
         AuthRefused: the daemon answered HTTP 401.
@@ -218,6 +223,8 @@ async def aconnect(
         raise ValueError(f"ping_jitter must be >= 0, not {ping_jitter}")
     if max_queue_frames < 1:
         raise ValueError(f"max_queue_frames must be >= 1, not {max_queue_frames}")
+    if frame_budget_bytes is not USE_GLOBAL and frame_budget_bytes is not None and frame_budget_bytes < 0:
+        raise ValueError(f"frame_budget_bytes must be >= 0 or None, not {frame_budget_bytes}")
     ping_interval = DEFAULT_PING_INTERVAL + (random.uniform(0.0, ping_jitter) if ping_jitter else 0.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + open_timeout
@@ -225,6 +232,12 @@ async def aconnect(
     if ssl is not None:
         options["ssl"] = ssl
     transport = transports.choose()
+    # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
+    dial_errors: tuple[type[BaseException], ...] = (
+        asyncio.TimeoutError,
+        OSError,
+        *transport.handshake_errors,
+    )
     try:
         # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
         ws = await asyncio.wait_for(
@@ -247,9 +260,10 @@ async def aconnect(
         if status == 401:
             raise AuthRefused(f"{url}: the daemon refused the token (HTTP 401)", url) from exc
         raise ConnectError(f"{url}: handshake refused with HTTP {status}", url) from exc
-    # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
-    except (asyncio.TimeoutError, OSError, *transport.handshake_errors) as exc:  # noqa: UP041
+    except dial_errors as exc:
         raise ConnectError(f"{url}: cannot connect: {exc or type(exc).__name__}", url) from exc
+    if frame_budget_bytes is not USE_GLOBAL:  # the caller's own, explicit setting
+        loop_frame_budget(loop).limit = frame_budget_bytes
     _tune_transport(ws)
     try:
         hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
@@ -273,7 +287,7 @@ def _tune_transport(ws: Any) -> None:
     """Apply :data:`READ_CHUNK_BYTES` where the transport has asyncio's ``max_size``
     read size (plain selector transports; TLS and other loops read their own way)."""
     transport = getattr(ws, "transport", None)
-    if isinstance(getattr(transport, "max_size", None), int):
+    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
         transport.max_size = READ_CHUNK_BYTES
 
 
@@ -286,146 +300,13 @@ async def _receive_hello(
         raise ConnectError(f"{url}: no hello within the open timeout", url) from exc
     except transport.connection_closed as exc:
         raise ConnectError(f"{url}: closed before the hello", url) from exc
-    try:
-        hello = protocol.decode_server_message(message)
-    except protocol.ProtocolError as exc:
-        raise ProtocolViolation(f"{url}: bad hello: {exc}") from exc
-    if not isinstance(hello, protocol.Hello):
-        raise ProtocolViolation(f"{url}: expected hello, got {type(hello).__name__}")
-    if hello.protocol != protocol.PROTOCOL_VERSION:
-        raise ConnectError(
-            f"{url}: daemon speaks protocol {hello.protocol}, this SDK {protocol.PROTOCOL_VERSION}", url
-        )
-    return hello
+    return check_hello(message, url)
 
 
-def _wire_args(verb: str, args: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop None values (the daemon's defaults apply) and base64 bytes fields."""
-    out = {name: value for name, value in args.items() if value is not None}
-    binary = _BINARY_ARGS.get(verb)
-    if binary is not None and isinstance(out.get(binary), (bytes, bytearray, memoryview)):
-        out[binary] = base64.b64encode(out[binary]).decode("ascii")
-    return out
-
-
-def _split_action(index: int, action: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    if not isinstance(action, Mapping):
-        raise TypeError(
-            f"actions[{index}] must be a dict like {{'verb': 'click', ...}}, not {type(action).__name__}"
-        )
-    verb = action.get("verb")
-    if verb not in _ACTION_VERBS:
-        raise ValueError(
-            f"actions[{index}]: {verb!r} is not an action verb ({', '.join(sorted(_ACTION_VERBS))})"
-        )
-    return verb, {name: value for name, value in action.items() if name != "verb"}
-
-
-def _waiting_time(verb: str, args: Mapping[str, Any]) -> float:
-    """Seconds a verb may legitimately take in the daemon before replying."""
-    if verb not in _WAITING_VERBS:  # the hot path: clicks, screenshots
-        return 0.0
-    args = {name: value for name, value in args.items() if value is not None}
-    if verb == "wait":
-        return args.get("ms", 0) / 1000
-    if verb in ("wait_stable", "wait_change", "exec"):
-        # The daemon's own default applies when the caller gave none.
-        return args.get("timeout_ms", ARG_SPECS[verb]["timeout_ms"].default) / 1000
-    return 0.0
-
-
-def call_deadline(
-    rpc_timeout: float,
-    verb: str,
-    args: Mapping[str, Any],
-    timeout: float | None = None,
-    *,
-    queued: float = 0.0,
-) -> float:
-    """Seconds one call may wait for its reply: ``timeout`` when given, else
-    ``rpc_timeout``, plus the verb's own duration, the ``queued`` seconds of
-    waiting verbs the daemon runs before it, and :data:`WAITING_VERB_SLACK`
-    when either is non-zero. (The sync facade bounds its callers with it.)"""
-    if timeout is not None:
-        return timeout
-    waiting = queued + _waiting_time(verb, args)
-    return rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
-
-
-def pipelined_deadlines(
-    rpc_timeout: float, calls: Iterable[tuple[str, Mapping[str, Any]]], timeout: float | None = None
-) -> list[float]:
-    """:func:`call_deadline` of each of ``calls`` sent at once, as :meth:`AsyncSandbox.step`
-    sends them: the daemon runs a connection's calls in order, so each also
-    waits out the waiting verbs ahead of it. An explicit ``timeout`` is the
-    caller's bound on every reply, measured from the send, so it bounds the whole
-    step."""
-    deadlines = []
-    queued = 0.0
-    for verb, args in calls:
-        deadlines.append(call_deadline(rpc_timeout, verb, args, timeout, queued=queued))
-        queued += _waiting_time(verb, args)
-    return deadlines
-
-
-def _reply_error(verb: str, reply: protocol.Reply) -> ShinkenError:
-    error = reply.error or protocol.ErrorInfo(protocol.ERR_INTERNAL, "error reply without an error")
-    if reply.outcome == protocol.SANDBOX_DIED:
-        return SandboxDied(f"{verb}: {error.message}", detail=error.message)
-    cls = ActionTimeout if reply.outcome == protocol.TIMEOUT else ActionError
-    return cls(error.message, kind=error.kind, verb=verb, call_id=reply.call_id)
-
-
-def _decode_exec(reply: protocol.Reply) -> ExecResult:
-    r = reply.result or {}
-    binary = r.get("encoding") == "base64"
-    out, err = r.get("stdout", ""), r.get("stderr", "")
-    return ExecResult(
-        exit_code=r.get("exit_code"),
-        signal=r.get("signal"),
-        stdout=base64.b64decode(out) if binary else out,
-        stderr=base64.b64decode(err) if binary else err,
-        stdout_truncated=bool(r.get("stdout_truncated")),
-        stderr_truncated=bool(r.get("stderr_truncated")),
-        duration_ms=float(r.get("duration_ms", 0.0)),
-    )
-
-
-def _decode_screenshot(reply: protocol.Reply) -> Screenshot:
-    if reply.image is None:
-        raise ProtocolViolation("screenshot reply carried no image")
-    return Screenshot._from_wire(reply.result or {}, reply.image)
-
-
-def _no_value(reply: protocol.Reply) -> None:
-    return None  # input verbs reply with an empty result
-
-
-#: verb -> reply -> the value the method returns. Unlisted verbs return the result dict.
-_DECODERS: dict[str, Callable[[protocol.Reply], Any]] = {
-    "screenshot": _decode_screenshot,
-    "exec": _decode_exec,
-    "cursor": lambda reply: (reply.result["x"], reply.result["y"]),
-    "screen_size": lambda reply: (reply.result["width"], reply.result["height"]),
-    "click": _no_value,
-    "move": _no_value,
-    "drag": _no_value,
-    "scroll": _no_value,
-    "type": _no_value,
-    "key": _no_value,
-}
-
-
-def _unwrap(verb: str, reply: protocol.Reply) -> Any:
-    if reply.outcome != protocol.OK:
-        raise _reply_error(verb, reply)
-    decode = _DECODERS.get(verb)
-    if decode is None:
-        return reply.result or {}
-    try:
-        return decode(reply)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolViolation(f"{verb}: malformed result {reply.result!r}") from exc
+# Kept under their old names for callers of the private helpers.
+_wire_args = wire_args
+_unwrap = unwrap
+_split_action = split_action
 
 
 class AsyncSandbox:
@@ -461,17 +342,12 @@ class AsyncSandbox:
         self._gateway = gateway
         self._max_queue_frames = max_queue_frames
         self._loop = asyncio.get_running_loop()
-        self._budget = budget_for_loop(self._loop)
+        self._budget = loop_frame_budget(self._loop)
         self._turns = turn_budget_for_loop(self._loop)
         self._reply_turns = turn_budget_for_loop(self._loop, REPLIES)
         self._frame_counters = FrameCounters()
-        self._pending: dict[int, _Pending] = {}
-        self._next_call_id = 1
-        self._streams: dict[str, ScreencastStream] = {}
-        # Stream openers whose caller stopped waiting (timed out or cancelled):
-        # their stream, if the reply brings one, is stopped, never left pushing.
-        self._unclaimed_openers: set[int] = set()
-        self._stopping_unclaimed: set[asyncio.Task] = set()
+        self._proto = ClientProtocol(hello, rpc_timeout)
+        self._stopping_unclaimed: set[asyncio.Task[None]] = set()
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
@@ -531,7 +407,7 @@ class AsyncSandbox:
 
     @property
     def pending_calls(self) -> int:
-        return len(self._pending)
+        return self._proto.pending_calls
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -564,49 +440,26 @@ class AsyncSandbox:
 
     def _prepare(
         self, verb: str, args: Mapping[str, Any], timeout: float | None, deadline: float | None = None
-    ) -> _Call:
-        """Encode one call without sending it; bad arguments raise here, so a
-        batch can be checked whole before any of it goes out. ``deadline``
-        overrides the call's own :func:`call_deadline` (a pipelined step's).
+    ) -> OutgoingCall:
+        """Encode one call without sending it (``ClientProtocol.prepare``)."""
+        return self._proto.prepare(verb, args, timeout, deadline)
 
-        Raises:
-            TypeError: an argument is not JSON-serialisable.
-            MessageTooBig: the encoded call exceeds the protocol's message limit.
-        """
-        wire = _wire_args(verb, args)
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        message = protocol.encode_call(call_id, verb, wire)
-        # len() counts characters; only a long message needs its UTF-8 size.
-        if (
-            len(message) > protocol.MAX_MESSAGE_SIZE // 4
-            and len(message.encode()) > protocol.MAX_MESSAGE_SIZE
-        ):
-            raise MessageTooBig(
-                f"{verb}: the encoded call is over the {protocol.MAX_MESSAGE_SIZE}-byte message limit; "
-                "nothing was sent",
-                verb=verb,
-            )
-        if deadline is None:
-            deadline = call_deadline(self._rpc_timeout, verb, wire, timeout)
-        return _Call(call_id, verb, message, deadline)
-
-    async def _send(self, call: _Call) -> asyncio.Future:
+    async def _send(self, call: OutgoingCall) -> asyncio.Future[Any]:
         """Send a prepared call; return the future its reply (a protocol.Reply) resolves."""
         self._check_usable()
-        future = self._loop.create_future()
+        future: asyncio.Future[Any] = self._loop.create_future()
         if self._loss is not None:
             future.set_exception(self._loss_error())
             return future
-        timer = self._loop.call_later(call.deadline, self._expire, call.call_id, call.deadline)
-        self._pending[call.call_id] = _Pending(future, timer, call.verb)
+        timer = self._loop.call_later(call.deadline, self._expire, call.call_id)
+        self._proto.sent(call, future, timer)
         try:
             await self._ws.send(call.message)
         except self._closed_error:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
 
-    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future:
+    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future[Any]:
         await self._admit(1)
         return await self._send(self._prepare(verb, args, timeout))
 
@@ -616,26 +469,17 @@ class AsyncSandbox:
         if limit is not None and not self._turns.try_admit(calls, limit):
             await self._turns.admit(calls, limit)
 
-    def _expire(self, call_id: int, timeout: float) -> None:
-        pending = self._pending.pop(call_id, None)
-        if pending is not None and pending.verb in _STREAM_OPENERS:
-            self._unclaimed_openers.add(call_id)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(
-                RPCTimeout(
-                    f"{pending.verb}: no reply within {timeout:g} s",
-                    verb=pending.verb,
-                    call_id=call_id,
-                    timeout=timeout,
-                )
-            )
+    def _expire(self, call_id: int) -> None:
+        expired = self._proto.expire(call_id)
+        if expired is not None and not expired[0].waiter.done():
+            expired[0].waiter.set_exception(expired[1])
 
     async def _call(self, verb: str, args: Mapping[str, Any], timeout: float | None = None) -> Any:
         future = await self._submit(verb, args, timeout)
-        return _unwrap(verb, await future)
+        return unwrap(verb, await future)
 
     async def _act(self, action: Mapping[str, Any], timeout: float | None) -> Any:
-        verb, args = _split_action(0, action)
+        verb, args = split_action(0, action)
         return await self._call(verb, args, timeout)
 
     # -- verbs -------------------------------------------------------------
@@ -651,7 +495,7 @@ class AsyncSandbox:
     ) -> Screenshot:
         """Capture the screen (or ``region`` = x, y, width, height), downscaled so
         the long edge is at most ``max_long_edge``."""
-        return await self._act(build.screenshot(format, quality, max_long_edge, region), timeout)
+        return cast(Screenshot, await self._act(build.screenshot(format, quality, max_long_edge, region), timeout))
 
     async def click(
         self, x: int, y: int, button: str = "left", count: int = 1, *, timeout: float | None = None
@@ -685,25 +529,25 @@ class AsyncSandbox:
 
     async def wait(self, ms: int, *, timeout: float | None = None) -> dict[str, Any]:
         """Sleep ``ms`` in the sandbox (in order with the calls around it)."""
-        return await self._act(build.wait(ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait(ms), timeout))
 
     async def wait_stable(
         self, stable_ms: int | None = None, timeout_ms: int | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Return once the screen has been still for ``stable_ms``; ``ActionTimeout`` at ``timeout_ms``."""
-        return await self._act(build.wait_stable(stable_ms, timeout_ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait_stable(stable_ms, timeout_ms), timeout))
 
     async def wait_change(
         self, timeout_ms: int | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Return at the first screen change; ``ActionTimeout`` at ``timeout_ms``."""
-        return await self._act(build.wait_change(timeout_ms), timeout)
+        return cast("dict[str, Any]", await self._act(build.wait_change(timeout_ms), timeout))
 
     async def cursor(self, *, timeout: float | None = None) -> tuple[int, int]:
-        return await self._act(build.cursor(), timeout)
+        return cast("tuple[int, int]", await self._act(build.cursor(), timeout))
 
     async def screen_size(self, *, timeout: float | None = None) -> tuple[int, int]:
-        return await self._act(build.screen_size(), timeout)
+        return cast("tuple[int, int]", await self._act(build.screen_size(), timeout))
 
     async def exec(
         self,
@@ -719,7 +563,7 @@ class AsyncSandbox:
     ) -> ExecResult:
         """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
-        return await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout)
+        return cast(ExecResult, await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout))
 
     async def read_file(
         self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None
@@ -751,7 +595,7 @@ class AsyncSandbox:
         *,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        return await self._act(build.write_file(path, data, append, make_dirs, mode), timeout)
+        return cast("dict[str, Any]", await self._act(build.write_file(path, data, append, make_dirs, mode), timeout))
 
     # -- batches -----------------------------------------------------------
 
@@ -768,7 +612,7 @@ class AsyncSandbox:
         About one round trip per action; :meth:`step` pipelines instead.
         """
         actions_ = list(actions)
-        calls = [_split_action(i, action) for i, action in enumerate(actions_)]
+        calls = [split_action(i, action) for i, action in enumerate(actions_)]
         self._check_usable()
         # Encode everything first: a bad argument raises before anything is sent.
         prepared = [self._prepare(verb, args, timeout) for verb, args in calls]
@@ -788,7 +632,7 @@ class AsyncSandbox:
                 continue
             try:
                 await self._admit(1)
-                value = _unwrap(verb, await (await self._send(call)))
+                value = unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
                 failed_at = i
@@ -821,8 +665,8 @@ class AsyncSandbox:
         seconds of the send, so it bounds the whole step.
         """
         actions_ = list(actions)
-        calls = [_split_action(i, action) for i, action in enumerate(actions_)]
-        observe_args = None if observe is None else _split_action(len(calls), build.screenshot(**observe))[1]
+        calls = [split_action(i, action) for i, action in enumerate(actions_)]
+        observe_args = None if observe is None else split_action(len(calls), build.screenshot(**observe))[1]
         gate = gateway or self._gateway
         # Ask the gateway about every action before sending any, so a gateway
         # that raises leaves nothing half-sent.
@@ -855,7 +699,7 @@ class AsyncSandbox:
                 rows.append(StepRow(index=i, verb=verb, outcome=protocol.DENIED, error=error))
                 continue
             try:
-                value = _unwrap(verb, await future)
+                value = unwrap(verb, await future)
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
             else:
@@ -863,7 +707,7 @@ class AsyncSandbox:
         observation = observation_error = None
         if observation_future is not None:
             try:
-                observation = _unwrap("screenshot", await observation_future)
+                observation = unwrap("screenshot", await observation_future)
             except ShinkenError as exc:
                 observation_error = exc
         return StepResult(rows=tuple(rows), observation=observation, observation_error=observation_error)
@@ -908,32 +752,25 @@ class AsyncSandbox:
         # its frames can be routed, and resolves the call with the stream itself.
         outcome = await (await self._submit(verb, args, timeout))
         if not isinstance(outcome, ScreencastStream):
-            result = _unwrap(verb, outcome)  # raises for an error reply
+            result = unwrap(verb, outcome)  # raises for an error reply
             raise ProtocolViolation(f"{verb} reply without a usable stream_id: {result!r}")
         stream = outcome
         if last_seq is not None:
             stream._last_seq = last_seq
         return stream
 
-    def _register_stream(self, result: Mapping[str, Any]) -> ScreencastStream | None:
-        stream_id = result.get("stream_id")
-        if not isinstance(stream_id, str):
-            return None
-        params = {k: result.get(k) for k in ("fps", "format", "quality", "max_long_edge")}
-        # On resume the daemon reports its seq and the frames it could not send.
-        delivered = int(result.get("last_seq", 0)) - int(result.get("missed", 0))
-        previous = self._streams.get(stream_id)
+    def _register_stream(self, opened: StreamOpened) -> ScreencastStream:
+        queue = FrameQueue(self._budget, self._max_queue_frames, self._frame_counters)
+        stream = ScreencastStream(self, opened.stream_id, opened.params, queue, opened.delivered)
+        previous = self._proto.open_stream(opened.stream_id, stream)
         if previous is not None:  # resumed on the connection that already had it
             previous._finish(_ENDED, "moved", release=True)
-        queue = FrameQueue(self._budget, self._max_queue_frames, self._frame_counters)
-        stream = self._streams[stream_id] = ScreencastStream(self, stream_id, params, queue, delivered)
         return stream
 
-    def _stop_unclaimed_stream(self, reply: protocol.Reply) -> None:
-        """Stop the stream an opener's late reply brings: nobody holds it, and
+    def _stop_unclaimed_stream(self, stream_id: str) -> None:
+        """Stop a stream nobody holds (its opener's caller stopped waiting):
         the daemon would push its frames for the rest of the connection."""
-        stream_id = (reply.result or {}).get("stream_id") if reply.outcome == protocol.OK else None
-        if not isinstance(stream_id, str) or self._closing or self._loss is not None:
+        if self._closing or self._loss is not None:
             return
         # Fire and forget: a call with its own rpc_timeout deadline, failed by
         # close() or a connection loss like any other, so nothing waits on it.
@@ -946,11 +783,6 @@ class AsyncSandbox:
             await self._call("screencast_stop", {"stream_id": stream_id})
         except ShinkenError as exc:  # ended on its own (not_found), or went with the connection
             log.debug("%s: stopping unclaimed stream %s: %s", self._url, stream_id, exc)
-
-    def _stream_ended(self, end: protocol.StreamEnd) -> None:
-        stream = self._streams.pop(end.stream_id, None)
-        if stream is not None:  # frames already queued stay readable before the end
-            stream._finish(_ENDED, end.reason, release=False)
 
     # -- the reader --------------------------------------------------------
 
@@ -985,44 +817,23 @@ class AsyncSandbox:
             await self._ws.close(*close_with)
 
     def _dispatch(self, message: str | bytes) -> None:
-        try:
-            msg = protocol.decode_server_message(message)
-        except protocol.ProtocolError as exc:
-            raise ProtocolViolation(f"undecodable message: {exc}") from exc
-        if isinstance(msg, protocol.Frame):
-            stream = self._streams.get(msg.stream_id)
-            if stream is not None:  # else: a late frame of a stream already stopped
-                self._budget.limit = GLOBAL_FRAME_BUDGET_BYTES
-                stream._push(msg, len(message))
-        elif isinstance(msg, protocol.Reply):
-            self._on_reply(msg)
-        elif isinstance(msg, protocol.StreamEnd):
-            self._stream_ended(msg)
-        else:
-            raise ProtocolViolation(f"unexpected {type(msg).__name__} after the hello")
-
-    def _on_reply(self, reply: protocol.Reply) -> None:
-        call_id = reply.call_id
-        pending = self._pending.pop(call_id, None) if isinstance(call_id, int) else None
-        if pending is None:
-            if isinstance(call_id, int) and 0 < call_id < self._next_call_id:
-                # The call already timed out; its late reply is dropped.
-                if call_id in self._unclaimed_openers:
-                    self._unclaimed_openers.discard(call_id)
-                    self._stop_unclaimed_stream(reply)
-                return
-            raise ProtocolViolation(f"reply to call {call_id!r}, which was never sent")
-        pending.timer.cancel()
-        if pending.future.done():  # the caller was cancelled
-            if pending.verb in _STREAM_OPENERS:
-                self._stop_unclaimed_stream(reply)
-            return
-        if reply.outcome == protocol.OK and pending.verb in _STREAM_OPENERS:
-            stream = self._register_stream(reply.result or {})
-            if stream is not None:
-                pending.future.set_result(stream)
-                return
-        pending.future.set_result(reply)
+        event = self._proto.receive(message)
+        if isinstance(event, FrameReceived):
+            event.stream._push(event.frame, event.size)
+        elif isinstance(event, (Replied, StreamOpened)):
+            call = event.call
+            call.timer.cancel()
+            if call.waiter.done():  # the caller was cancelled
+                if isinstance(event, StreamOpened):
+                    self._stop_unclaimed_stream(event.stream_id)
+            elif isinstance(event, StreamOpened):
+                call.waiter.set_result(self._register_stream(event))
+            else:
+                call.waiter.set_result(event.reply)
+        elif isinstance(event, UnclaimedStream):
+            self._stop_unclaimed_stream(event.stream_id)
+        elif isinstance(event, StreamClosed):  # frames already queued stay readable before the end
+            event.stream._finish(_ENDED, event.reason, release=False)
 
     async def _connection_gone(self, cause: BaseException | None) -> None:
         if self._closing:
@@ -1031,14 +842,12 @@ class AsyncSandbox:
             loss = await self._classify_loss(cause)
         loss.__cause__ = cause
         self._loss = loss
-        pending, self._pending = self._pending, {}
-        self._unclaimed_openers.clear()
-        for call in pending.values():
+        pending, streams = self._proto.lose()
+        for call in pending:
             call.timer.cancel()
-            if not call.future.done():
-                call.future.set_exception(self._loss_error())
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
+            if not call.waiter.done():
+                call.waiter.set_exception(self._loss_error())
+        for stream in streams:
             if self._closing:
                 stream._finish(_ENDED, "closed", release=True)
             else:
@@ -1050,20 +859,7 @@ class AsyncSandbox:
         # close_code is None when the TCP connection broke without a close frame.
         code, reason = self._ws.close_code, self._ws.close_reason or ""
         liveness = await self._probe_liveness()
-        if liveness is not None and not liveness.alive:
-            return SandboxDied.from_liveness(liveness, code=code, reason=reason)
-        detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
-        # Alive, "unknown", or no answer: a dropped connection, not a death.
-        said = "no liveness probe" if self._probe is None else (
-            "the provider did not answer" if liveness is None else
-            f"the provider says alive{': ' + liveness.detail if liveness.detail else ''}"
-        )  # fmt: skip
-        return ConnectionLost(
-            f"connection to sandbox {self.sandbox_id} lost{detail}; {said}",
-            code=code,
-            reason=reason,
-            liveness=liveness,
-        )
+        return loss_error(self.sandbox_id, code, reason, liveness, probed=self._probe is not None)
 
     async def _probe_liveness(self) -> Liveness | None:
         """Ask the provider, at most twice: a killed process closes its sockets a
@@ -1107,7 +903,7 @@ class ScreencastStream:
         self._last_seq = last_seq
         self._missed = 0
         self._end_reason: str | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     @property
     def stream_id(self) -> str:
@@ -1201,7 +997,7 @@ class ScreencastStream:
                     raise
             except ConnectionLost:
                 pass
-        sandbox._streams.pop(self._stream_id, None)
+        sandbox._proto.close_stream(self._stream_id)
         self._finish(_ENDED, "stopped", release=True)
 
     def _push(self, frame: protocol.Frame, size: int) -> None:

@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from tabulate import tabulate
+from tqdm import tqdm
 
 from shinken_sync.errors import ShinkenError
+from shinken_sync.stats import percentile
 from shinken_sync.trajectory_file import compact_records
 
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
@@ -265,6 +268,8 @@ def run_consistent(episodes: list[Episode]) -> bool:
 
 
 class Progress:
+    """Step counters and latencies of the run, and the progress bar (tqdm) on ``stream``."""
+
     def __init__(self, total: int, stream=sys.stderr):
         self.total = total
         self.done = 0
@@ -275,17 +280,19 @@ class Progress:
         self.started = time.monotonic()
         self.finished: float | None = None
         self._lock = threading.Lock()
-        self._stream = stream
-        self._tty = stream.isatty()
-        self._last_draw = 0.0
+        tty = stream.isatty()
+        # A log file gets a line every 2 s, a terminal a redraw every 0.1 s.
+        self._bar = tqdm(total=total, file=stream, unit="step", ascii=not tty, dynamic_ncols=tty,
+                         mininterval=0.1 if tty else 2.0, smoothing=0.1)  # fmt: skip
 
     def start(self) -> None:
         """Start the rollout clock (process start-up is not part of steps/s)."""
         self.started = time.monotonic()
+        self._bar.reset(total=self.total)
 
     def finish(self) -> None:
         self.finished = time.monotonic()
-        self.draw(final=True)
+        self._bar.close()
 
     def elapsed(self) -> float:
         return (self.finished or time.monotonic()) - self.started
@@ -303,28 +310,12 @@ class Progress:
             self.done += 1
             self.latencies.append(seconds)
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-            self.draw()
-
-    def draw(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self._last_draw < (0.1 if self._tty else 2.0):
-            return
-        self._last_draw = now
-        width = 30
-        filled = int(width * self.done / max(1, self.total))
-        rate = self.done / max(1e-9, now - self.started)
-        line = f"[{'#' * filled}{'-' * (width - filled)}] {self.done}/{self.total} steps  {rate:5.1f} steps/s"
-        self._stream.write(("\r" + line) if self._tty else (line + "\n"))
-        if final and self._tty:
-            self._stream.write("\n")
-        self._stream.flush()
+            self._bar.update(1)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
+def _percentile_or_nan(values: list[float], q: float) -> float:
+    """The one percentile definition (:func:`shinken_sync.stats.percentile`); NaN for no data."""
+    return percentile(values, q) if values else float("nan")
 
 
 CONTACT_SHEET_TILES = 16  # above this many episodes the sheet shows an even sample of them
@@ -525,12 +516,12 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
         "episodes": len(finished), "episodes_started": len(episodes), "interrupted": interrupted,
         "steps": progress.done, "rollout_s": round(elapsed, 3),
         "steps_per_s": round(progress.done / max(elapsed, 1e-9), 3),
-        "step_latency_p50_s": round(percentile(progress.latencies, 50), 4),
-        "step_latency_p95_s": round(percentile(progress.latencies, 95), 4),
-        "chat_latency_p50_s": round(percentile(progress.chats, 50), 4),
-        "chat_latency_p95_s": round(percentile(progress.chats, 95), 4),
-        "observe_latency_p50_s": round(percentile(progress.observes, 50), 4),
-        "observe_latency_p95_s": round(percentile(progress.observes, 95), 4),
+        "step_latency_p50_s": round(_percentile_or_nan(progress.latencies, 50), 4),
+        "step_latency_p95_s": round(_percentile_or_nan(progress.latencies, 95), 4),
+        "chat_latency_p50_s": round(_percentile_or_nan(progress.chats, 50), 4),
+        "chat_latency_p95_s": round(_percentile_or_nan(progress.chats, 95), 4),
+        "observe_latency_p50_s": round(_percentile_or_nan(progress.observes, 50), 4),
+        "observe_latency_p95_s": round(_percentile_or_nan(progress.observes, 95), 4),
         "outcomes": outcomes, "episode_errors": errors,
         "observation_changes": sum(observation_changes(ep) for ep in finished),
         "consistent": run_consistent(finished),
@@ -555,9 +546,7 @@ def print_table(s: dict[str, Any], out: Path) -> None:
         ("records consistent", "yes" if s["consistent"] else "NO"),
         ("outputs", str(out)),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+    print(tabulate(rows, tablefmt="plain", disable_numparse=True))
     for idx, err in s["episode_errors"].items():
         print(f"episode {idx} failed: {err}", file=sys.stderr)
     if s["steps"] and not s["observation_changes"]:

@@ -5,7 +5,8 @@ asks anyone to match message strings. The tree::
 
     ShinkenError
     ├── ConnectError               dialing failed: refused, DNS, TLS, handshake, no hello in time
-    │   └── AuthRefused            the daemon answered the handshake with HTTP 401
+    │   ├── AuthRefused            the daemon answered the handshake with HTTP 401
+    │   └── ProtocolMismatch       the hello announced another protocol version (daemon, client)
     ├── ConnectionLost             an established connection dropped; pending calls fail with it.
     │   │                          The sandbox may be alive (``liveness`` says what the provider
     │   │                          answered, None when nobody was asked): outcome connection_lost
@@ -57,7 +58,7 @@ from . import protocol
 from .transport import connection_closed_types
 
 if TYPE_CHECKING:
-    from .providers.base import Liveness
+    from .liveness import Liveness
 
 
 class ShinkenError(Exception):
@@ -88,6 +89,22 @@ class ConnectError(ShinkenError):
 
 class AuthRefused(ConnectError):
     """The daemon refused the bearer token at the handshake (HTTP 401)."""
+
+
+class ProtocolMismatch(ConnectError):
+    """The daemon's hello announced a protocol version this SDK does not speak.
+
+    ``daemon`` and ``client`` are the two versions; upgrade the older side.
+    """
+
+    def __init__(self, url: str, *, daemon: int, client: int):
+        super().__init__(
+            f"{url}: the daemon speaks ACI protocol version {daemon}, this SDK speaks {client}; "
+            "upgrade the older of the two",
+            url,
+        )
+        self.daemon = daemon
+        self.client = client
 
 
 class ConnectionLost(ShinkenError):

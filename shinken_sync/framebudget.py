@@ -32,9 +32,10 @@ discarded, so a sentinel always sits behind every frame it ends.
 from __future__ import annotations
 
 import asyncio
+import enum
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 #: A compaction sweep runs only when the FIFO holds at least this many stale
 #: entries (and they are the majority), so tiny queues never sweep.
@@ -215,13 +216,26 @@ class FrameQueue:
 _budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FrameBudget] = weakref.WeakKeyDictionary()
 
 
-def budget_for_loop(loop: asyncio.AbstractEventLoop) -> FrameBudget:
-    """The one :class:`FrameBudget` of ``loop``, created on first use.
+class _UseGlobal(enum.Enum):
+    USE_GLOBAL = "use-global"
 
-    It lives as long as the loop does. ``setdefault`` is a single dict
-    operation, so loops on different threads may race here safely.
+
+#: "Not given": take ``client.GLOBAL_FRAME_BUDGET_BYTES`` when the loop's budget
+#: is created (None, by contrast, means "no limit"); httpx's USE_CLIENT_DEFAULT.
+USE_GLOBAL = _UseGlobal.USE_GLOBAL
+BudgetSetting = int | None | Literal[_UseGlobal.USE_GLOBAL]
+
+
+def budget_for_loop(loop: asyncio.AbstractEventLoop, limit: int | None = None) -> FrameBudget:
+    """The one :class:`FrameBudget` of ``loop``, created on first use with ``limit``.
+
+    ``limit`` only applies when this call creates the budget: later calls
+    never change a loop's limit (only an explicit ``budget.limit = ...`` or
+    ``aconnect(frame_budget_bytes=...)`` does). It lives as long as the loop
+    does. ``setdefault`` is a single dict operation, so loops on different
+    threads may race here safely.
     """
     budget = _budgets.get(loop)
     if budget is None:
-        budget = _budgets.setdefault(loop, FrameBudget())
+        budget = _budgets.setdefault(loop, FrameBudget(limit))
     return budget

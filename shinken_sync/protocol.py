@@ -32,6 +32,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import verbs as _verbs
+
 PROTOCOL_VERSION = 1
 
 #: Largest WebSocket message either side accepts. A bigger message closes the
@@ -80,28 +82,8 @@ ERROR_KINDS = frozenset(
     }
 )
 
-VERBS = frozenset(
-    {
-        "screenshot",
-        "click",
-        "move",
-        "drag",
-        "scroll",
-        "type",
-        "key",
-        "wait",
-        "wait_stable",
-        "wait_change",
-        "cursor",
-        "screen_size",
-        "exec",
-        "read_file",
-        "write_file",
-        "screencast_start",
-        "screencast_stop",
-        "resume_screencast",
-    }
-)
+#: The verb names a call may carry; declared in :mod:`shinken_sync.verbs`.
+VERBS = frozenset(_verbs.VERBS)
 
 IMAGE_FORMATS = frozenset({"png", "jpeg"})
 

@@ -69,6 +69,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .errors import ShinkenError
+from .framebudget import USE_GLOBAL, BudgetSetting, budget_for_loop
 
 if TYPE_CHECKING:
     from typing import Self
@@ -433,6 +434,7 @@ class _LoopThread:
 
     def __init__(self, owner: SharedLoop) -> None:
         self.name = owner.name
+        self.frame_budget_bytes = owner.frame_budget_bytes
         self.pid = os.getpid()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ident: int | None = None
@@ -465,6 +467,8 @@ class _LoopThread:
             loop = _new_loop()
             asyncio.set_event_loop(loop)
             self.loop, self.ident = loop, _native_get_ident()
+            if self.frame_budget_bytes is not USE_GLOBAL:  # the loop's own, before any connection
+                budget_for_loop(loop, self.frame_budget_bytes)
             loop.call_soon(self.ready.set)
             self.serving = True
             loop.run_forever()
@@ -653,8 +657,14 @@ class SharedLoop:
     _default: SharedLoop | None = None
     _default_lock = _native_allocate_lock()
 
-    def __init__(self, name: str = "shinken-loop") -> None:
+    def __init__(self, name: str = "shinken-loop", *, frame_budget_bytes: BudgetSetting = USE_GLOBAL) -> None:
+        """``frame_budget_bytes``: this loop's byte budget for queued screencast
+        frames (None = off); not given, ``client.GLOBAL_FRAME_BUDGET_BYTES`` as
+        it is when the loop's first connection opens."""
+        if frame_budget_bytes is not USE_GLOBAL and frame_budget_bytes is not None and frame_budget_bytes < 0:
+            raise ValueError(f"frame_budget_bytes must be >= 0 or None, not {frame_budget_bytes}")
         self.name = name
+        self.frame_budget_bytes = frame_budget_bytes
         self._lock = _native_allocate_lock()  # guards state changes only; never held across a wait
         self._thread: _LoopThread | None = None
         self._closed = False

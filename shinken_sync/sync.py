@@ -16,8 +16,9 @@ Deadlines on the caller's side
 ------------------------------
 The async core bounds every call (``rpc_timeout``, or ``timeout=``, plus the
 duration of verbs that wait on purpose, and in a pipelined ``step`` of those
-queued ahead of it). The facade bounds the caller's wait
-*again*, at that deadline plus :data:`CALLER_MARGIN`, so even a wedged loop
+queued ahead of it). The facade bounds the caller's wait *again*, at the
+deadline the protocol object gives for the method
+(:data:`shinken_sync.client_protocol.SANDBOX_DEADLINES`) plus :data:`CALLER_MARGIN`, so even a wedged loop
 thread cannot hang a caller: the wait ends with
 :class:`~shinken_sync.errors.RPCTimeout`. The margin lets the loop's own, more
 precise error arrive first. Three waits have no deadline because the caller
@@ -29,13 +30,13 @@ bounded on the loop). A dead loop thread ends those too.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import client
+from . import client, client_protocol
 from .client import AsyncSandbox, aconnect
+from .client_protocol import CLOSE_DEADLINE
 from .errors import RPCTimeout
 from .sharedloop import LoopThreadDied, LoopTimeout, SharedLoop
 
@@ -44,89 +45,9 @@ __all__ = ["CALLER_MARGIN", "CLOSE_DEADLINE", "Sandbox", "ScreencastStream", "co
 CALLER_MARGIN = 5.0
 """Seconds a caller waits past a call's own deadline before giving up on the loop."""
 
-CLOSE_DEADLINE = 30.0
-"""Bound on ``close()``: the closing handshake plus the reader winding down."""
-
-# A deadline rule maps (the connection's rpc_timeout, bound arguments) to the
-# seconds the async core may legitimately take, or None for "as long as the
-# caller asked". It may normalise arguments in place (an actions iterator
-# becomes a list, so the rule and the call both see every action).
-DeadlineRule = Callable[[float, dict[str, Any]], "float | None"]
-
-
-def _one_call(verb: str) -> DeadlineRule:
-    def rule(rpc_timeout: float, args: dict[str, Any]) -> float:
-        return client.call_deadline(rpc_timeout, verb, args, args.get("timeout"))
-
-    return rule
-
-
-def _action_calls(args: dict[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    actions = args.get("actions")
-    if actions is None:
-        return []  # missing: calling the async method raises the TypeError
-    args["actions"] = actions = list(actions)
-    calls: list[tuple[str, Mapping[str, Any]]] = []
-    for action in actions:
-        # A malformed action gets the plain rpc deadline here; the core rejects it.
-        call = {k: v for k, v in action.items() if k != "verb"} if isinstance(action, Mapping) else {}
-        verb = action.get("verb", "") if isinstance(action, Mapping) else ""
-        calls.append((verb, call))
-    if args.get("observe") is not None:
-        calls.append(("screenshot", {}))
-    return calls
-
-
-def _act_batch_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
-    # One action after another, each with its own deadline from its own send.
-    timeout = args.get("timeout")
-    return sum(client.call_deadline(rpc_timeout, verb, call, timeout) for verb, call in _action_calls(args))
-
-
-def _step_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
-    # All in flight at once, run in order: the core's latest deadline, counting
-    # every call as sent (a gateway denial only shortens the step).
-    return max(
-        client.pipelined_deadlines(rpc_timeout, _action_calls(args), args.get("timeout")),
-        default=rpc_timeout,
-    )
-
-
-def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
-    max_bytes = args.get("max_bytes")
-    if max_bytes is None:
-        return None  # chunk count unknown; each chunk call is bounded on the loop
-    chunks = max(1, math.ceil(max_bytes / client.READ_FILE_CHUNK))
-    return chunks * client.call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
-
-
-def _next_frame_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
-    return args.get("timeout")
-
-
-def _fixed(seconds: float) -> DeadlineRule:
-    return lambda rpc_timeout, args: seconds
-
-
-def _rpc(rpc_timeout: float, args: dict[str, Any]) -> float:
-    return rpc_timeout
-
-
-_SANDBOX_RULES: dict[str, DeadlineRule] = {
-    "read_file": _read_file_deadline,
-    "act_batch": _act_batch_deadline,
-    "step": _step_deadline,
-    "screencast": _one_call("screencast_start"),
-    "resume_screencast": _one_call("resume_screencast"),
-    "close": _fixed(CLOSE_DEADLINE),
-    "__aexit__": _fixed(CLOSE_DEADLINE),
-}
-
-_STREAM_RULES: dict[str, DeadlineRule] = {
-    "next_frame": _next_frame_deadline,
-    "__anext__": _next_frame_deadline,
-    "stop": _one_call("screencast_stop"),
-}
+# The deadline rules (which seconds each method may take) belong to the
+# protocol object; the facade only adds CALLER_MARGIN on top.
+DeadlineRule = client_protocol.DeadlineRule
 
 # async protocol method -> its blocking counterpart
 _PROTOCOLS = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__", "__anext__": "__next__"}
@@ -172,7 +93,7 @@ class _Facade:
 def _blocking(name: str, function: Callable[..., Any], rule: DeadlineRule | None) -> Callable[..., Any]:
     signature = inspect.signature(function)
     is_coroutine = inspect.iscoroutinefunction(function)
-    deadline_of = rule or _rpc
+    deadline_of = rule or client_protocol.plain_rpc
     params = list(signature.parameters.values())[1:]  # after self
     # For signatures made only of named parameters, naming the positional
     # arguments is all the deadline rules need: a fraction of Signature.bind's
@@ -237,12 +158,7 @@ def _derive(facade: type[_Facade], source: type, rules: Mapping[str, DeadlineRul
             continue
         if not callable(member):
             continue
-        if name in rules:
-            rule: DeadlineRule | None = rules[name]
-        elif name in client.protocol.VERBS:
-            rule = _one_call(name)
-        else:
-            rule = None  # a call's plain rpc_timeout
+        rule = rules.get(name)  # None: a call's plain rpc_timeout
         method = _blocking(name, member, rule)
         target_name = _PROTOCOLS.get(name, name)
         if target_name == "__next__":
@@ -282,8 +198,8 @@ class ScreencastStream(_Facade):
         return f"<ScreencastStream {self._async.stream_id}>"
 
 
-_derive(Sandbox, AsyncSandbox, _SANDBOX_RULES)
-_derive(ScreencastStream, client.ScreencastStream, _STREAM_RULES)
+_derive(Sandbox, AsyncSandbox, client_protocol.SANDBOX_DEADLINES)
+_derive(ScreencastStream, client.ScreencastStream, client_protocol.STREAM_DEADLINES)
 
 
 def connect(url: str, token: str | None = None, *, loop: SharedLoop | None = None, **kwargs: Any) -> Sandbox:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shinken_sync.protocol import IMAGE_FORMATS, is_utf8, quote
+from shinken_sync.verbs import DEFAULT_EXEC_TIMEOUT_MS, DEFAULT_WAIT_TIMEOUT_MS, VERBS, check_names
 
 from .errors import BadArgs
 
@@ -25,7 +26,6 @@ from .errors import BadArgs
 MAX_WAIT_MS = 60_000  # wait
 MAX_WAIT_TIMEOUT_MS = 120_000  # wait_stable / wait_change
 MAX_EXEC_TIMEOUT_MS = 600_000
-DEFAULT_EXEC_TIMEOUT_MS = 30_000
 #: Per stream (stdout, stderr). Two base64-encoded 4 MiB captures still fit one
 #: 16 MiB message.
 MAX_EXEC_OUTPUT = 4 * 2**20
@@ -198,7 +198,8 @@ _IMAGE = {
 }
 _STREAM = {**_IMAGE, "fps": Arg(_number(0.0, MAX_FPS, exclusive_lo=True), 5.0)}
 
-#: verb -> {argument name -> Arg}. Every verb of protocol.VERBS has an entry.
+#: verb -> {argument name -> Arg}: exactly the verbs and argument names of
+#: shinken_sync.verbs (checked below), with their checks and defaults.
 SPECS: dict[str, dict[str, Arg]] = {
     "screenshot": {**_IMAGE, "region": Arg(_optional(_region), None)},
     "click": {"x": _X, "y": _Y, "button": _BUTTON, "count": Arg(_int(1, MAX_CLICK_COUNT), 1)},
@@ -215,9 +216,9 @@ SPECS: dict[str, dict[str, Arg]] = {
     "wait": {"ms": Arg(_int(0, MAX_WAIT_MS))},
     "wait_stable": {
         "stable_ms": Arg(_int(1, MAX_WAIT_TIMEOUT_MS), 500),
-        "timeout_ms": Arg(_int(1, MAX_WAIT_TIMEOUT_MS), 10_000),
+        "timeout_ms": Arg(_int(1, MAX_WAIT_TIMEOUT_MS), DEFAULT_WAIT_TIMEOUT_MS),
     },
-    "wait_change": {"timeout_ms": Arg(_int(1, MAX_WAIT_TIMEOUT_MS), 10_000)},
+    "wait_change": {"timeout_ms": Arg(_int(1, MAX_WAIT_TIMEOUT_MS), DEFAULT_WAIT_TIMEOUT_MS)},
     "cursor": {},
     "screen_size": {},
     "exec": {
@@ -250,6 +251,11 @@ SPECS: dict[str, dict[str, Arg]] = {
         **{name: Arg(_optional(arg.check), None) for name, arg in _STREAM.items()},
     },
 }
+
+check_names("daemon.args.SPECS", SPECS)
+for _name, _spec in SPECS.items():
+    if set(_spec) != set(VERBS[_name].args):
+        raise AssertionError(f"daemon.args.SPECS[{_name!r}] arguments differ from shinken_sync.verbs")
 
 #: Stream parameters resume_screencast accepts (flat or under "params").
 STREAM_PARAMS = tuple(_STREAM)

@@ -43,7 +43,7 @@ from shinken_sync.protocol import (
 )
 
 from .outbox import Outbox
-from .verbs import Sandbox, execute
+from .verbs import SandboxState, execute
 
 log = logging.getLogger("shinkend.connection")
 
@@ -58,7 +58,7 @@ _Queued = Call | str  # a call to run, or an error reply already encoded
 _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (include/net/tcp_states.h)
 
 
-async def serve_connection(ws: ServerConnection, sandbox: Sandbox, delay_s: float) -> None:
+async def serve_connection(ws: ServerConnection, sandbox: SandboxState, delay_s: float) -> None:
     outbox = Outbox(ws.send, delay_s)
     calls: asyncio.Queue[_Queued] = asyncio.Queue(MAX_PIPELINE)
     sender = asyncio.create_task(outbox.run())
@@ -124,7 +124,7 @@ def _peer_gone(ws: ServerConnection) -> bool:
     return False
 
 
-async def _work(ws: ServerConnection, sandbox: Sandbox, outbox: Outbox, calls: asyncio.Queue[_Queued]) -> None:
+async def _work(ws: ServerConnection, sandbox: SandboxState, outbox: Outbox, calls: asyncio.Queue[_Queued]) -> None:
     while True:
         item = await calls.get()
         # Checked per call, not left to the reader's cancel alone: a cancel can

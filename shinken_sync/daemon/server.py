@@ -47,7 +47,7 @@ from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote
 from .connection import serve_connection
 from .display import make_display
 from .screencast import DEFAULT_GRACE_S, StreamRegistry
-from .verbs import Sandbox
+from .verbs import SandboxState
 
 log = logging.getLogger("shinkend")
 
@@ -80,7 +80,7 @@ def sandbox_path(index: int) -> str:
 
 
 class Daemon:
-    def __init__(self, sandboxes: list[Sandbox], token: str, rtt_ms: float):
+    def __init__(self, sandboxes: list[SandboxState], token: str, rtt_ms: float):
         self.sandboxes = sandboxes
         self._expected = f"Bearer {token}".encode()
         self._delay_s = rtt_ms / 1000
@@ -96,7 +96,7 @@ class Daemon:
             return connection.respond(http.HTTPStatus.NOT_FOUND, f"no sandbox at {quote(request.path)}\n")
         return None
 
-    def _sandbox_for(self, path: str) -> Sandbox | None:
+    def _sandbox_for(self, path: str) -> SandboxState | None:
         match = _PATH.fullmatch(path.split("?", 1)[0])
         if match is None or int(match.group(1)) >= len(self.sandboxes):
             return None
@@ -185,7 +185,7 @@ def _read_token(path: str | None) -> str:
     return token
 
 
-async def _make_sandboxes(args: argparse.Namespace) -> list[Sandbox]:
+async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
     width, height = args.screen
     base_id = args.sandbox_id or f"shinkend-{os.getpid()}"
     if args.fleet:
@@ -200,11 +200,11 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[Sandbox]:
         if args.launch:
             options["launch"] = shlex.split(args.launch)
         specs = [(base_id, options)]
-    sandboxes: list[Sandbox] = []
+    sandboxes: list[SandboxState] = []
     try:
         for sandbox_id, options in specs:
             display = make_display(args.display, width, height, **options)
-            sandboxes.append(Sandbox(sandbox_id, display, StreamRegistry(display, args.stream_grace)))
+            sandboxes.append(SandboxState(sandbox_id, display, StreamRegistry(display, args.stream_grace)))
             await display.start()
     except BaseException:
         await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)

@@ -28,6 +28,7 @@ from shinken_sync.protocol import (
     encode_reply,
     quote,
 )
+from shinken_sync.verbs import check_names
 
 from .args import STREAM_PARAMS, Screen, validate
 from .deadline import within
@@ -57,8 +58,9 @@ FILE_THREADS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="shin
 
 
 @dataclass
-class Sandbox:
-    """Everything one sandbox owns inside the daemon."""
+class SandboxState:
+    """Everything one sandbox owns inside the daemon. (Not the SDK's
+    ``shinken_sync.Sandbox``, the client's handle on a sandbox: issue 12.)"""
 
     sandbox_id: str
     display: Display
@@ -75,10 +77,10 @@ class Sandbox:
         await self.display.close()
 
 
-Handler = Callable[[Sandbox, Outbox, dict[str, Any]], Awaitable["dict[str, Any] | EncodedImage"]]
+Handler = Callable[[SandboxState, Outbox, dict[str, Any]], Awaitable["dict[str, Any] | EncodedImage"]]
 
 
-async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
+async def execute(sandbox: SandboxState, outbox: Outbox, call: Call) -> str | bytes:
     """Run one call and return its encoded reply (text, or binary for an image)."""
     reply = await _execute(sandbox, outbox, call)
     try:
@@ -95,7 +97,7 @@ async def execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
     return reply
 
 
-async def _execute(sandbox: Sandbox, outbox: Outbox, call: Call) -> str | bytes:
+async def _execute(sandbox: SandboxState, outbox: Outbox, call: Call) -> str | bytes:
     try:
         params = validate(call.verb, call.args, sandbox.screen)
         result = await HANDLERS[call.verb](sandbox, outbox, params)
@@ -124,61 +126,61 @@ async def _on_display(action: Awaitable[Any], what: str, timeout: float | None =
 # Handlers: (sandbox, outbox, validated params) -> result dict or EncodedImage
 
 
-async def _screenshot(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> EncodedImage:
+async def _screenshot(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> EncodedImage:
     return await _on_display(sb.display.screenshot(**p), "screenshot")
 
 
-async def _click(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _click(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await _on_display(sb.display.click(p["x"], p["y"], p["button"], p["count"]), "click")
     return {}
 
 
-async def _move(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _move(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await _on_display(sb.display.move(p["x"], p["y"]), "move")
     return {}
 
 
-async def _drag(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _drag(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await _on_display(sb.display.drag(p["x0"], p["y0"], p["x1"], p["y1"], p["button"]), "drag")
     return {}
 
 
-async def _scroll(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _scroll(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await _on_display(sb.display.scroll(p["dx"], p["dy"], p["x"], p["y"]), "scroll")
     return {}
 
 
-async def _type(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _type(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     # Real keyboards type a character every ~10 ms; long texts get the time they need.
     timeout = DISPLAY_CALL_TIMEOUT_S + len(p["text"]) * TYPE_TIMEOUT_PER_CHAR_S
     await _on_display(sb.display.type_text(p["text"]), "type", timeout)
     return {}
 
 
-async def _key(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _key(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await _on_display(sb.display.key(p["combo"]), "key")
     return {}
 
 
-async def _cursor(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _cursor(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     x, y = await _on_display(sb.display.cursor(), "cursor")
     return {"x": x, "y": y}
 
 
-async def _screen_size(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _screen_size(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return {"width": sb.display.width, "height": sb.display.height}
 
 
-async def _wait(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _wait(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     await asyncio.sleep(p["ms"] / 1000)
     return {"waited_ms": p["ms"]}
 
 
-async def _token(sb: Sandbox) -> Hashable:
+async def _token(sb: SandboxState) -> Hashable:
     return await _on_display(sb.display.change_token(), "change_token")
 
 
-async def _wait_change(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _wait_change(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + p["timeout_ms"] / 1000
@@ -190,7 +192,7 @@ async def _wait_change(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[s
     raise VerbTimeout(f"the screen did not change within {p['timeout_ms']} ms")
 
 
-async def _wait_stable(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _wait_stable(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     stable_s = p["stable_ms"] / 1000
@@ -213,27 +215,27 @@ def _ms_since(loop: asyncio.AbstractEventLoop, start: float) -> float:
     return round((loop.time() - start) * 1000, 1)
 
 
-async def _exec(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _exec(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return await sb.shell.exec(p)
 
 
-async def _read_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _read_file(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.get_running_loop().run_in_executor(FILE_THREADS, read_file, p)
 
 
-async def _write_file(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _write_file(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.get_running_loop().run_in_executor(FILE_THREADS, write_file, p)
 
 
-async def _screencast_start(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _screencast_start(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return sb.streams.start(outbox, p)
 
 
-async def _screencast_stop(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _screencast_stop(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return sb.streams.stop(p["stream_id"])
 
 
-async def _resume_screencast(sb: Sandbox, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+async def _resume_screencast(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return sb.streams.resume(outbox, p["stream_id"], {k: p[k] for k in STREAM_PARAMS})
 
 
@@ -257,3 +259,4 @@ HANDLERS: dict[str, Handler] = {
     "screencast_stop": _screencast_stop,
     "resume_screencast": _resume_screencast,
 }
+check_names("daemon.verbs.HANDLERS", HANDLERS)

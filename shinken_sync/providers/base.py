@@ -9,8 +9,11 @@ and with what exit code or signal.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from shinken_sync.liveness import Liveness
+
+__all__ = ["Handle", "Liveness", "Provider"]  # Liveness: re-exported, defined apart (no import circle)
 
 if TYPE_CHECKING:  # imported on use: the SDK modules need not load with the interface
     from shinken_sync.client import AsyncSandbox
@@ -19,23 +22,6 @@ if TYPE_CHECKING:  # imported on use: the SDK modules need not load with the int
 Handle = TypeVar("Handle")
 # What __enter__ returns: the provider's own class (typing.Self is 3.11+).
 _ProviderT = TypeVar("_ProviderT", bound="Provider[Any]")
-
-
-@dataclass(frozen=True)
-class Liveness:
-    """What a provider knows about one sandbox right now.
-
-    ``exit_code`` is set when the sandbox exited on its own, ``signal`` when it
-    was killed by one (``oom`` when the kernel's OOM killer did it and the
-    provider can tell). Providers that cannot introspect report
-    ``alive=True`` with ``detail="unknown"``.
-    """
-
-    alive: bool
-    exit_code: int | None = None
-    signal: int | None = None
-    oom: bool = False
-    detail: str = ""
 
 
 class Provider(abc.ABC, Generic[Handle]):

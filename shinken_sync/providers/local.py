@@ -160,6 +160,11 @@ class LocalFleetProvider(Provider[LocalSandbox]):
     def size(self) -> int:
         return len(self._host.ready["urls"])
 
+    @property
+    def pid(self) -> int:
+        """The fleet host's process id (for a liveness probe in another process)."""
+        return self._host.pid
+
     def create(self, **options: Any) -> LocalSandbox:
         if options:
             raise TypeError("fleet sandboxes are configured when the fleet starts")

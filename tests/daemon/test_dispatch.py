@@ -18,7 +18,7 @@ def _run(display_patch, verb="click", args=None):
     async def main():
         display = VirtualDisplay(1024, 768)
         display_patch(display)
-        sandbox = verbs.Sandbox("t", display, StreamRegistry(display))
+        sandbox = verbs.SandboxState("t", display, StreamRegistry(display))
         call = protocol.Call(1, verb, args if args is not None else {"x": 1, "y": 1})
         return json.loads(await verbs.execute(sandbox, outbox=None, call=call))
 

@@ -415,7 +415,7 @@ def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # item 8, the
             return EncodedImage(b"\x89PNG" + bytes(protocol.MAX_MESSAGE_SIZE), "png", 1024, 768, 1.0)
 
         display.screenshot = huge
-        sandbox = verbs.Sandbox("t", display, StreamRegistry(display))
+        sandbox = verbs.SandboxState("t", display, StreamRegistry(display))
         return await verbs.execute(sandbox, None, protocol.Call(9, "screenshot", {"format": "png"}))
 
     reply = asyncio.run(main())
@@ -439,7 +439,7 @@ def test_an_unencodable_result_becomes_an_internal_error_reply():  # item 10, th
             return ("\ud800", 0)  # as if a backend leaked an undecodable name
 
         display.cursor = cursor
-        sandbox = verbs.Sandbox("t", display, StreamRegistry(display))
+        sandbox = verbs.SandboxState("t", display, StreamRegistry(display))
         return await verbs.execute(sandbox, None, protocol.Call(3, "cursor", {}))
 
     reply = asyncio.run(main())

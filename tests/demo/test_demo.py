@@ -119,7 +119,7 @@ def _start_long_demo(out: Path, log: Path) -> subprocess.Popen:
                               "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
-        while not re.search(r"\] [1-9]\d*/1000 steps", log.read_text()):
+        while not re.search(r"\| *[1-9]\d*/1000 \[", log.read_text()):  # tqdm's "| 131/1000 [00:02<..."
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
     except BaseException:

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from shinken_sync import client, sync
+from shinken_sync import client, client_protocol, sync
 from shinken_sync.client import AsyncSandbox
 from shinken_sync.errors import ActionError, AuthRefused, RPCTimeout, SandboxClosed
 from shinken_sync.results import ExecResult, Frame, Screenshot, StepResult
@@ -69,7 +69,7 @@ def test_a_deadline_rule_for_a_missing_method_is_refused():
         __slots__ = ()
 
     with pytest.raises(TypeError, match="renamed"):
-        sync._derive(Facade, AsyncSandbox, {"renamed": sync._fixed(1.0)})
+        sync._derive(Facade, AsyncSandbox, {"renamed": client_protocol._fixed(1.0)})
 
 
 def test_derived_methods_take_and_check_arguments_like_the_async_ones():
@@ -85,7 +85,7 @@ def test_derived_methods_take_and_check_arguments_like_the_async_ones():
     class Facade(sync._Facade):
         __slots__ = ()
 
-    sync._derive(Facade, Source, {"step": sync._step_deadline})
+    sync._derive(Facade, Source, {"step": client_protocol._step_deadline})
     with SharedLoop("args-loop") as shared:
         facade = Facade(Source(), shared)
         assert facade.click(1, 2) == (1, 2, "left", None)
@@ -114,11 +114,11 @@ def test_sandboxes_on_one_shared_loop_share_its_frame_budget():
 
 def test_deadlines_follow_the_async_cores_own():
     target = 30.0  # the connection's rpc_timeout
-    rules = sync._SANDBOX_RULES
-    assert sync._one_call("cursor")(target, {"timeout": None}) == 30.0
-    assert sync._one_call("cursor")(target, {"timeout": 2.0}) == 2.0
+    rules = client_protocol.SANDBOX_DEADLINES
+    assert client_protocol.one_call("cursor")(target, {"timeout": None}) == 30.0
+    assert client_protocol.one_call("cursor")(target, {"timeout": 2.0}) == 2.0
     wait_deadline = 30.0 + 5.0 + client.WAITING_VERB_SLACK
-    assert sync._one_call("wait")(target, {"ms": 5000, "timeout": None}) == wait_deadline
+    assert client_protocol.one_call("wait")(target, {"ms": 5000, "timeout": None}) == wait_deadline
     actions = iter([{"verb": "click", "x": 1, "y": 1}, {"verb": "wait", "ms": 5000}])
     args = {"actions": actions, "timeout": None, "observe": None}
     assert rules["act_batch"](target, args) == 30.0 + wait_deadline

@@ -20,6 +20,7 @@ from shinken_sync.errors import (
     AuthRefused,
     ConnectError,
     ConnectionLost,
+    ProtocolMismatch,
     ProtocolViolation,
     RPCTimeout,
     SandboxClosed,
@@ -395,7 +396,7 @@ def test_oversized_call_is_refused_before_sending(run, peer, helpers):
     run(body())
 
 
-def test_protocol_version_mismatch_is_connect_error(run, peer):
+def test_protocol_version_mismatch_is_a_typed_connect_error(run, peer):
     async def script(ws):
         hello = protocol.Hello(protocol.PROTOCOL_VERSION + 1, "future", 10, 10, (), "none")
         await ws.send(protocol.encode_hello(hello))
@@ -403,8 +404,10 @@ def test_protocol_version_mismatch_is_connect_error(run, peer):
 
     async def body():
         async with peer(script, send_hello=False) as url:
-            with pytest.raises(ConnectError, match="protocol"):
+            with pytest.raises(ProtocolMismatch, match="protocol version") as err:
                 await aconnect(url, TOKEN)
+        assert isinstance(err.value, ConnectError) and err.value.url == url
+        assert (err.value.daemon, err.value.client) == (protocol.PROTOCOL_VERSION + 1, protocol.PROTOCOL_VERSION)
 
     run(body())
 

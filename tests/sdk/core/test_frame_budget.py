@@ -184,3 +184,101 @@ def test_client_budget_spans_connections_and_spares_the_live_consumer(run, peer,
             assert budget.used_bytes == 0
 
     run(body())
+
+
+def _pushing_script(helpers, frames: int = 20):
+    async def script(ws):
+        (call,) = await helpers.calls(ws, 1)
+        await helpers.answer(ws, call)  # screencast_start -> stream "s1"
+        for seq in range(1, frames + 1):
+            await ws.send(helpers.frame("s1", seq, size=10_000))
+        await helpers.serve_forever(ws)
+
+    return script
+
+
+async def _stalled_stream(url, frames: int = 20, **options):
+    """A connection whose stream gets ``frames`` frames that nobody reads."""
+    sb = await aconnect(url, "test-token", **options)
+    stream = await sb.screencast()
+    while stream.counters.queued_frames + stream.counters.frames_evicted + stream.counters.frames_dropped < frames:
+        await asyncio.sleep(0.01)
+    return sb, stream
+
+
+def test_a_per_loop_budget_is_not_overridden_by_the_global_default(run, peer, helpers, monkeypatch):
+    """Issue 12: the global used to be copied into the loop's budget at every frame."""
+    frame_size = len(helpers.frame("s1", 1, size=10_000))
+    monkeypatch.setattr(client, "GLOBAL_FRAME_BUDGET_BYTES", None)
+
+    async def body():
+        async with peer(_pushing_script(helpers)) as url:
+            budget = loop_frame_budget()
+            budget.limit = 3 * frame_size  # this loop's own limit
+            sb, stream = await _stalled_stream(url)
+            assert budget.limit == 3 * frame_size
+            assert stream.counters.frames_evicted > 0 and budget.used_bytes <= 3 * frame_size
+            await sb.close()
+
+    run(body())
+
+
+def test_aconnect_sets_its_loops_budget_and_the_global_is_only_a_default(run, peer, helpers, monkeypatch):
+    frame_size = len(helpers.frame("s1", 1, size=10_000))
+    monkeypatch.setattr(client, "GLOBAL_FRAME_BUDGET_BYTES", 4 * frame_size)
+
+    async def body():
+        async with peer(_pushing_script(helpers)) as url:
+            sb, _ = await _stalled_stream(url, frame_budget_bytes=2 * frame_size)
+            budget = loop_frame_budget()
+            assert budget.limit == 2 * frame_size and budget.used_bytes <= 2 * frame_size
+            client.GLOBAL_FRAME_BUDGET_BYTES = None  # read at creation only: this loop keeps its limit
+            other, _ = await _stalled_stream(url)
+            assert budget.limit == 2 * frame_size and budget.used_bytes <= 2 * frame_size
+            await asyncio.gather(sb.close(), other.close())
+        with pytest.raises(ValueError, match="frame_budget_bytes"):
+            await aconnect(url, "test-token", frame_budget_bytes=-1)
+
+    run(body())
+
+
+def test_a_shared_loop_has_its_own_budget(peer, helpers, monkeypatch):
+    from shinken_sync.sharedloop import SharedLoop
+    from shinken_sync.sync import connect
+
+    frame_size = len(helpers.frame("s1", 1, size=10_000))
+    monkeypatch.setattr(client, "GLOBAL_FRAME_BUDGET_BYTES", 50 * frame_size)
+
+    async def serve(ready, stop):
+        async with peer(_pushing_script(helpers)) as url:
+            ready.set_result(url)
+            await stop
+
+    import threading
+
+    server_loop = asyncio.new_event_loop()
+    ready, stop = server_loop.create_future(), server_loop.create_future()
+    thread = threading.Thread(target=server_loop.run_until_complete, args=(serve(ready, stop),))
+    thread.start()
+    try:
+        url = asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(ready), 10), server_loop).result()
+        shared = SharedLoop("own-budget", frame_budget_bytes=2 * frame_size)
+        with shared, connect(url, "test-token", loop=shared) as sb:
+            stream = sb.screencast()
+            budget = shared.run(_budget())
+            assert budget.limit == 2 * frame_size
+            for _ in range(500):
+                if stream.counters.frames_evicted:
+                    break
+                shared.run(asyncio.sleep(0.01))
+            assert stream.counters.frames_evicted > 0 and budget.limit == 2 * frame_size
+    finally:
+        server_loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(10)
+        server_loop.close()
+    with pytest.raises(ValueError, match="frame_budget_bytes"):
+        SharedLoop("bad", frame_budget_bytes=-5)
+
+
+async def _budget():
+    return loop_frame_budget()
