@@ -29,6 +29,7 @@ from werkzeug.http import HTTP_STATUS_CODES
 from webapp.ipc import FrameTooLarge, IpcError, IpcRemoteError, IpcTimeout
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import PROXY_HEADERS, PROXY_METHODS, is_openai_path, openai_error_body
+from webapp.scaleout import INSTANCE_ENV, check_instance_tag
 from webapp.settings import float_settings_from_env, replay_settings_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, Supervisor, SupervisorConfig
@@ -63,6 +64,7 @@ class RouterConfig:
     heartbeat_timeout: float = 10.0
     routing_replay_layers: int = 0  # the workers' replay settings (webapp.settings.REPLAY_SETTINGS)
     indexer_replay: bool = False
+    instance: str | None = None  # tag minted into session ids behind nginx (webapp.scaleout)
 
     @property
     def chat_timeout(self) -> float:
@@ -78,6 +80,7 @@ class RouterConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RouterConfig:
         """``SHINKEN_WORKERS``, ``SHINKEN_BACKEND_URL``, ``SHINKEN_TOKENIZER``, ``SHINKEN_API_KEY``,
+        ``SHINKEN_INSTANCE``,
         and ``SHINKEN_<FIELD>`` (upper case) for every float field."""
         env = os.environ if environ is None else environ
         try:
@@ -86,6 +89,7 @@ class RouterConfig:
             raise ValueError("SHINKEN_BACKEND_URL is not set") from None
         return cls(workers=int(env.get("SHINKEN_WORKERS", "1")), backend_url=backend_url,
                    tokenizer=env.get("SHINKEN_TOKENIZER") or None, api_key=env.get(API_KEY_ENV) or None,
+                   instance=check_instance_tag(env[INSTANCE_ENV]) if env.get(INSTANCE_ENV) else None,
                    **float_settings_from_env(cls, env), **replay_settings_from_env(env))
 
     def supervisor_config(self) -> SupervisorConfig:
@@ -228,12 +232,13 @@ def create_app(config: RouterConfig | None = None) -> Flask:
         if bad:
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
             return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad))
-        return Response(json.dumps({"status": "ok", "session_server_instance_id": instance_id}),
+        return Response(json.dumps({"status": "ok", "session_server_instance_id": instance_id,
+                                   "instance": config.instance}),
                         status=200, content_type="application/json")
 
     @app.post("/sessions")
     def create_session() -> Response:
-        return call(mint_session_id(), "create_session")
+        return call(mint_session_id(config.instance), "create_session")
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:

@@ -4,7 +4,8 @@
 
     shinken-session-server --workers N [--backend-url URL] [--bind HOST:PORT]
                            [--tokenizer PATH] [--api-key KEY]
-                           [--routing-replay-layers L] [--indexer-replay]
+                           [--routing-replay-layers L] [--indexer-replay] [--instance TAG]
+    shinken-session-server nginx-config TAG=HOST:PORT ... [--listen ADDR] [--full PREFIX] [--out FILE]
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -21,6 +22,10 @@ process starts dies with it however it dies, SIGKILL included (:mod:`shinken_syn
 gunicorn gets SIGTERM from the kernel, its router worker in turn (``gunicorn.conf.py``), the
 session workers SIGKILL from theirs, and the reference backend watches its parent pid. A usage
 error (a taken port, a bad number) is one line on stderr and exit code 2.
+
+``--instance TAG`` makes this server one of several behind nginx: its session ids start with
+``TAG-``, and ``nginx-config`` prints the nginx config routing each id to its owner
+(:mod:`webapp.scaleout`, docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 
 from shinken_sync.cliargs import Parser, non_negative_int
 from shinken_sync.lifetime import parent_death_preexec
+from webapp.scaleout import INSTANCE_ENV, INSTANCE_PATTERN
 from webapp.settings import parse_bind
 
 __all__ = ["READY_URL_PATTERN", "main", "server_argv"]
@@ -109,12 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--read-timeout", type=float, default=None,
                         help="backend read timeout per turn, seconds "
                              "(default: $SHINKEN_READ_TIMEOUT, else the built-in setting)")
+    parser.add_argument("--instance", default=None,
+                        help="instance tag ([a-z0-9]{1,16}) minted into session ids, for several servers "
+                             "behind nginx (see `shinken-session-server nginx-config -h`); router mode only")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["nginx-config"]:
+        from webapp import scaleout
+
+        return scaleout.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.instance is not None:
+        if args.workers == 0:
+            parser.error("--instance is minted by the router: use --workers >= 1")
+        if not INSTANCE_PATTERN.fullmatch(args.instance):
+            parser.error(f"--instance must match {INSTANCE_PATTERN.pattern}, got {args.instance!r}")
     host, port = args.bind
     api_key = args.api_key or os.environ.get("SHINKEN_API_KEY") or None
     if api_key and args.workers == 0:
@@ -139,9 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             replay_layers = args.reference_r3_layers
     env = dict(os.environ, SHINKEN_BACKEND_URL=backend_url, SHINKEN_WORKERS=str(args.workers))
     env.pop("SHINKEN_API_KEY", None)
+    env.pop(INSTANCE_ENV, None)
     for name, value in (("SHINKEN_TOKENIZER", args.tokenizer), ("SHINKEN_API_KEY", api_key),
                         ("SHINKEN_HEARTBEAT_TIMEOUT", args.heartbeat_timeout),
-                        ("SHINKEN_READ_TIMEOUT", args.read_timeout),
+                        ("SHINKEN_READ_TIMEOUT", args.read_timeout), (INSTANCE_ENV, args.instance),
                         ("SHINKEN_ROUTING_REPLAY_LAYERS", replay_layers),
                         ("SHINKEN_INDEXER_REPLAY", "1" if args.indexer_replay else None)):
         if value is not None:
@@ -176,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
         print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": args.workers,
-                          "backend_url": backend_url, "pid": os.getpid()}), flush=True)
+                          "backend_url": backend_url, "pid": os.getpid(), "instance": args.instance}),
+              flush=True)
         return gunicorn.wait()
     finally:
         if gunicorn.poll() is None:
