@@ -32,7 +32,7 @@ from typing import Any
 
 import requests
 
-from shinken_sync.errors import ShinkenError
+from shinken_sync.errors import SandboxDied, ShinkenError
 from shinken_sync.lifetime import parent_death_preexec
 from shinken_sync.trajectory_file import compact_records
 
@@ -103,13 +103,13 @@ class SessionServer:
     lives as long as the demo (see shinken_sync.lifetime).
     """
 
-    def __init__(self, workers: int, port: int, log_path: Path):
+    def __init__(self, workers: int, port: int, log_path: Path, host: str = "127.0.0.1"):
         from webapp.serve import server_argv
 
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self._log = open(log_path, "wb")  # noqa: SIM115 (open for the child's life; closed in stop())
         self._proc = subprocess.Popen(
-            server_argv(workers, None, f"127.0.0.1:{port}"),
+            server_argv(workers, None, f"{host}:{port}"),
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (main thread, before any other)
         )
@@ -213,6 +213,8 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
         result = sandbox.step([action], observe=OBSERVE)
         elapsed = time.monotonic() - t0
         row = result.rows[0]
+        if isinstance(row.error, SandboxDied):  # every later turn would fail the same way
+            raise row.error
         last = {"action": action, "outcome": row.outcome}
         step = {"turn": turn, "action": action, "outcome": row.outcome, "error": error_info(row.error),
                 "step_latency_s": round(elapsed, 4)}
@@ -449,6 +451,10 @@ def prepare_out(path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", None):  # the rollout over a Ray cluster (shinken_sync.demo_ray)
+        from shinken_sync import demo_ray
+
+        return demo_ray.run(args)
     from shinken_sync.providers.local import LocalProvider
 
     # Every check before anything is created or started.

@@ -142,7 +142,9 @@ def full_config(body: str, prefix: str) -> str:
     return "\n".join([
         "daemon off;", "worker_processes 1;", f"pid {p / 'nginx.pid'};", f"error_log {p / 'error.log'} warn;",
         "events { worker_connections 4096; }", "http {",
-        f"    access_log {p / 'access.log'};",
+        "    log_format shinken '$status $request_method $request_uri -> $upstream_addr $upstream_status "
+        "$request_time $upstream_response_time';",
+        f"    access_log {p / 'access.log'} shinken;",
         f"    client_body_temp_path {p / 'client_body'};", f"    proxy_temp_path {p / 'proxy'};",
         f"    fastcgi_temp_path {p / 'fastcgi'};", f"    uwsgi_temp_path {p / 'uwsgi'};",
         f"    scgi_temp_path {p / 'scgi'};",

@@ -1,0 +1,176 @@
+"""``shinken demo --ray auto|ADDRESS``: the demo's rollout spread over a Ray cluster.
+
+The process that runs this is the Ray driver. It places the sandboxes with
+:class:`~shinken_sync.providers.ray_cluster.RayProvider` (spread over the nodes), starts K
+:class:`EpisodeDriver` actors (spread too), gives each its share of the episodes and gathers
+what they return into the same outputs as the single-process demo (:func:`demo.write_outputs`).
+Each driver actor is its own process with its own :class:`~shinken_sync.sync.SharedLoop` and
+blocking :class:`~shinken_sync.sync.Sandbox` es, one thread per episode, running the very
+same :func:`demo.run_episode` against the session server(s) at ``--session-server`` (the
+front proxy: nginx in front of several instances, docs/scale-out.md) or, without it, a
+session server this process starts on its own node's cluster address.
+
+Failure costs only what failed: a sandbox whose node died ends its episode with
+``SandboxDied`` and Ray's cause; a driver actor that died (its node, or its process) marks
+its episodes ``DriverLost`` with Ray's cause; every other episode finishes and is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import requests
+
+from shinken_sync import demo
+from shinken_sync.errors import ShinkenError
+
+__all__ = ["EpisodeDriver", "run"]
+
+
+class DriverLost(Exception):
+    """A driver actor died before returning its episodes (Ray's cause in the message)."""
+
+
+class EpisodeDriver:
+    """One driver actor's body (wrapped with ``ray.remote`` on use, so this imports without Ray)."""
+
+    def __init__(self) -> None:
+        from shinken_sync.sync import SharedLoop
+
+        self.loop = SharedLoop()  # this driver's own loop thread for all its sandboxes
+        self.node_ip = _own_node_ip()
+
+    def run(self, jobs: list[tuple[int, Any]], server: str, turns: int) -> dict[str, Any]:
+        """Run one episode per ``(index, RaySandbox)``; return the episodes and the timings."""
+        from shinken_sync.providers.ray_cluster import probe
+        from shinken_sync.sync import connect
+
+        progress = demo.Progress(len(jobs) * turns, stream=io.StringIO())
+        stop = threading.Event()
+        http = requests.Session()
+        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, len(jobs))))
+        episodes = [demo.Episode(index=i, sandbox_id=f"{h.sandbox_id}@{h.node_ip}") for i, h in jobs]
+
+        def worker(ep: demo.Episode, handle: Any) -> None:
+            sandbox = None
+            try:
+                sandbox = connect(handle.url, token=handle.token, loop=self.loop,
+                                  liveness_probe=lambda: probe(handle))
+                demo.run_episode(ep, sandbox, server, turns, http, stop, progress)
+            except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
+                ep.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if sandbox is not None:
+                    with contextlib.suppress(ShinkenError):
+                        sandbox.close()
+
+        progress.start()
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="episode") as pool:
+            list(pool.map(worker, episodes, [h for _, h in jobs]))
+        progress.finished = time.monotonic()
+        return {"episodes": episodes, "node_ip": self.node_ip, "done": progress.done,
+                "latencies": progress.latencies, "chats": progress.chats, "observes": progress.observes,
+                "outcomes": progress.outcomes}
+
+
+def _own_node_ip() -> str:
+    """This process's node address as the cluster knows it (never a guess of our own)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def _connect(address: str, node_ip: str | None) -> None:
+    import ray
+
+    kwargs: dict[str, Any] = {"_node_ip_address": node_ip} if node_ip else {}
+    # Workers import shinken_sync from the driver's PYTHONPATH when it is set (an editable
+    # checkout); an installed package is importable anyway.
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    ray.init(address=address, logging_level="warning", log_to_driver=False,
+             runtime_env={"env_vars": env} if env else None, **kwargs)
+
+
+def _merge(progress: demo.Progress, part: dict[str, Any]) -> None:
+    progress.done += part["done"]
+    progress.latencies += part["latencies"]
+    progress.chats += part["chats"]
+    progress.observes += part["observes"]
+    for outcome, count in part["outcomes"].items():
+        progress.outcomes[outcome] = progress.outcomes.get(outcome, 0) + count
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray.exceptions import RayActorError
+    except ImportError:
+        raise demo.DemoError("--ray needs Ray: pip install 'shinken[ray]'") from None
+    from shinken_sync.providers.ray_cluster import SANDBOX_RESOURCE, RayProvider
+
+    demo.check_display(args.display)
+    out = demo.prepare_out(args.out)
+    try:
+        _connect(args.ray, args.node_ip)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise demo.DemoError(f"--ray {args.ray}: cannot connect to the Ray cluster: {exc}") from None
+    server = None
+    provider = None
+    drivers: list[Any] = []
+    episodes: list[demo.Episode] = []
+    progress = demo.Progress(args.sandboxes * args.turns)
+    try:
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        k = args.drivers or len(nodes)
+        if args.session_server:
+            server_url = args.session_server.rstrip("/")
+        else:
+            host = _own_node_ip()
+            server = demo.SessionServer(args.workers, args.port or demo._free_port(host), out / "session-server.log",
+                                        host=host)
+            server_url = server.url
+        print(f"shinken demo (ray {args.ray}): {args.sandboxes} {args.display} sandboxes x {args.turns} turns "
+              f"on {len(nodes)} nodes, {k} driver actors, session server {server_url} -> {out}/", file=sys.stderr)
+        provider = RayProvider(strategy="spread", use_sandbox_resource=SANDBOX_RESOURCE in ray.cluster_resources(),
+                               display=args.display, screen=demo.SCREEN,
+                               extra_args=demo.display_args(args.display))
+        handles = provider.create_many(args.sandboxes)
+        if server is not None:
+            server.wait_ready()
+        driver_class = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(EpisodeDriver)
+        drivers = [driver_class.options(scheduling_strategy="SPREAD").remote() for _ in range(k)]
+        shares: list[list[tuple[int, Any]]] = [list(enumerate(handles))[d::k] for d in range(k)]
+        episodes = [demo.Episode(index=i, sandbox_id=f"{h.sandbox_id}@{h.node_ip}") for i, h in enumerate(handles)]
+        progress.start()
+        futures = [d.run.remote(share, server_url, args.turns) for d, share in zip(drivers, shares)]
+        for share, future in zip(shares, futures):
+            try:
+                part = ray.get(future)
+            except RayActorError as exc:
+                cause = " ".join(str(exc).split())[:600]
+                for index, _ in share:
+                    episodes[index].error = f"{DriverLost.__name__}: {cause}"
+                continue
+            for ep in part["episodes"]:
+                episodes[ep.index] = ep
+            _merge(progress, part)
+        progress.finish()
+    finally:
+        for actor in drivers:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        if provider is not None:
+            provider.close()
+        if server is not None:
+            server.stop()
+        ray.shutdown()
+    return demo.write_outputs(out, episodes, progress, interrupted=False)
