@@ -29,6 +29,8 @@ setup(
     extras_require={
         "xvfb": ["mss>=9,<11"],
         "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
+        # RayProvider and `shinken demo --ray` (docs/scale-out.md); plain ray: no dashboard, no extras.
+        "ray": ["ray>=2.40,<3"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",

@@ -114,8 +114,8 @@ def nginx_config(instances: Sequence[Instance], listen: Sequence[str] = ("127.0.
             "    }",
             "    location /sessions/ {",
             "        if ($shinken_owner = \"\") {",
-            "            return 404 '{\"error\": \"no session server instance owns this session id "
-            "(expected TAG-<hex> with a configured TAG)\"}';",
+            ("            return 404 '{\"error\": \"no session server instance owns this session id "
+             "(expected TAG-<hex> with a configured TAG)\"}';"),
             "        }",
             "        proxy_next_upstream off;",
             f"        error_page {_UNREACHABLE} = @instance_down;",
@@ -123,8 +123,8 @@ def nginx_config(instances: Sequence[Instance], listen: Sequence[str] = ("127.0.
             "    }",
             "    location @instance_down {",
             "        add_header Retry-After 5 always;",
-            "        return 503 '{\"error\": \"session server instance $shinken_owner is unavailable; "
-            "its sessions are gone or unreachable\", \"instance\": \"$shinken_owner\"}';",
+            ("        return 503 '{\"error\": \"session server instance $shinken_owner is unavailable; "
+             "its sessions are gone or unreachable\", \"instance\": \"$shinken_owner\"}';"),
             "    }",
             "    location / {",
             "        proxy_next_upstream error timeout;",
@@ -142,8 +142,8 @@ def full_config(body: str, prefix: str) -> str:
     return "\n".join([
         "daemon off;", "worker_processes 1;", f"pid {p / 'nginx.pid'};", f"error_log {p / 'error.log'} warn;",
         "events { worker_connections 4096; }", "http {",
-        "    log_format shinken '$status $request_method $request_uri -> $upstream_addr $upstream_status "
-        "$request_time $upstream_response_time';",
+        ("    log_format shinken '$status $request_method $request_uri -> $upstream_addr $upstream_status "
+         "$request_time $upstream_response_time';"),
         f"    access_log {p / 'access.log'} shinken;",
         f"    client_body_temp_path {p / 'client_body'};", f"    proxy_temp_path {p / 'proxy'};",
         f"    fastcgi_temp_path {p / 'fastcgi'};", f"    uwsgi_temp_path {p / 'uwsgi'};",

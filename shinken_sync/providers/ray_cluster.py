@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .base import Liveness, Provider
-from .errors import ProviderError, ProviderExhausted, UnknownHandle
+from .errors import ProviderError, UnknownHandle
 from .local import daemon_argv
 from .process import DEFAULT_START_TIMEOUT_S
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 from tests.scaleout.hosts import Hosts
 from webapp.serve import server_argv
 
-NGINX = "/usr/sbin/nginx"
+NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 NGINX_PORT = 8080  # inside nginx's own namespace
 
 

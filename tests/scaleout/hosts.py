@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -29,7 +30,7 @@ def can_make_hosts() -> str | None:
     """None when namespaces can be made here, else why not (a skip reason)."""
     if os.geteuid() != 0:
         return "needs root: the scale-out tests create network namespaces (ip netns add)"
-    if subprocess.run(["which", "ip"], capture_output=True).returncode != 0:
+    if shutil.which("ip") is None and shutil.which("ip", path="/usr/sbin:/sbin") is None:
         return "needs iproute2 (the ip command); .ci/run installs it"
     return None
 
@@ -78,7 +79,7 @@ class Hosts:
         return subprocess.Popen(self.argv(i, argv), **kwargs)
 
     def run(self, i: int, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(i, argv), **kwargs)
+        return subprocess.run(self.argv(i, argv), check=kwargs.pop("check", False), **kwargs)
 
     def pids(self, i: int) -> list[int]:
         out = _ip("netns", "pids", self.namespaces[i], check=False).stdout
@@ -107,7 +108,7 @@ class Hosts:
         _ip("link", "del", self.bridge, check=False)
         self.namespaces = []
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Hosts:  # noqa: PYI034 (no typing.Self on 3.10)
         return self
 
     def __exit__(self, *exc: object) -> None:

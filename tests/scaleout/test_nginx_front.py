@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.scaleout.front import Nginx, UnixHTTPConnection, request, start_instance
+from tests.scaleout.front import NGINX, Nginx, UnixHTTPConnection, request, start_instance
+
+pytestmark = [pytest.mark.scaleout, pytest.mark.integration]
 
 SESSIONS = 200
 TAGS = ("alpha", "bravo", "charlie")
@@ -21,6 +23,8 @@ TAGS = ("alpha", "bravo", "charlie")
 
 @pytest.fixture(scope="module")
 def front(hosts):
+    if NGINX is None:
+        pytest.skip("needs nginx (Debian package nginx; .ci/run installs it)")
     instances = []
     nginx = None
     try:

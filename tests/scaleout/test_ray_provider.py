@@ -15,6 +15,8 @@ import pytest
 
 from tests.scaleout.conftest import driver, read_event
 
+pytestmark = [pytest.mark.scaleout, pytest.mark.integration]
+
 DRIVER = str(Path(__file__).with_name("ray_provider_driver.py"))
 
 
