@@ -23,7 +23,6 @@ import io
 import os
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,35 +47,44 @@ class EpisodeDriver:
         self.loop = SharedLoop()  # this driver's own loop thread for all its sandboxes
         self.node_ip = _own_node_ip()
 
-    def run(self, jobs: list[tuple[int, Any]], server: str, turns: int) -> dict[str, Any]:
-        """Run one episode per ``(index, RaySandbox)``; return the episodes and the timings."""
+    def connect(self, jobs: list[tuple[int, Any]]) -> str:
+        """Dial one sandbox per ``(index, RaySandbox)`` (before the rollout clock starts, as the
+        single-process demo does); a sandbox that cannot be dialled fails only its episode."""
         from shinken_sync.providers.ray_cluster import probe
         from shinken_sync.sync import connect
 
-        progress = demo.Progress(len(jobs) * turns, stream=io.StringIO())
+        self.episodes = [demo.Episode(index=i, sandbox_id=f"{h.sandbox_id}@{h.node_ip}") for i, h in jobs]
+        self.sandboxes: list[Any] = []
+        for ep, (_, handle) in zip(self.episodes, jobs):
+            try:
+                self.sandboxes.append(connect(handle.url, token=handle.token, loop=self.loop,
+                                              liveness_probe=lambda h=handle: probe(h)))
+            except ShinkenError as exc:
+                ep.error = f"{type(exc).__name__}: {exc}"
+                self.sandboxes.append(None)
+        return self.node_ip
+
+    def run(self, server: str, turns: int) -> dict[str, Any]:
+        """Run the connected episodes; return them and the timings."""
+        progress = demo.Progress(len(self.episodes) * turns, stream=io.StringIO())
         stop = threading.Event()
         http = requests.Session()
-        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, len(jobs))))
-        episodes = [demo.Episode(index=i, sandbox_id=f"{h.sandbox_id}@{h.node_ip}") for i, h in jobs]
+        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, len(self.episodes))))
 
-        def worker(ep: demo.Episode, handle: Any) -> None:
-            sandbox = None
+        def worker(ep: demo.Episode, sandbox: Any) -> None:
+            if sandbox is None:
+                return
             try:
-                sandbox = connect(handle.url, token=handle.token, loop=self.loop,
-                                  liveness_probe=lambda: probe(handle))
                 demo.run_episode(ep, sandbox, server, turns, http, stop, progress)
             except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
                 ep.error = f"{type(exc).__name__}: {exc}"
             finally:
-                if sandbox is not None:
-                    with contextlib.suppress(ShinkenError):
-                        sandbox.close()
+                with contextlib.suppress(ShinkenError):
+                    sandbox.close()
 
-        progress.start()
-        with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="episode") as pool:
-            list(pool.map(worker, episodes, [h for _, h in jobs]))
-        progress.finished = time.monotonic()
-        return {"episodes": episodes, "node_ip": self.node_ip, "done": progress.done,
+        with ThreadPoolExecutor(max_workers=max(1, len(self.episodes)), thread_name_prefix="episode") as pool:
+            list(pool.map(worker, self.episodes, self.sandboxes))
+        return {"episodes": self.episodes, "node_ip": self.node_ip, "done": progress.done,
                 "latencies": progress.latencies, "chats": progress.chats, "observes": progress.observes,
                 "outcomes": progress.outcomes}
 
@@ -113,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import ray
         from ray.exceptions import RayActorError
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise demo.DemoError("--ray needs Ray: pip install 'shinken[ray]'") from None
     from shinken_sync.providers.ray_cluster import SANDBOX_RESOURCE, RayProvider
@@ -125,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         raise demo.DemoError(f"--ray {args.ray}: cannot connect to the Ray cluster: {exc}") from None
     server = None
     provider = None
+    group = None
     drivers: list[Any] = []
     episodes: list[demo.Episode] = []
     progress = demo.Progress(args.sandboxes * args.turns)
@@ -147,11 +158,20 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.wait_ready()
         driver_class = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(EpisodeDriver)
-        drivers = [driver_class.options(scheduling_strategy="SPREAD").remote() for _ in range(k)]
+        # One bundle per driver, spread: the drivers land on distinct nodes while there are
+        # enough, so a lost node costs at most its own share of episodes.
+        group = placement_group([{"CPU": 0.001}] * k, strategy="SPREAD")
+        ray.get(group.ready(), timeout=120)
+        drivers = [driver_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=i)).remote() for i in range(k)]
         shares: list[list[tuple[int, Any]]] = [list(enumerate(handles))[d::k] for d in range(k)]
         episodes = [demo.Episode(index=i, sandbox_id=f"{h.sandbox_id}@{h.node_ip}") for i, h in enumerate(handles)]
+        # Drivers start and dial their sandboxes before the clock starts (as the single-process
+        # demo connects before it); a driver lost here loses its episodes like one lost later.
+        connected = [d.connect.remote(share) for d, share in zip(drivers, shares)]
+        ray.wait(connected, num_returns=len(connected))
         progress.start()
-        futures = [d.run.remote(share, server_url, args.turns) for d, share in zip(drivers, shares)]
+        futures = [d.run.remote(server_url, args.turns) for d in drivers]
         for share, future in zip(shares, futures):
             try:
                 part = ray.get(future)
@@ -168,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         for actor in drivers:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
         if provider is not None:
             provider.close()
         if server is not None:
