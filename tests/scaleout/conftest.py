@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.scaleout.cluster import RayCluster
+from tests.scaleout.front import NGINX
 from tests.scaleout.hosts import Hosts, can_make_hosts
 
 HERE = Path(__file__).parent
@@ -38,6 +39,11 @@ def hosts() -> Iterator[Hosts]:
 def ray_cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> RayCluster:
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
     return RayCluster(hosts, tmp_path_factory.mktemp("ray"))
+
+
+def require_nginx() -> None:
+    if NGINX is None:
+        pytest.skip("needs nginx (Debian package nginx; .ci/run installs it)")
 
 
 def read_event(proc: subprocess.Popen, event: str) -> dict:

@@ -9,6 +9,7 @@ namespaces talks to it (filesystem, not network).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,23 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def nginx_front(hosts: Hosts, tags: tuple[str, ...]) -> Iterator[tuple[Nginx, list[Instance]]]:
+    """Instance ``tags[i]`` on host i, nginx on host 0 in front of them all; all stopped after."""
+    instances: list[Instance] = []
+    nginx = None
+    try:
+        instances = [start_instance(hosts, i, tag) for i, tag in enumerate(tags)]
+        nginx = Nginx(hosts, 0, instances)
+        yield nginx, instances
+    finally:
+        if nginx is not None:
+            nginx.stop()
+        for inst in instances:
+            if inst.proc.poll() is None:
+                inst.kill()
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):

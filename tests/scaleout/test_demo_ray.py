@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.scaleout.front import NGINX, Nginx, start_instance
+from tests.scaleout.conftest import require_nginx
+from tests.scaleout.front import nginx_front
 
 pytestmark = [pytest.mark.scaleout, pytest.mark.integration]
 
@@ -24,19 +25,9 @@ SANDBOXES = 6
 
 @pytest.fixture(scope="module")
 def front(hosts, ray_cluster):
-    if NGINX is None:
-        pytest.skip("needs nginx (Debian package nginx; .ci/run installs it)")
-    instances, nginx = [], None
-    try:
-        instances = [start_instance(hosts, i, tag) for i, tag in enumerate(("east", "west"))]
-        nginx = Nginx(hosts, 0, instances)
+    require_nginx()
+    with nginx_front(hosts, ("east", "west")) as (nginx, _):
         yield nginx
-    finally:
-        if nginx is not None:
-            nginx.stop()
-        for inst in instances:
-            if inst.proc.poll() is None:
-                inst.kill()
 
 
 def _demo(ray_cluster, hosts, nginx, out, turns: int) -> subprocess.Popen:

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.scaleout.front import NGINX, Nginx, UnixHTTPConnection, request, start_instance
+from tests.scaleout.conftest import require_nginx
+from tests.scaleout.front import Nginx, UnixHTTPConnection, nginx_front, request
 
 pytestmark = [pytest.mark.scaleout, pytest.mark.integration]
 
@@ -23,20 +24,9 @@ TAGS = ("alpha", "bravo", "charlie")
 
 @pytest.fixture(scope="module")
 def front(hosts):
-    if NGINX is None:
-        pytest.skip("needs nginx (Debian package nginx; .ci/run installs it)")
-    instances = []
-    nginx = None
-    try:
-        instances = [start_instance(hosts, i, tag) for i, tag in enumerate(TAGS)]
-        nginx = Nginx(hosts, 0, instances)
-        yield nginx, instances
-    finally:
-        if nginx is not None:
-            nginx.stop()
-        for inst in instances:
-            if inst.proc.poll() is None:
-                inst.kill()
+    require_nginx()
+    with nginx_front(hosts, TAGS) as pair:
+        yield pair
 
 
 def _turn(nginx: Nginx, sid: str, messages: list[dict]) -> tuple[int, dict]:
