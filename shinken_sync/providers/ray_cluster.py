@@ -143,8 +143,8 @@ class RayProvider(Provider[RaySandbox]):
     """Sandbox hosts as Ray actors, placed by Ray over the cluster's nodes.
 
     ``sandboxes_per_host`` 1 runs one shinkend per sandbox; K > 1 runs ``--fleet K`` hosts
-    and hands their sandboxes out one by one (a fleet host is freed when all its K
-    sandboxes are destroyed). Resource requests are per host: ``num_cpus`` and
+    and hands their sandboxes out one by one (a fleet host is freed when none of its
+    sandboxes handed out is left; the ones never handed out go with it). Resource requests are per host: ``num_cpus`` and
     ``memory`` (bytes) as given, ``sandbox`` resource K units when ``use_sandbox_resource``.
     Connect to the cluster with ``ray.init(...)`` first, or pass ``address`` (then this
     provider connects, and disconnects on :meth:`close`).
@@ -298,8 +298,11 @@ class RayProvider(Provider[RaySandbox]):
             if host is None:
                 return
             host.handles.discard(id(handle))
-            if host.handles or any(h.host_key == handle.host_key for h in self._free):
-                return  # a fleet host serves others still (or has sandboxes not handed out)
+            if host.handles:
+                return  # a fleet host still serves others
+            # Nothing of this host is in use: free it now (its sandboxes never handed out go
+            # with it; a later create() starts a fresh host where Ray places it).
+            self._free = [h for h in self._free if h.host_key != handle.host_key]
             del self._hosts[handle.host_key]
             group = host.group
             last_of_group = not any(h.group == group for h in self._hosts.values())

@@ -7,6 +7,9 @@ RayProvider and reports on stdout, one JSON object a line. Modes:
   class and detail); closes the provider and prints ``closed``.
 * ``pack N``: N sandboxes packed; prints ``placed``; closes.
 * ``unplaceable``: asks for more ``sandbox`` resource than any node has; prints the error.
+* ``fleet N``: N sandboxes from ``--fleet 4`` hosts asking 64 MiB each; prints ``placed``;
+  steps each once, prints ``stepped``; destroys them one by one, prints ``destroyed``; then
+  one more sandbox starts a fresh host (prints ``placed``, steps it, prints ``refilled``).
 * ``hold N``: N sandboxes spread; prints ``placed`` with the daemons' pids; sleeps (the test kills it).
 """
 
@@ -88,6 +91,27 @@ def unplaceable() -> None:
             say(event="error", type=type(exc).__name__, message=str(exc))
 
 
+def fleet(n: int) -> None:
+    with RayProvider(strategy="spread", sandboxes_per_host=4, memory=64 * 2**20) as provider:
+        handles = provider.create_many(n)
+        placed(provider, handles)
+        for handle in handles:
+            box = provider.connect(handle)
+            row = box.step([{"verb": "click", "x": 5, "y": 5}]).rows[0]
+            box.close()
+            if row.error is not None:
+                raise row.error
+        say(event="stepped", liveness=[provider.check_alive(h).alive for h in handles])
+        for handle in handles:
+            provider.destroy(handle)
+        say(event="destroyed")
+        fresh = provider.create()
+        placed(provider, [fresh])
+        box = provider.connect(fresh)
+        say(event="refilled", outcome=box.step([{"verb": "click", "x": 6, "y": 6}]).rows[0].outcome)
+        box.close()
+
+
 def hold(n: int) -> None:
     provider = RayProvider(strategy="spread")
     placed(provider, provider.create_many(n))
@@ -98,7 +122,7 @@ def main() -> None:
     ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["SHINKEN_RAY_NODE_IP"],
              logging_level="warning", log_to_driver=False)
     mode, *rest = sys.argv[1:]
-    {"spread": spread, "pack": pack, "unplaceable": unplaceable, "hold": hold}[mode](*map(int, rest))
+    {"spread": spread, "pack": pack, "unplaceable": unplaceable, "fleet": fleet, "hold": hold}[mode](*map(int, rest))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,23 @@ def test_a_request_no_node_can_hold_is_a_clear_error_not_a_hang(ray_cluster):
     assert proc.wait(60) == 0
 
 
+def test_fleet_hosts_serve_k_sandboxes_each_and_go_when_their_last_sandbox_is_destroyed(ray_cluster):
+    proc = driver(ray_cluster, DRIVER, "fleet", "6")
+    placed = read_event(proc, "placed")
+    pids = {s["pid"] for s in placed["sandboxes"]}
+    assert len(placed["sandboxes"]) == 6 and len(pids) == 2  # ceil(6 / 4) hosts
+    assert all(read_event(proc, "stepped")["liveness"])
+    read_event(proc, "destroyed")
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not [pid for pid in pids if _alive(pid)], "a fleet host outlived its last sandbox"
+    refilled = read_event(proc, "placed")
+    assert {s["pid"] for s in refilled["sandboxes"]}.isdisjoint(pids)
+    assert read_event(proc, "refilled")["outcome"] == "ok"
+    assert proc.wait(60) == 0
+
+
 def test_a_killed_driver_leaves_no_sandbox_running(ray_cluster):
     proc = driver(ray_cluster, DRIVER, "hold", "3")
     placed = read_event(proc, "placed")
