@@ -46,6 +46,7 @@ class EpisodeDriver:
 
         self.loop = SharedLoop()  # this driver's own loop thread for all its sandboxes
         self.node_ip = _own_node_ip()
+        self.stopping = threading.Event()
 
     def connect(self, jobs: list[tuple[int, Any]]) -> str:
         """Dial one sandbox per ``(index, RaySandbox)`` (before the rollout clock starts, as the
@@ -67,7 +68,6 @@ class EpisodeDriver:
     def run(self, server: str, turns: int) -> dict[str, Any]:
         """Run the connected episodes; return them and the timings."""
         progress = demo.Progress(len(self.episodes) * turns, stream=io.StringIO())
-        stop = threading.Event()
         http = requests.Session()
         http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, len(self.episodes))))
 
@@ -75,7 +75,7 @@ class EpisodeDriver:
             if sandbox is None:
                 return
             try:
-                demo.run_episode(ep, sandbox, server, turns, http, stop, progress)
+                demo.run_episode(ep, sandbox, server, turns, http, self.stopping, progress)
             except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
                 ep.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -87,6 +87,10 @@ class EpisodeDriver:
         return {"episodes": self.episodes, "node_ip": self.node_ip, "done": progress.done,
                 "latencies": progress.latencies, "chats": progress.chats, "observes": progress.observes,
                 "outcomes": progress.outcomes}
+
+    def stop(self) -> None:
+        """Ctrl-C on the driver: finish the turns in flight, keep every episode's records so far."""
+        self.stopping.set()
 
 
 def _own_node_ip() -> str:
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     server = None
     provider = None
     group = None
+    interrupted = False
     drivers: list[Any] = []
     episodes: list[demo.Episode] = []
     progress = demo.Progress(args.sandboxes * args.turns)
@@ -157,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         handles = provider.create_many(args.sandboxes)
         if server is not None:
             server.wait_ready()
-        driver_class = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(EpisodeDriver)
+        # max_concurrency 2: stop() must run while run() does.
+        driver_class = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=2)(EpisodeDriver)
         # One bundle per driver, spread: the drivers land on distinct nodes while there are
         # enough, so a lost node costs at most its own share of episodes.
         group = placement_group([{"CPU": 0.001}] * k, strategy="SPREAD")
@@ -172,17 +178,29 @@ def run(args: argparse.Namespace) -> int:
         ray.wait(connected, num_returns=len(connected))
         progress.start()
         futures = [d.run.remote(server_url, args.turns) for d in drivers]
-        for share, future in zip(shares, futures):
+        gathered = 0
+        while gathered < len(futures):
+            share, future = shares[gathered], futures[gathered]
             try:
                 part = ray.get(future)
             except RayActorError as exc:
                 cause = " ".join(str(exc).split())[:600]
                 for index, _ in share:
                     episodes[index].error = f"{DriverLost.__name__}: {cause}"
+            except KeyboardInterrupt:
+                if interrupted:
+                    raise
+                interrupted = True
+                print("\nshinken demo: interrupted; the drivers finish the turns in flight and keep every "
+                      "episode's records so far", file=sys.stderr)
+                for actor in drivers:
+                    actor.stop.remote()
                 continue
-            for ep in part["episodes"]:
-                episodes[ep.index] = ep
-            _merge(progress, part)
+            else:
+                for ep in part["episodes"]:
+                    episodes[ep.index] = ep
+                _merge(progress, part)
+            gathered += 1
         progress.finish()
     finally:
         for actor in drivers:
@@ -196,4 +214,4 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
         ray.shutdown()
-    return demo.write_outputs(out, episodes, progress, interrupted=False)
+    return demo.write_outputs(out, episodes, progress, interrupted=interrupted)

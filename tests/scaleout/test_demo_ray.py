@@ -9,6 +9,7 @@ loses only the episodes of that node's sandboxes and driver actor, each marked w
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -58,13 +59,34 @@ def test_demo_in_ray_mode_end_to_end(ray_cluster, hosts, front, tmp_path):
     assert (tmp_path / "contact_sheet.png").exists()
 
 
+def _wait_for_chats(nginx, proc, at_least: int) -> None:
+    deadline = time.monotonic() + 120
+    while sum("chat/completions" in line for line in nginx.access_log()) < at_least:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+
+
+def test_ctrl_c_keeps_every_episodes_records_so_far(ray_cluster, hosts, front, tmp_path):
+    before = sum("chat/completions" in line for line in front.access_log())
+    proc = _demo(ray_cluster, hosts, front, tmp_path, turns=200)
+    try:
+        _wait_for_chats(front, proc, before + 2 * SANDBOXES)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    summary, lines = _read(tmp_path)
+    assert summary["interrupted"] and summary["episodes"] == SANDBOXES and summary["consistent"]
+    assert all(line["interrupted"] and 0 < len(line["steps"]) < 200 for line in lines)
+
+
 def test_a_node_lost_mid_run_costs_only_its_episodes(ray_cluster, hosts, front, tmp_path):
+    before = sum("chat/completions" in line for line in front.access_log())
     proc = _demo(ray_cluster, hosts, front, tmp_path, turns=30)
     try:
-        deadline = time.monotonic() + 120
-        while sum("chat/completions" in line for line in front.access_log()) < 3 * SANDBOXES * 3:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.2)  # the run is under way: some turns of the earlier test, some of this one
+        _wait_for_chats(front, proc, before + 2 * SANDBOXES)  # the run is under way
         hosts.kill_host(2)
         proc.communicate(timeout=300)
     finally:
