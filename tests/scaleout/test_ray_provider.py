@@ -73,7 +73,33 @@ def test_a_killed_driver_leaves_no_sandbox_running(ray_cluster):
     assert not [pid for pid in pids if _alive(pid)], "shinkend daemons outlived their killed driver"
 
 
+def test_a_killed_sandbox_actor_is_sandbox_died_with_rays_cause(ray_cluster):
+    """The actor's worker process dies (its node lives on): its daemon dies with it, and the
+    SDK's probe turns the lost connection into SandboxDied with Ray's cause."""
+    proc = driver(ray_cluster, DRIVER, "spread", "2")
+    try:
+        placed = read_event(proc, "placed")
+        read_event(proc, "connected")
+        victim = placed["sandboxes"][0]
+        with open(f"/proc/{victim['pid']}/status") as f:
+            actor_pid = int(f.read().split("PPid:")[1].split()[0])
+        with open(f"/proc/{actor_pid}/cmdline", "rb") as f:
+            assert b"SandboxHostActor" in f.read()
+        os.kill(actor_pid, signal.SIGKILL)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        results = read_event(proc, "result")["results"]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    dead, alive = results[victim["id"]], results[placed["sandboxes"][1]["id"]]
+    assert dead.get("error") == "SandboxDied" and "ray actor died" in dead["detail"], dead
+    assert "error" not in alive and alive["steps"] > 0, alive
+
+
 def test_sandboxes_spread_and_a_lost_node_costs_only_its_sandboxes(ray_cluster, hosts):
+    # Last in this module: the cluster keeps two nodes after it.
     proc = driver(ray_cluster, DRIVER, "spread", "6")
     try:
         placed = read_event(proc, "placed")
