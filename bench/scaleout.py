@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def demo_throughput(sandboxes: int, turns: int) -> dict[str, float]:
                 raise RuntimeError(f"ray demo with {k} drivers failed: {err.decode()[-2000:]}")
             results[f"ray, {k} driver actor{'s' if k > 1 else ''}"] = json.loads(
                 (out / "summary.json").read_text())["steps_per_s"]
+    shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
@@ -119,6 +121,7 @@ def nginx_hop(chats: int) -> dict[str, float]:
             nginx.wait(15)
         server.terminate()
         server.wait(60)
+        shutil.rmtree(prefix, ignore_errors=True)
 
 
 def main() -> None:

@@ -86,6 +86,7 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.prefix, ignore_errors=True)
 
 
 @contextlib.contextmanager
