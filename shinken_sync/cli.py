@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray = demo.add_argument_group("Ray mode (docs/scale-out.md; needs the [ray] extra)")
     ray.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                      help="run the rollout on a Ray cluster: sandboxes placed by RayProvider, episodes run by "
-                          "driver actors ('auto': RAY_ADDRESS or the cluster started on this machine)")
+                          "driver actors ('auto': RAY_ADDRESS or the cluster started on this machine; "
+                          "default: off, everything in this process)")
     ray.add_argument("--drivers", type=positive_int, default=None,
                      help="driver actors in Ray mode (default: one per alive node)")
     ray.add_argument("--session-server", metavar="URL", default=None,

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", action="append", default=None,
                         help="nginx listen directive value, repeatable (default: 127.0.0.1:8080)")
     parser.add_argument("--full", metavar="PREFIX", default=None,
-                        help="a complete nginx.conf with pid, logs and temp paths under PREFIX")
-    parser.add_argument("--out", default=None, help="write to this file instead of stdout")
+                        help="a complete nginx.conf with pid, logs and temp paths under PREFIX "
+                             "(default: only the http-level part, to include in your nginx.conf)")
+    parser.add_argument("--out", default=None, help="write to this file (default: stdout)")
     return parser
 
 

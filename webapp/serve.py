@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $SHINKEN_READ_TIMEOUT, else the built-in setting)")
     parser.add_argument("--instance", default=None,
                         help="instance tag ([a-z0-9]{1,16}) minted into session ids, for several servers "
-                             "behind nginx (see `shinken-session-server nginx-config -h`); router mode only")
+                             "behind nginx (see `shinken-session-server nginx-config -h`); router mode only "
+                             "(default: none, untagged ids)")
     return parser
 
 
