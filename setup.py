@@ -35,6 +35,8 @@ setup(
         # client and uvloop for the SharedLoop; chosen at connect when installed.
         "fast": ["picows>=2.3,<3", "uvloop>=0.21"],
         "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
+        # RayProvider and `shinken demo --ray` (docs/scale-out.md); plain ray: no dashboard, no extras.
+        "ray": ["ray>=2.40,<3"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",

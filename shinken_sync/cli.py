@@ -32,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
     demo.add_argument("--port", type=port, default=0, help="session server port on 127.0.0.1; 0 = any free port")
     demo.add_argument("--out", default="shinken-demo-out", help="output folder, created if missing")
+    ray = demo.add_argument_group("Ray mode (docs/scale-out.md; needs the [ray] extra)")
+    ray.add_argument("--ray", metavar="auto|ADDRESS", default=None,
+                     help="run the rollout on a Ray cluster: sandboxes placed by RayProvider, episodes run by "
+                          "driver actors ('auto': RAY_ADDRESS or the cluster started on this machine; "
+                          "default: off, everything in this process)")
+    ray.add_argument("--drivers", type=positive_int, default=None,
+                     help="driver actors in Ray mode (default: one per alive node)")
+    ray.add_argument("--session-server", metavar="URL", default=None,
+                     help="in Ray mode, the session server(s) front (e.g. nginx); default: start one on "
+                          "this node's cluster address")
+    ray.add_argument("--node-ip", metavar="IP", default=None,
+                     help="in Ray mode, this machine's address in the cluster (default: Ray's own choice)")
 
     boxes = sub.add_parser("sandboxes", help="start local sandboxes and print their URLs until Ctrl-C",
                            description="Start local sandboxes, print one JSON line per sandbox "

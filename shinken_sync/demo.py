@@ -32,7 +32,7 @@ import requests
 from tabulate import tabulate
 from tqdm import tqdm
 
-from shinken_sync.errors import ShinkenError
+from shinken_sync.errors import SandboxDied, ShinkenError
 from shinken_sync.stats import percentile
 from shinken_sync.trajectory_file import compact_records
 
@@ -92,7 +92,7 @@ def _check_port_free(host: str, port: int) -> None:
                             f"pass --port with a free port (or 0 for any)") from exc
 
 
-def start_session_server(workers: int, port: int, log_path: Path) -> Any:
+def start_session_server(workers: int, port: int, log_path: Path, host: str = "127.0.0.1") -> Any:
     """``shinken-session-server`` with its embedded reference backend on loopback, started
     through its one launcher (``webapp.serve.start_session_server``; imported here, so that
     ``shinken_sync`` never imports ``webapp`` at import time). Returns at once: the caller
@@ -104,7 +104,7 @@ def start_session_server(workers: int, port: int, log_path: Path) -> Any:
     """
     from webapp.serve import start_session_server as launch
 
-    return launch(workers, None, f"127.0.0.1:{port}", log_path=log_path, own_session=True, wait=False)
+    return launch(workers, None, f"{host}:{port}", log_path=log_path, own_session=True, wait=False)
 
 
 def wait_ready(server: Any, timeout: float = SERVER_START_TIMEOUT) -> str:
@@ -195,6 +195,8 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
         result = sandbox.step([action], observe=OBSERVE)
         elapsed = time.monotonic() - t0
         row = result.rows[0]
+        if isinstance(row.error, SandboxDied):  # every later turn would fail the same way
+            raise row.error
         last = {"action": action, "outcome": row.outcome}
         step = {"turn": turn, "action": action, "outcome": row.outcome, "error": error_info(row.error),
                 "step_latency_s": round(elapsed, 4)}
@@ -432,6 +434,10 @@ def prepare_out(path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", None):  # the rollout over a Ray cluster (shinken_sync.demo_ray)
+        from shinken_sync import demo_ray
+
+        return demo_ray.run(args)
     from shinken_sync.providers.local import LocalProvider
 
     # Every check before anything is created or started.

@@ -40,6 +40,7 @@ from webapp.routes import (
     openai_error_body,
     wants_images,
 )
+from webapp.scaleout import check_instance_tag
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
@@ -74,8 +75,11 @@ class RouterConfig:
     heartbeat_timeout: float = default("heartbeat_timeout")
     busy_timeout: float = default("busy_timeout")
     boot_attempts: int = default("boot_attempts")
+    instance: str | None = default("instance")  # tag minted into session ids behind nginx (webapp.scaleout)
 
     def __post_init__(self) -> None:
+        if self.instance is not None:
+            check_instance_tag(self.instance)
         self.core = scope_values(Scope.CORE, self.core)
         if not self.core["backend_url"]:
             raise ValueError(f"the router needs a backend URL ({BY_NAME['backend_url'].env_var})")
@@ -256,12 +260,13 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                           backend="ok" if backend_problem is None else "unreachable")
         if backend_problem is not None:
             return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
-        return Response(json.dumps({"status": "ok", "backend": "ok", "session_server_instance_id": instance_id}),
+        return Response(json.dumps({"status": "ok", "backend": "ok", "session_server_instance_id": instance_id,
+                                    "instance": config.instance}),
                         status=200, content_type="application/json")
 
     @app.post("/sessions")
     def create_session() -> Response:
-        return call(mint_session_id(), Op.CREATE_SESSION)
+        return call(mint_session_id(config.instance), Op.CREATE_SESSION)
 
     @app.get("/sessions/<session_id>")
     def get_session(session_id: str) -> Response:

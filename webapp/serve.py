@@ -8,6 +8,7 @@
 Every setting of :data:`webapp.settings.SETTINGS` is a flag here and a ``SHINKEN_<NAME>``
 variable (a flag wins); this process resolves them all and hands gunicorn, and so the router,
 the single-process app and every session worker, the whole resolved set as ``SHINKEN_*``.
+    shinken-session-server nginx-config TAG=HOST:PORT ... [--listen ADDR] [--full PREFIX] [--out FILE]
 
 ``--workers N`` (N >= 1) serves the thin router (``webapp.router:create_app()``) with N
 session worker subprocesses; ``--workers 0`` serves the single-process app
@@ -24,6 +25,10 @@ process starts dies with it however it dies, SIGKILL included (:mod:`shinken_syn
 gunicorn gets SIGTERM from the kernel, its router worker in turn (``gunicorn.conf.py``), the
 session workers SIGKILL from theirs, and the reference backend watches its parent pid. A usage
 error (a taken port, a bad number) is one line on stderr and exit code 2.
+
+``--instance TAG`` makes this server one of several behind nginx: its session ids start with
+``TAG-``, and ``nginx-config`` prints the nginx config routing each id to its owner
+(:mod:`webapp.scaleout`, docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -292,6 +297,11 @@ def _scrub_title(secret: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["nginx-config"]:
+        from webapp import scaleout
+
+        return scaleout.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     host, port = args.bind
@@ -304,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = values["workers"]
     if api_key and workers == 0:
         parser.error("--api-key is enforced by the router: use --workers >= 1")
+    if values["instance"] is not None and workers == 0:
+        parser.error("--instance is minted by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
     # after the backend is already up.
     try:
@@ -357,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
         print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,
-                          "backend_url": backend_url, "pid": os.getpid()}), flush=True)
+                          "backend_url": backend_url, "pid": os.getpid(), "instance": values["instance"]}),
+              flush=True)
         return gunicorn.wait()
     finally:
         _terminate(gunicorn, 30.0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import enum
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class Setting:
     doc: str
     minimum: float | None = None  # numbers: the smallest legal value
     choices: tuple[str, ...] | None = None  # strings: the legal values
+    pattern: str | None = None  # strings: a regular expression the whole value must match
     cli: bool = True  # has a launcher flag
     env: bool = True  # is read from the environment
 
@@ -79,6 +81,8 @@ class Setting:
         if self.kind is str:
             if self.choices is not None and text not in self.choices:
                 raise ValueError(f"must be one of {', '.join(self.choices)}, got {raw!r}")
+            if self.pattern is not None and text and not re.fullmatch(self.pattern, text):
+                raise ValueError(f"must match {self.pattern}, got {raw!r}")
             return text or None
         try:
             value = self.kind(text)
@@ -139,6 +143,8 @@ SETTINGS: tuple[Setting, ...] = (
        "before it is restarted", minimum=0),
     _S("boot_attempts", int, 3, _R, "a shard whose worker fails to boot this many times in a row is marked "
        "failed (reason in /health) instead of respawned", minimum=1),
+    _S("instance", str, None, _R, "instance tag minted into session ids, for several servers behind nginx "
+       "(shinken-session-server nginx-config; docs/scale-out.md)", pattern=r"[a-z0-9]{1,16}"),
     # -- http: the HTTP front (both modes) -------------------------------------------------------
     _S("body_timeout", float, 300.0, _H, "408 for a request body not received within this many seconds",
        minimum=0),

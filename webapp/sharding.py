@@ -26,6 +26,7 @@ def shard_for(session_id: str, n: int) -> int:
     return int.from_bytes(digest, "big") % n
 
 
-def mint_session_id() -> str:
-    """A fresh session id: 32 lowercase hex digits (uuid4)."""
-    return uuid.uuid4().hex
+def mint_session_id(instance: str | None = None) -> str:
+    """A fresh session id: 32 lowercase hex digits (uuid4), after ``INSTANCE-`` when this
+    server is one instance of several behind nginx (webapp.scaleout: the tag routes it)."""
+    return f"{instance}-{uuid.uuid4().hex}" if instance else uuid.uuid4().hex

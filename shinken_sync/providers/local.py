@@ -35,10 +35,12 @@ class LocalSandbox:
         return self.daemon.pid
 
 
-def _daemon_argv(display: str, screen: tuple[int, int], rtt_ms: float, extra: list[str]) -> list[str]:
+def daemon_argv(display: str, screen: tuple[int, int], rtt_ms: float, extra: list[str],
+                host: str = "127.0.0.1") -> list[str]:
+    """shinkend's flags for one sandbox (or fleet host) on ``host``, any free port."""
     width, height = screen
     return [
-        "--host", "127.0.0.1", "--port", "0",
+        "--host", host, "--port", "0",
         "--display", display,
         "--screen", f"{width}x{height}",
         "--rtt-ms", str(rtt_ms),
@@ -98,7 +100,7 @@ class LocalProvider(Provider[LocalSandbox]):
             self._count += n
         names = [f"{self._prefix}-{first + i}" for i in range(n)]
         argvs = [
-            _daemon_argv(opts["display"], opts["screen"], opts["rtt_ms"], [*extra, "--sandbox-id", name])
+            daemon_argv(opts["display"], opts["screen"], opts["rtt_ms"], [*extra, "--sandbox-id", name])
             for name in names
         ]
         daemons = start_daemons(argvs, names, parallelism=parallelism, timeout=self._start_timeout)
@@ -148,7 +150,7 @@ class LocalFleetProvider(Provider[LocalSandbox]):
     ):
         if n < 1:
             raise ValueError("a fleet needs at least one sandbox")
-        argv = _daemon_argv("virtual", tuple(screen), rtt_ms, ["--fleet", str(n), *(extra_args or ())])
+        argv = daemon_argv("virtual", tuple(screen), rtt_ms, ["--fleet", str(n), *(extra_args or ())])
         (self._host,) = start_daemons([argv], ["fleet"], timeout=start_timeout)
         urls = self._host.ready["urls"]
         base = self._host.ready.get("sandbox_id", "fleet").rsplit("-", 1)[0]
