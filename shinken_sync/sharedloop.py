@@ -378,7 +378,7 @@ class _BoundedSelector(selectors.BaseSelector):
         except InterruptedError:
             return []
         ready = []
-        key_of = self._inner._key_from_fd  # type: ignore[attr-defined]
+        key_of = self._inner.get_map().get  # public: the private _key_from_fd is gone in 3.12
         for fd, event in fd_events:
             events = 0
             if event & ~select.EPOLLIN:
