@@ -37,6 +37,7 @@ import numpy as np
 from dataplane import Http, sessions_on, start_server  # importing it gevent-patches this process
 from PIL import Image
 
+from shinken_sync.stats import percentile  # the one definition (docs/benchmarks.md)
 from webapp.reference_backend import start_reference_backend
 
 SIZE = (1280, 720)
@@ -60,11 +61,6 @@ def screenshots(count: int, seed: int = 0) -> list[bytes]:
         Image.fromarray(img).save(buf, "JPEG", quality=80)
         out.append(buf.getvalue())
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
 def image_session(url: str, sid: str, shots: list[bytes], latencies: list[float]) -> dict:

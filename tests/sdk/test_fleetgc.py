@@ -26,8 +26,8 @@ def test_importing_and_using_the_sdk_leaves_the_collector_alone():
         "loop = SharedLoop(); loop.loop; loop.close()\n"
         "print(json.dumps({'before': before, 'after': [gc.get_threshold(), gc.get_freeze_count()]}))\n"
     )
+    # unchanged, not zero: some interpreters (3.12 in a venv) start with objects frozen already
     assert state["after"] == state["before"]
-    assert state["after"][1] == 0
 
 
 def test_tune_freezes_the_live_heap_raises_thresholds_and_undo_restores_both():

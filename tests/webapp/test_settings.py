@@ -87,6 +87,8 @@ def _sample(setting: Setting) -> Any:
         return not setting.default
     if setting.kind is str and setting.choices:
         return next(choice for choice in setting.choices if choice != setting.default)
+    if setting.kind is str and setting.pattern:
+        return "x1"  # matches the instance tag's pattern
     if setting.kind is str:
         return f"http://127.0.0.1:9/{setting.name}" if setting.name == "backend_url" else f"x-{setting.name}"
     base = setting.default if setting.default is not None else 1
