@@ -44,7 +44,7 @@ def play(core: SessionCore, sid: str, turns: int, start: list | None = None) -> 
 
 def entries(path) -> list[tuple[int, Kind, int]]:
     """(offset, kind, total size) of each entry, read with the documented format alone."""
-    data = open(path, "rb").read()
+    data = path.read_bytes()
     assert FILE_HEADER.unpack(data[:FILE_HEADER.size]) == (MAGIC, FORMAT_VERSION)
     out, pos = [], FILE_HEADER.size
     while pos < len(data):
