@@ -250,10 +250,10 @@ class Session:
             self.images.update(stored)
             return True
 
-    def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, int]:
-        """(records, state, rollbacks, journal size): the size names this version of the session."""
+    def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, str]:
+        """(records, state, rollbacks, journal version): the version names this session's state."""
         with self.state_lock:
-            return list(self.records), self.state, self.rollbacks, self.journal.size
+            return list(self.records), self.state, self.rollbacks, self.journal.version
 
 
 class SessionRegistry:
@@ -486,15 +486,15 @@ class SessionCore:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
 
-    def _snapshot(self, session: Session) -> tuple[list[TurnRecord], TitoState, dict[str, Any], bytes, int]:
+    def _snapshot(self, session: Session) -> tuple[list[TurnRecord], TitoState, dict[str, Any], bytes, str]:
         """A consistent snapshot of the session: its records, state and miles' session metadata
         (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
-        ``max_trim_tokens``, plus our counters), also as JSON bytes, and its journal's size.
+        ``max_trim_tokens``, plus our counters), also as JSON bytes, and its journal's version.
         Computed once per committed turn: every commit makes a new state, the cache key."""
-        records, state, rollbacks, size = session.snapshot()
+        records, state, rollbacks, version = session.snapshot()
         cached = session.metadata_cache
         if cached is not None and cached[0] is state:
-            return records, state, cached[1], cached[2], size
+            return records, state, cached[1], cached[2], version
         metadata: dict[str, Any] = {}
         try:
             mismatch = session_mismatch(state, self.tokenizer)
@@ -508,7 +508,7 @@ class SessionCore:
                         created_at=session.created_at)
         encoded = json.dumps(metadata, separators=(",", ":")).encode()
         session.metadata_cache = (state, metadata, encoded)
-        return records, state, metadata, encoded, size
+        return records, state, metadata, encoded, version
 
     def get_session(self, session_id: str, include_images: bool = False) -> Reply:
         """miles' ``GetSessionResponse``; ``include_images``: plus ``"images"``, every image the
@@ -518,7 +518,7 @@ class SessionCore:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
-        records, _state, _metadata, encoded, size = self._snapshot(session)
+        records, _state, _metadata, encoded, version = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
         for i, record in enumerate(records):
@@ -530,9 +530,9 @@ class SessionCore:
         if include_images:
             body += _images_json(session)
         body.append(b"}")
-        # The journal only grows, by every commit: its size names this version of the body
-        # (a Range request resumes only the same version, ``If-Range``).
-        etag = f'"{size:x}{"-i" if include_images else ""}"'
+        # Every commit grows the journal by an entry: its size and the last entry's checksum
+        # name this version of the body (a Range request resumes only it, ``If-Range``).
+        etag = f'"{version}{"-i" if include_images else ""}"'
         return Reply(200, body, headers=(("ETag", etag),))
 
     def samples(self, session_id: str, body: bytes, include_images: bool = False) -> Reply:
@@ -542,7 +542,7 @@ class SessionCore:
         try:
             max_seq_len = _parse_samples_body(body)
             session = self.registry.get(session_id)
-            turns, state, metadata, _encoded, _size = self._snapshot(session)
+            turns, state, metadata, _encoded, _version = self._snapshot(session)
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
             payload = encode_samples(samples, turns, metadata, empty_reason,

@@ -214,10 +214,17 @@ def _meta_payload(meta: bytes, *body: bytes) -> list[bytes]:
 class SessionJournal:
     """One session's file. Appends are serialized by the caller (the session's state lock)."""
 
-    def __init__(self, path: str, size: int, fsync: bool) -> None:
+    def __init__(self, path: str, size: int, fsync: bool, last_crc: int = 0) -> None:
         self.path = path
         self.size = size  # the last good length: everything before it is committed
         self.fsync = fsync
+        # The last good entry's checksum: with ``size``, names this version of the session
+        # (after a torn tail is cut and another turn written, the size alone may repeat).
+        self.last_crc = last_crc
+
+    @property
+    def version(self) -> str:
+        return f"{self.size:x}-{self.last_crc:08x}"
 
     def append_turn(self, base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord,
                     record: Sequence[bytes], images: Sequence[_Image] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
@@ -263,6 +270,7 @@ class SessionJournal:
         finally:
             os.close(fd)
         self.size = pos
+        self.last_crc = ENTRY_HEADER.unpack(entries[-1][0])[2]
         return starts
 
     def remove(self) -> None:
@@ -343,7 +351,7 @@ class JournalStore:
             raise InsufficientStorage(f"cannot create the session journal: {exc.strerror or exc}") from exc
         finally:
             os.close(fd)
-        return SessionJournal(path, len(data), self.fsync)
+        return SessionJournal(path, len(data), self.fsync, ENTRY_HEADER.unpack_from(data, FILE_HEADER.size)[2])
 
     def restore(self, owns: Callable[[str], bool]) -> Iterator[RestoredSession]:
         """Every session on disk whose id ``owns`` accepts, torn tails cut (see module doc)."""
@@ -385,7 +393,7 @@ class JournalStore:
         pending_from: int | None = None  # a turn's images count once its TURN entry is read
         good = FILE_HEADER.size
         try:
-            for kind, start, end, meta, body_at in entries:
+            for kind, start, end, meta, body_at, crc in entries:
                 if restored is None:
                     if kind is not Kind.CREATE or meta.get("session_id") != session_id:
                         raise _NotOurs(f"the first entry is not session {session_id}'s CREATE")
@@ -413,7 +421,10 @@ class JournalStore:
                     pending, pending_from = {}, None
                 else:
                     raise _Torn(f"a second {kind.name} entry")
-                good = end if pending_from is None else pending_from
+                if pending_from is None:
+                    good, restored.journal.last_crc = end, crc
+                else:
+                    good = pending_from
         except _Torn as exc:
             return restored, good, str(exc)
         except (KeyError, TypeError, ValueError) as exc:
@@ -432,7 +443,7 @@ class _Torn(Exception):
 
 
 class _Scan:
-    """Iterates ``(kind, payload_start, payload_end, meta, body_at)`` of the good entries;
+    """Iterates ``(kind, entry_start, entry_end, meta, body_at, crc)`` of the good entries;
     ``torn`` says why it stopped early (None: a clean end)."""
 
     def __init__(self, f: Any) -> None:
@@ -450,7 +461,7 @@ class _Scan:
         if version != FORMAT_VERSION:
             raise _NotOurs(f"journal format version {version}, this server reads {FORMAT_VERSION}")
 
-    def __iter__(self) -> Iterator[tuple[Kind, int, int, dict[str, Any], int]]:
+    def __iter__(self) -> Iterator[tuple[Kind, int, int, dict[str, Any], int, int]]:
         pos = FILE_HEADER.size
         buf = bytearray(_READ_CHUNK)
         while pos < self.size:
@@ -489,7 +500,7 @@ class _Scan:
             except (TypeError, ValueError, OSError) as exc:
                 self.torn = f"an unreadable {kind.name} entry ({exc})"
                 return
-            yield kind, pos, end, meta, body_at
+            yield kind, pos, end, meta, body_at, crc
             pos = end
 
     def _meta(self, kind: Kind, head: bytes, start: int, end: int) -> tuple[dict[str, Any], int]:

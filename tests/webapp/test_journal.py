@@ -268,3 +268,18 @@ def test_file_layout_round_trip_and_ranges(tmp_path):
         decode_layout(inline, {"path": str(path), "pieces": [4, [1, -1]]})
     with pytest.raises(ValueError):
         decode_layout(b"short", layout)
+
+
+def test_the_etag_names_the_version_even_when_a_cut_tail_is_rewritten(tmp_path):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    msgs = play(core, sid, 2)
+    etag_before = dict(core.get_session(sid).headers)["ETag"]
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    last_pos, _kind, _size = entries(path)[-1]
+    with open(path, "r+b") as f:  # what a machine crash without --fsync may leave: turn 2 half gone
+        f.truncate(last_pos + 20)
+    again = core_on(tmp_path)
+    play(again, sid, 1, msgs[:2])  # the same turn again: same length, other timestamps
+    assert path.stat().st_size == entries(path)[-1][0] + entries(path)[-1][2]
+    assert dict(again.get_session(sid).headers)["ETag"] != etag_before
