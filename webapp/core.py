@@ -265,10 +265,11 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         self.store = store
 
-    def restore(self, owns: Callable[[str], bool]) -> int:
-        """Load the sessions on disk that ``owns`` accepts (this worker's shard); how many."""
+    def restore(self, owns: Callable[[str], bool], pause: Callable[[], object] = lambda: None) -> int:
+        """Load the sessions on disk that ``owns`` accepts (this worker's shard); how many.
+        ``pause``: see ``JournalStore.restore``."""
         n = 0
-        for restored in self.store.restore(owns):
+        for restored in self.store.restore(owns, pause):
             with self._lock:
                 self._sessions[restored.session_id] = Session.restored(restored)
             n += 1
@@ -683,6 +684,14 @@ class SessionCore:
             return Reply(200, _sse_chunks(parsed, include_usage), content_type=SSE_CONTENT_TYPE)
         return json_response(200, parsed)
 
+    def restore_shard(self, shard: int, shards: int, pause: Callable[[], object] = lambda: None) -> int:
+        """Load the sessions of ``shard`` of ``shards`` from the journals; how many."""
+        started = time.monotonic()
+        loaded = self.registry.restore(lambda session_id: shard_for(session_id, shards) == shard, pause)
+        log.info("restored %d sessions of shard %d/%d from %s in %.2f s", loaded, shard, shards,
+                 self.registry.store.dir, time.monotonic() - started)
+        return loaded
+
     def close(self) -> None:
         self.backend.close()
         if self._private_dir is not None:
@@ -722,23 +731,22 @@ def _parse_samples_body(body: bytes) -> int | None:
     return value
 
 
-def build_session_core(config: CoreConfig, shard: int = 0, shards: int = 1) -> SessionCore:
+def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 1) -> SessionCore:
     """The one builder every adapter uses, so single- and multi-process modes cannot drift.
 
     Loads the sessions of ``shard`` of ``shards`` from the data directory's journals first
-    (all of them for the single-process app), so a restarted worker serves what it served."""
+    (all of them for the single-process app), so a restarted worker serves what it served;
+    ``shard=None``: not now, the caller calls :meth:`SessionCore.restore_shard` itself."""
     tokenizer = load_tokenizer(config.tokenizer)
-    store = JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync)
-    registry = SessionRegistry(store)
-    started = time.monotonic()
-    loaded = registry.restore(lambda session_id: shard_for(session_id, shards) == shard)
-    log.info("restored %d sessions of shard %d/%d from %s in %.2f s", loaded, shard, shards, store.dir,
-             time.monotonic() - started)
+    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync))
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
-    return SessionCore(tokenizer, backend, registry=registry, turn_wait_timeout=config.turn_wait(),
+    core = SessionCore(tokenizer, backend, registry=registry, turn_wait_timeout=config.turn_wait(),
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
                        max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl,
                        image_limits=ImageLimits(config.max_image_bytes, config.max_images))
+    if shard is not None:
+        core.restore_shard(shard, shards)
+    return core

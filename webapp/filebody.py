@@ -160,7 +160,7 @@ def file_response(pieces: Sequence[Piece], *, status: int, content_type: str,
     response = Response(status=status, headers=headers, content_type=content_type or None)
     response.headers["Accept-Ranges"] = "bytes"
     wanted = _wanted_range(environ, etag) if status == 200 else None
-    if wanted is not None:
+    if wanted is not None:  # one byte range; other units and multi-range requests get 200 (RFC 9110 14.2)
         span = wanted.range_for_length(length)
         if span is None:
             response.status_code = 416
@@ -187,7 +187,10 @@ def _wanted_range(environ: Mapping[str, Any], etag: str | None) -> Any:
     if_range = environ.get("HTTP_IF_RANGE")
     if if_range and (etag is None or unquote_etag(if_range)[0] != unquote_etag(etag)[0]):
         return None  # the body changed since the client's copy: the whole body, 200
-    return parse_range_header(header)
+    wanted = parse_range_header(header)
+    if wanted is None or wanted.units != "bytes" or len(wanted.ranges) != 1:
+        return None  # unparsable, another unit, or several ranges: ignored, the whole body
+    return wanted
 
 
 def _raw_socket(environ: Mapping[str, Any]) -> Any:

@@ -353,8 +353,12 @@ class JournalStore:
             os.close(fd)
         return SessionJournal(path, len(data), self.fsync, ENTRY_HEADER.unpack_from(data, FILE_HEADER.size)[2])
 
-    def restore(self, owns: Callable[[str], bool]) -> Iterator[RestoredSession]:
-        """Every session on disk whose id ``owns`` accepts, torn tails cut (see module doc)."""
+    def restore(self, owns: Callable[[str], bool],
+                pause: Callable[[], object] = lambda: None) -> Iterator[RestoredSession]:
+        """Every session on disk whose id ``owns`` accepts, torn tails cut (see module doc).
+        ``pause()`` is called after every read chunk (a gevent worker yields there, so it
+        answers its heartbeats while it reads GiBs). A file that cannot be read is logged and
+        left alone; the others load."""
         with os.scandir(self.dir) as it:
             names = sorted(e.name for e in it if e.name.endswith(SUFFIX))
         for name in names:
@@ -362,17 +366,17 @@ class JournalStore:
             if not owns(session_id):
                 continue
             try:
-                restored = self._restore(session_id)
-            except _NotOurs as exc:
+                restored = self._restore(session_id, pause)
+            except (_NotOurs, OSError) as exc:
                 log.error("journal %s not loaded, left as it is: %s", self.path(session_id), exc)
                 continue
             if restored is not None:
                 yield restored
 
-    def _restore(self, session_id: str) -> RestoredSession | None:
+    def _restore(self, session_id: str, pause: Callable[[], object]) -> RestoredSession | None:
         path = self.path(session_id)
         with open(path, "rb", buffering=0) as f:
-            entries = _Scan(f)
+            entries = _Scan(f, pause)
             restored, good, torn = self._replay(session_id, path, entries)
             torn = torn or entries.torn
         if restored is None:
@@ -446,8 +450,9 @@ class _Scan:
     """Iterates ``(kind, entry_start, entry_end, meta, body_at, crc)`` of the good entries;
     ``torn`` says why it stopped early (None: a clean end)."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, pause: Callable[[], object]) -> None:
         self.f = f
+        self.pause = pause
         self.torn: str | None = None
         self.size = os.fstat(f.fileno()).st_size
         header = f.read(FILE_HEADER.size)
@@ -489,6 +494,7 @@ class _Scan:
                     self.torn = "a short read"
                     return
                 got = zlib.crc32(view[:n], got)
+                self.pause()
                 if at == start:
                     head = bytes(view[:min(n, 1 << 16)])
                 at += n

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -83,14 +84,21 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
         from webapp.core import CoreConfig, build_session_core
 
         config = CoreConfig(**core_config)
-        core = build_session_core(config, shard, shards)
+        core = build_session_core(config, shard=None)  # the shard's sessions: loaded below, serving
+
     except Exception as exc:  # a bad setting (tokenizer path...): report it, do not loop
         log.exception("cannot boot the session core for shard %d", shard)
         reason = f"{type(exc).__name__}: {exc}"
         return _refuse_until_closed(IpcServer(sock, _BootFailed(reason), name=f"worker[{shard}/{shards}]"),
                                     parent_pid)
-    server = IpcServer(sock, SessionOps(core, shard, shards, config), name=f"worker[{shard}/{shards}]")
+    ops = SessionOps(core, shard, shards, config, restoring=True)
+    server = IpcServer(sock, ops, name=f"worker[{shard}/{shards}]")
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
+    # Its sessions load while the worker answers heartbeats (the read yields after every
+    # chunk), so GiBs of journals never look like a hang; session ops wait for the load.
+    import gevent
+
+    gevent.spawn(ops.restore)
     try:
         while server.wait_closed(_PARENT_CHECK_INTERVAL) is None:
             server.receive_pool.trim()  # an idle worker gives its large receive buffers back
@@ -146,11 +154,15 @@ def _wire_reply(reply: Any) -> Any:
 class SessionOps:
     """Maps IPC ops (:class:`webapp.ipc.Op`) to session-core calls; each returns a ``webapp.core.Reply``."""
 
-    def __init__(self, core: Any, shard: int, shards: int, config: Any = None) -> None:
+    def __init__(self, core: Any, shard: int, shards: int, config: Any = None, restoring: bool = False) -> None:
+        """``restoring``: session ops wait until :meth:`restore` has loaded the shard."""
         from webapp import core as core_module
         from webapp.sharding import shard_for
 
         self._core = core
+        self._restored = threading.Event()  # gevent's in the worker (patched before this runs)
+        if not restoring:
+            self._restored.set()
         # The effective config, echoed by the startup ping: what the router sees it running with.
         self._config = dataclasses.asdict(config) if config is not None else None
         self._shard = shard
@@ -180,6 +192,7 @@ class SessionOps:
             return self._json_response(200, {"shard": self._shard, "pid": os.getpid(), **echo})
         if op is Op.HEALTH:
             return self._core.health()
+        self._restored.wait()  # a session op before the shard's journals are loaded: after
         session_id = meta.get("session_id")
         if not isinstance(session_id, str):
             return self._error_response(400, f"op {op.value!r} needs a session_id")
@@ -188,6 +201,17 @@ class SessionOps:
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
         return _wire_reply(self._session_ops[op](session_id, meta, body))
+
+    def restore(self) -> None:
+        """Load the shard's sessions from the journals, then let session ops through."""
+        import gevent
+
+        try:
+            self._core.restore_shard(self._shard, self._shards, pause=gevent.sleep)
+        except Exception:  # a bug here must not leave every session op waiting forever
+            log.exception("restoring the sessions of shard %d failed", self._shard)
+        finally:
+            self._restored.set()
 
     def _chat(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
         budget = meta.get("budget")
