@@ -30,6 +30,7 @@ import psutil
 import pytest
 import requests
 
+from tests.webapp.test_images import image_part, png
 from tests.webapp.test_supervisor import wait_healthy, worker_procs
 from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.sharding import shard_for
@@ -93,14 +94,22 @@ def serve(factory, backend_url: str, data_dir: Path, workers: int, *extra: str, 
     return factory(argv, env=env, ready_pattern=READY_URL_PATTERN)
 
 
+def http(method: str, url: str, **kw) -> requests.Response:
+    """One request on a connection of its own, closed after the reply: a graceful stop of the
+    server then waits for no keep-alive connection a response object still holds."""
+    kw["headers"] = {"Connection": "close", **kw.get("headers", {})}
+    kw.setdefault("timeout", 60)
+    return requests.request(method, url, **kw)
+
+
 def create(base: str) -> str:
-    resp = requests.post(f"{base}/sessions", timeout=30)
+    resp = http("POST", f"{base}/sessions", timeout=30)
     assert resp.status_code == 200, resp.text
     return resp.json()["session_id"]
 
 
 def records(base: str, sid: str) -> bytes:
-    resp = requests.get(f"{base}/sessions/{sid}", timeout=60)
+    resp = http("GET", f"{base}/sessions/{sid}", timeout=60)
     assert resp.status_code == 200, (sid, resp.status_code, resp.text[:300])
     assert int(resp.headers["Content-Length"]) == len(resp.content)
     return resp.content
@@ -124,7 +133,7 @@ def sessions_on_every_shard(base: str, shards: int, per_shard: int) -> list[str]
         if len(mine) < per_shard:
             mine.append(sid)
         else:
-            assert requests.delete(f"{base}/sessions/{sid}", timeout=30).status_code == 204
+            assert http("DELETE", f"{base}/sessions/{sid}", timeout=30).status_code == 204
     return [sid for sids in owned.values() for sid in sids]
 
 
@@ -142,19 +151,26 @@ class Conversation:
         n = len(self.history) - 1 if turn is None else turn
         return f"{self.topic} step {n}: " + "click the button on the screen " * self.words
 
-    def say(self, base: str, text: str | None = None) -> requests.Response:
+    def say(self, base: str, text: str | None = None, images: tuple[bytes, ...] = ()) -> requests.Response:
         """One turn; on 200 the user message and the reply join the history."""
-        user = {"role": "user", "content": self.text() if text is None else text}
-        resp = requests.post(f"{base}/sessions/{self.sid}/v1/chat/completions", timeout=120,
+        text = self.text() if text is None else text
+        content = [{"type": "text", "text": text}, *(image_part(i) for i in images)] if images else text
+        user = {"role": "user", "content": content}
+        resp = http("POST", f"{base}/sessions/{self.sid}/v1/chat/completions", timeout=120,
                              json={"messages": [*self.messages, user]})
         if resp.status_code == 200:
             self.messages = [*self.messages, user, resp.json()["choices"][0]["message"]]
             self.history.append(self.messages)
         return resp
 
-    def turn(self, base: str) -> None:
-        resp = self.say(base)
+    def turn(self, base: str, images: tuple[bytes, ...] = ()) -> None:
+        resp = self.say(base, images=images)
         assert resp.status_code == 200, (self.sid, resp.status_code, resp.text[:500])
+
+    def retry(self, base: str) -> None:
+        """The last turn again (as a client does that never got its reply): a rollback."""
+        self.rewind(len(self.history) - 2)
+        self.turn(base)
 
     def rewind(self, turns: int) -> None:
         """Forget the turns after the first ``turns`` (the server lost them)."""
@@ -243,6 +259,63 @@ def test_a_sigkilled_worker_comes_back_with_every_session_byte_identical(session
     server.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_killed_amid_turns_loses_no_answered_turn_and_serves_no_torn_one(
+        session_server_factory, reference_backend_factory, tmp_path) -> None:
+    """Six clients chat without pause on the shard whose worker is SIGKILLed: afterwards each
+    session holds every turn its client got a 200 for (at most one more, journaled but never
+    answered), the records it had are a byte prefix of what it has, and it continues."""
+    layers = 64  # ~2.7 KB of record per token: appends of a few MB, so some are in flight
+    backend64 = reference_backend_factory(r3_layers=layers, r3_topk=8)
+    data = tmp_path / "data"
+    # --fsync: each append waits for the disk after its bytes are in the file, so the kill often
+    # falls between a turn's journaling and its reply
+    server = serve(session_server_factory, backend64.url, data, 2, "--fsync", layers=layers)
+    base = server.url
+    convs = [Conversation(sid, f"client {i}") for i, sid in enumerate(sessions_on_every_shard(base, 2, 6)[:6])]
+    assert {shard_for(conv.sid, 2) for conv in convs} == {0}
+    seen: dict[str, tuple[int, bytes]] = {conv.sid: (0, records(base, conv.sid)) for conv in convs}
+    answered: dict[str, int] = {conv.sid: 0 for conv in convs}
+    stop = threading.Event()
+
+    def client(conv: Conversation) -> None:
+        while not stop.is_set():
+            if conv.say(base).status_code != 200:
+                return
+            answered[conv.sid] += 1
+            resp = http("GET", f"{base}/sessions/{conv.sid}", timeout=60)
+            if resp.status_code != 200:
+                return
+            seen[conv.sid] = (answered[conv.sid], resp.content)
+
+    threads = [threading.Thread(target=client, args=(conv,), daemon=True) for conv in convs]
+    for thread in threads:
+        thread.start()
+    time.sleep(3.0)
+    victim = worker_procs(server, 2)[0]
+    victim.kill()
+    victim.wait(10)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    assert sum(answered.values()) >= 6, answered  # the clients were busy
+    wait_for_restart(server, 0, 2, victim.pid)
+
+    for conv in convs:
+        body = records(base, conv.sid)  # whole JSON (records() checks the length too)
+        n, last_seen = seen[conv.sid]
+        assert body.startswith(records_prefix(last_seen)), conv.sid
+        held = metadata(body)["num_records"]
+        assert answered[conv.sid] <= held <= answered[conv.sid] + 1, (conv.sid, answered[conv.sid], held, n)
+        assert len(json.loads(body)["records"]) == held
+        if held > answered[conv.sid]:  # journaled, never answered: the client retries it (a rollback)
+            conv.turn(base)
+            body = records(base, conv.sid)
+            assert (metadata(body)["num_records"], metadata(body)["num_rollbacks"]) == (held, 1), conv.sid
+        assert_continues(base, conv, body)
+    server.close()
+
+
 # -- 2. a torn tail ----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
@@ -303,32 +376,64 @@ def test_a_torn_tail_is_cut_logged_and_never_served(session_server_factory, back
 
 # -- 3. a whole-server restart --------------------------------------------------------------------
 
+def snapshot(base: str, sid: str) -> tuple[bytes, bytes, bytes]:
+    """Everything a client can read of a session: records, records with images, samples."""
+    with_images = http("GET", f"{base}/sessions/{sid}", params={"images": "1"}, timeout=60)
+    samples = http("POST", f"{base}/sessions/{sid}/samples", params={"images": "1"}, json={}, timeout=60)
+    assert with_images.status_code == 200 and samples.status_code == 200, (with_images.text[:300], samples.text[:300])
+    return records(base, sid), with_images.content, samples.content
+
+
 @pytest.mark.timeout(150)
 def test_a_restarted_server_serves_every_session_byte_identical_and_continues(session_server_factory, backend,
                                                                                tmp_path) -> None:
+    """A graceful stop, then a SIGKILL of the whole tree: records, images and samples come back
+    byte for byte; a turn retried right after the restart (a rollback) and new turns append."""
     data = tmp_path / "data"
     server = serve(session_server_factory, backend.url, data, 2, "--fsync")
     base = server.url
     convs = [Conversation(create(base), f"task {i}") for i in range(6)]
-    for _ in range(2):
-        for conv in convs:
-            conv.turn(base)
-    before = {conv.sid: records(base, conv.sid) for conv in convs}
+    shots = (png(64, 48, 1), png(64, 48, 2))
+    for turn in range(2):
+        for i, conv in enumerate(convs):
+            conv.turn(base, images=(shots[turn],) if i == 0 else ())
+    convs[1].retry(base)  # a rollback: replaces the last record
+    assert metadata(records(base, convs[1].sid))["num_rollbacks"] == 1
+    assert [e.kind for e in read_journal(journal_path(data, convs[0].sid))] == [CREATE, IMAGE, TURN, IMAGE, TURN]
+    before = {conv.sid: snapshot(base, conv.sid) for conv in convs}
+    assert len(json.loads(before[convs[0].sid][1])["images"]) == 2
     server.close()  # a graceful stop
     assert server.proc.returncode == 0
 
     server = serve(session_server_factory, backend.url, data, 2, "--fsync")
     base = server.url
     for conv in convs:
-        assert records(base, conv.sid) == before[conv.sid], conv.sid
-    after = {conv.sid: assert_continues(base, conv, before[conv.sid]) for conv in convs}
+        assert snapshot(base, conv.sid) == before[conv.sid], conv.sid
+    after = {conv.sid: assert_continues(base, conv, before[conv.sid][0]) for conv in convs}
     kill_server(server)  # now a crash of the whole tree
 
     server = serve(session_server_factory, backend.url, data, 2, env={"SHINKEN_FSYNC": "1"})
     base = server.url
     for conv in convs:
         assert records(base, conv.sid) == after[conv.sid], conv.sid
+    convs[2].retry(base)  # the first turn after the restart rolls back the last one before it
+    retried = records(base, convs[2].sid)
+    assert metadata(retried)["num_rollbacks"] == 1
+    assert metadata(retried)["num_records"] == metadata(after[convs[2].sid])["num_records"]
+    after[convs[2].sid] = retried
+    for conv in convs:
         assert_continues(base, conv, after[conv.sid])
+    server.close()
+
+
+def test_a_second_server_cannot_take_a_data_dir_in_use(session_server_factory, backend, tmp_path) -> None:
+    data = tmp_path / "data"
+    server = serve(session_server_factory, backend.url, data, 1)
+    sid = create(server.url)
+    second = subprocess.run(server_argv(1, backend.url, "127.0.0.1:0", "--data-dir", str(data)),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert second.returncode != 0 and "in use" in second.stderr, (second.returncode, second.stderr[-2000:])
+    assert journal_path(data, sid).is_file() and records(server.url, sid)
     server.close()
 
 
@@ -437,17 +542,17 @@ def test_a_full_disk_is_507_commits_nothing_and_the_same_chat_succeeds_later(
         fill_up(small_tmpfs / "filler")  # not one page left
         assert_insufficient_storage_chat(small.say(base, retry))
         assert records(base, small.sid) == before
-        refused = requests.post(f"{base}/sessions", timeout=30)
+        refused = http("POST", f"{base}/sessions", timeout=30)
         assert refused.status_code == 507, refused.text[:300]
         assert isinstance(refused.json()["error"], str) and refused.json()["error"]
 
-        assert requests.delete(f"{base}/sessions/{big.sid}", timeout=30).status_code == 204
+        assert http("DELETE", f"{base}/sessions/{big.sid}", timeout=30).status_code == 204
         assert not journal_path(data, big.sid).exists()
         assert_continues(base, small, before)  # the same chat as the one refused
         assert small.messages[-2]["content"] == retry
         turns = metadata(records(base, small.sid))["num_records"]
         assert [e.kind for e in read_journal(journal_path(data, small.sid))] == [CREATE] + [TURN] * turns
-        assert requests.post(f"{base}/sessions", timeout=30).status_code == 200
+        assert http("POST", f"{base}/sessions", timeout=30).status_code == 200
     finally:
         server.close()  # before the tmpfs is unmounted
 
@@ -493,16 +598,16 @@ def test_delete_removes_the_journal_and_max_sessions_counts_the_whole_server(ses
     def assert_full(attempts: int = 6) -> None:
         # fresh ids hash to either shard: a per-worker count would admit some of them
         for _ in range(attempts):
-            resp = requests.post(f"{base}/sessions", timeout=30)
+            resp = http("POST", f"{base}/sessions", timeout=30)
             assert resp.status_code == 429, (resp.status_code, resp.text[:300])
             assert isinstance(resp.json()["error"], str) and resp.json()["error"]
         assert len(list((data / "sessions").glob("*.journal"))) == 3
 
     assert_full()
-    assert requests.delete(f"{base}/sessions/{sids[1]}", timeout=30).status_code == 204
+    assert http("DELETE", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 204
     assert not journal_path(data, sids[1]).exists()
-    assert requests.get(f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
-    assert requests.delete(f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
+    assert http("GET", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
+    assert http("DELETE", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
     sids[1] = create(base)  # room for one again
     assert_full()
     server.close()
@@ -538,14 +643,14 @@ def test_records_get_answers_head_range_and_etag(session_server_factory, backend
     for _ in range(3):
         conv.turn(base)
     url = f"{base}/sessions/{conv.sid}"
-    full = requests.get(url, timeout=60)
+    full = http("GET", url, timeout=60)
     body = full.content
     assert full.status_code == 200 and len(body) > 2 * MiB  # a streamed records body
     etag = full.headers.get("ETag")
     assert etag, full.headers
-    assert requests.get(url, timeout=60).headers.get("ETag") == etag  # stable while nothing changes
+    assert http("GET", url, timeout=60).headers.get("ETag") == etag  # stable while nothing changes
 
-    head = requests.head(url, timeout=30)
+    head = http("HEAD", url, timeout=30)
     assert head.status_code == 200 and int(head.headers["Content-Length"]) == len(body)
     assert head.headers.get("ETag") == etag
     status_and_headers, after = raw_head(base, f"/sessions/{conv.sid}")
@@ -553,16 +658,57 @@ def test_records_get_answers_head_range_and_etag(session_server_factory, backend
 
     n = len(body)
     for first, last in ((100, 199), (n // 2 - 5000, n // 2 + 70000), (n - 10, n - 1), (0, 0)):
-        part = requests.get(url, headers={"Range": f"bytes={first}-{last}"}, timeout=60)
+        part = http("GET", url, headers={"Range": f"bytes={first}-{last}"}, timeout=60)
         assert part.status_code == 206, (first, last, part.status_code)
         assert part.headers["Content-Range"] == f"bytes {first}-{last}/{n}"
         assert int(part.headers["Content-Length"]) == last - first + 1
         assert part.content == body[first:last + 1], (first, last)
 
     conv.turn(base)
-    changed = requests.get(url, timeout=60)
+    changed = http("GET", url, timeout=60)
     assert changed.headers.get("ETag") not in (None, etag)
     assert changed.content != body
+
+
+@pytest.mark.xfail(strict=True, reason="the ETag is the journal's size: once a torn last turn is cut and the "
+                   "client redoes it, the new body has the old size and so the old ETag (and an If-Range resume "
+                   "splices two bodies)")
+@pytest.mark.timeout(90)
+def test_an_etag_never_names_two_different_bodies(session_server_factory, backend, tmp_path) -> None:
+    """A turn a client has seen is lost (its journal entry is damaged: a machine crash without
+    --fsync, a bad disk) and the client redoes it: the body differs (new timestamps), so must the
+    ETag. Four sessions, as the redone body has the old length only most of the time."""
+    data = tmp_path / "data"
+    server = serve(session_server_factory, backend.url, data, 1)
+    convs = [Conversation(create(server.url), f"etag {i}") for i in range(4)]
+    seen = {}
+    for conv in convs:
+        conv.turn(server.url)
+        conv.turn(server.url)
+        resp = http("GET", f"{server.url}/sessions/{conv.sid}", timeout=60)
+        seen[conv.sid] = (resp.headers["ETag"], resp.content)
+    server.close()
+    for conv in convs:
+        last = read_journal(journal_path(data, conv.sid))[-1]
+        with open(journal_path(data, conv.sid), "r+b") as f:
+            f.seek(last.offset + ENTRY.size + last.length // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+
+    server = serve(session_server_factory, backend.url, data, 1)
+    for conv in convs:
+        conv.rewind(1)
+        conv.turn(server.url)  # the lost turn, redone
+        url = f"{server.url}/sessions/{conv.sid}"
+        now = http("GET", url, timeout=60)
+        etag, body = seen[conv.sid]
+        assert now.content != body
+        assert now.headers["ETag"] != etag, (conv.sid, etag, len(body), len(now.content))
+        # so resuming the old copy gets the new body whole, never a splice of the two
+        resumed = http("GET", url, headers={"Range": f"bytes={len(body) // 2}-", "If-Range": etag}, timeout=60)
+        assert resumed.status_code == 200 and resumed.content == now.content
+    server.close()
 
 
 # -- 8. worker memory stays flat ------------------------------------------------------------------
@@ -620,6 +766,6 @@ def test_worker_rss_stays_flat_while_gigabytes_of_records_go_to_disk(session_ser
     assert peak < 400 * MiB, report
     assert late - warm < 100 * MiB, report
     for sid in sids:  # and the disk space goes with the sessions
-        assert requests.delete(f"{base}/sessions/{sid}", timeout=30).status_code == 204
+        assert http("DELETE", f"{base}/sessions/{sid}", timeout=30).status_code == 204
     assert list((data / "sessions").glob("*.journal")) == []
     server.close()
