@@ -451,7 +451,7 @@ def test_a_restart_with_other_workers_reshards_every_session(session_server_fact
     current = {conv.sid: records(base, conv.sid) for conv in convs}
     server.close()
 
-    for workers in (3, 1):
+    for workers in (3, 1, 0):  # 0: the single-process server reads them all as well
         server = serve(session_server_factory, backend.url, data, workers)
         base = server.url
         assert len(worker_procs(server, workers)) == workers
@@ -671,21 +671,22 @@ def test_records_get_answers_head_range_and_etag(session_server_factory, backend
 
 
 @pytest.mark.xfail(strict=True, reason="the ETag is the journal's size: once a torn last turn is cut and the "
-                   "client redoes it, the new body has the old size and so the old ETag (and an If-Range resume "
+                   "client redoes it, a new body of the old length carries the old ETag (and an If-Range resume "
                    "splices two bodies)")
 @pytest.mark.timeout(90)
 def test_an_etag_never_names_two_different_bodies(session_server_factory, backend, tmp_path) -> None:
     """A turn a client has seen is lost (its journal entry is damaged: a machine crash without
     --fsync, a bad disk) and the client redoes it: the body differs (new timestamps), so must the
-    ETag. Four sessions, as the redone body has the old length only most of the time."""
+    ETag. The redone body has the old length in ~40% of sessions (the timestamps' digits vary):
+    twelve sessions, so some do."""
     data = tmp_path / "data"
     server = serve(session_server_factory, backend.url, data, 1)
-    convs = [Conversation(create(server.url), f"etag {i}") for i in range(4)]
+    convs = [Conversation(create(server.url), f"etag {i}") for i in range(12)]
     seen = {}
     for conv in convs:
         conv.turn(server.url)
         conv.turn(server.url)
-        resp = http("GET", f"{server.url}/sessions/{conv.sid}", timeout=60)
+        resp = http("GET", f"{server.url}/sessions/{conv.sid}")
         seen[conv.sid] = (resp.headers["ETag"], resp.content)
     server.close()
     for conv in convs:
@@ -697,17 +698,23 @@ def test_an_etag_never_names_two_different_bodies(session_server_factory, backen
             f.write(bytes([byte[0] ^ 0x01]))
 
     server = serve(session_server_factory, backend.url, data, 1)
+    now = {}
     for conv in convs:
         conv.rewind(1)
         conv.turn(server.url)  # the lost turn, redone
-        url = f"{server.url}/sessions/{conv.sid}"
-        now = http("GET", url, timeout=60)
-        etag, body = seen[conv.sid]
-        assert now.content != body
-        assert now.headers["ETag"] != etag, (conv.sid, etag, len(body), len(now.content))
+        resp = http("GET", f"{server.url}/sessions/{conv.sid}")
+        now[conv.sid] = (resp.headers["ETag"], resp.content)
+        assert now[conv.sid][1] != seen[conv.sid][1]
+    same_length = [conv.sid for conv in convs if len(now[conv.sid][1]) == len(seen[conv.sid][1])]
+    if not same_length:
+        pytest.skip("no redone body had its old length this time")
+    for sid in same_length:
+        etag, body = seen[sid]
+        assert now[sid][0] != etag, (sid, etag)
         # so resuming the old copy gets the new body whole, never a splice of the two
-        resumed = http("GET", url, headers={"Range": f"bytes={len(body) // 2}-", "If-Range": etag}, timeout=60)
-        assert resumed.status_code == 200 and resumed.content == now.content
+        resumed = http("GET", f"{server.url}/sessions/{sid}",
+                       headers={"Range": f"bytes={len(body) // 2}-", "If-Range": etag})
+        assert resumed.status_code == 200 and resumed.content == now[sid][1]
     server.close()
 
 
