@@ -15,7 +15,7 @@ import zlib
 import pytest
 
 from webapp.core import SessionCore, SessionRegistry
-from webapp.filebody import FileSpan, decode_layout, encode_layout, read_pieces, slice_pieces
+from webapp.filebody import FileSpan, decode_layout, encode_layout, file_response, read_pieces, slice_pieces
 from webapp.journal import ENTRY_HEADER, FILE_HEADER, FORMAT_VERSION, MAGIC, JournalStore, Kind
 from webapp.sharding import shard_for
 
@@ -283,3 +283,33 @@ def test_the_etag_names_the_version_even_when_a_cut_tail_is_rewritten(tmp_path):
     play(again, sid, 1, msgs[:2])  # the same turn again: same length, other timestamps
     assert path.stat().st_size == entries(path)[-1][0] + entries(path)[-1][2]
     assert dict(again.get_session(sid).headers)["ETag"] != etag_before
+
+
+@pytest.mark.parametrize(("headers", "status", "span"), [
+    ({}, 200, None),
+    ({"HTTP_RANGE": "bytes=2-5"}, 206, (2, 6)),
+    ({"HTTP_RANGE": "bytes=-3"}, 206, (-3, None)),
+    ({"HTTP_RANGE": "bytes=100000-"}, 416, None),
+    ({"HTTP_RANGE": "items=0-5"}, 200, None),  # another unit: ignored (RFC 9110 14.2)
+    ({"HTTP_RANGE": "bytes=0-1,5-6"}, 200, None),  # several ranges: ignored, the whole body
+    ({"HTTP_RANGE": "bytes=2-5", "HTTP_IF_RANGE": '"v1"'}, 206, (2, 6)),
+    ({"HTTP_RANGE": "bytes=2-5", "HTTP_IF_RANGE": '"v0"'}, 200, None),  # changed since: whole body
+])
+def test_file_response_ranges(tmp_path, headers, status, span):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(200)))
+    pieces = [b"{head}", FileSpan(str(path), 0, 200), b"{tail}"]
+    whole = read_pieces(pieces)
+    response = file_response(pieces, status=200, content_type="application/json", headers=[("ETag", '"v1"')],
+                             environ={"REQUEST_METHOD": "GET", **headers})
+    assert response.status_code == status
+    body = b"".join(response.response) if status != 416 else b""
+    response.close()
+    if status == 200:
+        assert body == whole and response.headers["Content-Length"] == str(len(whole))
+    elif status == 206:
+        start, stop = span
+        assert body == whole[start:stop]
+        assert response.headers["Content-Range"].endswith(f"/{len(whole)}")
+    else:
+        assert response.headers["Content-Range"] == f"bytes */{len(whole)}"

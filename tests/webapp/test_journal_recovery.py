@@ -672,9 +672,6 @@ def test_records_get_answers_head_range_and_etag(session_server_factory, backend
     assert changed.content != body
 
 
-@pytest.mark.xfail(strict=True, reason="the ETag is the journal's size: once a torn last turn is cut and the "
-                   "client redoes it, a new body of the old length carries the old ETag (and an If-Range resume "
-                   "splices two bodies)")
 @pytest.mark.timeout(90)
 def test_an_etag_never_names_two_different_bodies(session_server_factory, backend, tmp_path) -> None:
     """A turn a client has seen is lost (its journal entry is damaged: a machine crash without
