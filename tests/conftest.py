@@ -116,6 +116,21 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
     return proc.stdout.readline()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every session server's default data directory ($XDG_STATE_HOME/shinken/...) in a
+    temporary directory: servers and apps that module fixtures start before any test runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _state_home(_state_home_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and one per test, so an app built without a data dir sees no earlier test's sessions."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
 @pytest.fixture
 def shinkend(tmp_path: Path) -> Iterator[ShinkendFactory]:
     factory = ShinkendFactory(tmp_path)

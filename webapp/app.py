@@ -12,8 +12,9 @@ Errors are ``{"error": "<text>"}`` on the session-management routes and OpenAI's
 ``{"error": {"message", "type", "code"}}`` under ``/sessions/<id>/v1/``.
 
 The app adds neither ``Server`` nor ``Date``: the WSGI server sends exactly one of each. A
-chunked ``Reply`` body (a records GET) is handed to the server as an iterable of its chunks
-with an explicit ``Content-Length``, so it is written chunk by chunk and never joined.
+chunked ``Reply`` body is handed to the server as an iterable of its chunks with an explicit
+``Content-Length``, so it is written chunk by chunk and never joined; a records GET names
+ranges of the session's journal, sent with sendfile (``webapp.filebody``: also HEAD, Range).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +30,8 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from webapp.backend_liveness import probe_backend
+from webapp.datadir import default_data_dir, lock_data_dir
+from webapp.filebody import file_response, has_spans
 from webapp.core import (
     MAX_CHAT_BODY_BYTES,
     CoreConfig,
@@ -50,6 +54,12 @@ CORE_EXTENSION_KEY = "shinken_session_core"
 
 
 def to_flask_response(reply: Reply) -> Response:
+    if has_spans(reply.chunks):  # a records GET: sent from the journal (webapp.filebody)
+        try:
+            return file_response(reply.chunks, status=reply.status, content_type=reply.content_type,
+                                 headers=reply.headers, environ=request.environ)
+        except FileNotFoundError:  # deleted since the core answered
+            return to_flask_response(error_response(404, "session not found (deleted during the request)"))
     resp = Response(reply.chunks, status=reply.status)
     if reply.content_type:
         resp.headers["Content-Type"] = reply.content_type
@@ -92,6 +102,8 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
         config, reference = _config_from_env(dict(kw))
     else:
         config, reference = dataclasses.replace(config, **kw), None
+    config = dataclasses.replace(config, data_dir=os.path.abspath(config.data_dir or default_data_dir()))
+    lock_data_dir(config.data_dir)  # this process writes it; a second server must not
     core = build_session_core(config)
 
     def shutdown() -> None:

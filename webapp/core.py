@@ -9,11 +9,13 @@ records GET never waits for a turn in flight and no lock serializes two sessions
 
 Each committed record is miles' ``SessionRecord`` (``timestamp``, ``request_timestamp``,
 ``method``, ``path``, ``request`` = the JSON body as sent to the backend, ``response`` = the
-backend's reply verbatim, R3 included, ``status_code``; plus ``rollback``), kept
-pre-serialized as a few byte chunks, so a records GET is a list of existing chunks, never
-re-encoded or joined. Beside the bytes, a small :class:`webapp.samples.TurnRecord` per record
-(token counts, output ids, logprobs) lets ``POST /sessions/{id}/samples`` assemble without
-re-parsing a reply.
+backend's reply verbatim, R3 included, ``status_code``; plus ``rollback``), serialized once and
+appended to the session's journal (``webapp.journal``) before the reply goes out; the worker
+keeps only what the next turn needs (the TITO state) and, per record, a small
+:class:`webapp.samples.TurnRecord` (token counts, output ids, logprobs, where its bytes are),
+so memory does not grow with reply sizes. A records GET is a list of file spans between small
+JSON pieces (``webapp.filebody``): never loaded, re-encoded or joined. A session whose journal
+cannot be written gets 507 and keeps its state (nothing of the turn is stored anywhere).
 
 Images (``webapp.images``): each image part is checked, hashed and decoded once per session
 (the session keeps each image once, by sha256, at commit); the engine gets ``input_ids`` plus
@@ -33,13 +35,18 @@ import base64
 import json
 import logging
 import re
+import shutil
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
+from webapp.datadir import default_data_dir, instance_id
+from webapp.filebody import FileSpan, Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -49,6 +56,7 @@ from webapp.images import (
     extract_images,
     wire_messages,
 )
+from webapp.journal import JournalStore, RestoredSession, SessionJournal, StoredImage
 from webapp.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PROMPT_TOKENS,
@@ -72,6 +80,7 @@ from webapp.session_errors import (
     UpstreamStatus,
 )
 from webapp.settings import MAX_BODY_BYTES, default
+from webapp.sharding import shard_for
 from webapp.tito import (
     INITIAL_STATE,
     MAX_TRIM_TOKENS,
@@ -120,20 +129,25 @@ SSE_CONTENT_TYPE = "text/event-stream"
 
 @dataclass
 class Reply:
-    """One HTTP answer. A list body is the chunks of one body, to be sent without joining."""
+    """One HTTP answer. A list body is the pieces of one body, to be sent without joining:
+    ``bytes``, or a :class:`webapp.filebody.FileSpan` of a journal (a records GET)."""
 
     status: int
-    body: bytes | list[bytes]
+    body: bytes | list[Piece]
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = ()
 
     @property
-    def chunks(self) -> list[bytes]:
+    def chunks(self) -> list[Piece]:
         return self.body if isinstance(self.body, list) else [self.body]
 
     @property
     def content_length(self) -> int:
         return sum(len(c) for c in self.chunks)
+
+    def read(self) -> bytes:
+        """The whole body in memory, file spans read (tests, small bodies)."""
+        return read_pieces(self.chunks)
 
 
 def json_response(status: int, obj: Any) -> Reply:
@@ -180,6 +194,8 @@ class CoreConfig:
     session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's decoded bytes (webapp.images)
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
+    data_dir: str | None = default("data_dir")  # None: webapp.datadir.default_data_dir()
+    fsync: bool = default("fsync")  # each journal append durable before the reply
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -189,15 +205,10 @@ class CoreConfig:
         return self.connect_timeout + self.read_timeout + TURN_WAIT_MARGIN
 
 
-@dataclass(frozen=True)
-class Record:
-    chunks: tuple[bytes, ...]  # one JSON object, pre-serialized (miles' SessionRecord)
-    turn: TurnRecord
-
-
 @dataclass(eq=False)
 class Session:
     session_id: str
+    journal: SessionJournal
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)  # for the idle expiry
     turn_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -205,46 +216,67 @@ class Session:
     closed: bool = False
     state: TitoState = INITIAL_STATE
     previous: TitoState | None = None
-    records: list[Record] = field(default_factory=list)  # one per checkpoint of ``state``
+    records: list[TurnRecord] = field(default_factory=list)  # one per checkpoint of ``state``, bytes on disk
     rollbacks: int = 0
-    images: dict[str, DecodedImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
+    images: dict[str, StoredImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
 
-    def commit(self, new_state: TitoState, plan: TurnPlan, record: Record,
+    @classmethod
+    def restored(cls, r: RestoredSession) -> Session:
+        return cls(r.session_id, r.journal, created_at=r.created_at, state=r.state, previous=r.previous,
+                   records=r.records, rollbacks=r.rollbacks, images=r.images)
+
+    def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: list[bytes],
                images: dict[str, DecodedImage] | None = None) -> bool:
-        """Store a finished turn; False (nothing stored) if the session was closed meanwhile.
+        """Store a finished turn, journal first; False (nothing stored) if the session was
+        closed meanwhile. Raises ``InsufficientStorage`` (nothing stored) if the journal
+        cannot be written.
 
         A rollback turn replaces the rolled-back record, as miles truncates its records: the
         records always match the checkpoints of the current state (the rolled-back history
-        is dropped; ``metadata.num_rollbacks`` counts it).
+        is dropped; ``metadata.num_rollbacks`` counts it; the journal keeps it, append-only).
         """
-        with self.state_lock:
+        with self.state_lock:  # a GET snapshots before or after the append, never during it
             if self.closed:
                 return False
+            turn, stored = self.journal.append_turn(plan.base, new_state, plan.rollback, turn, record,
+                                                    list((images or {}).values()))
             self.previous, self.state = plan.base, new_state
             if plan.rollback:
                 self.records = self.records[:-1]
                 self.rollbacks += 1
-            self.records.append(record)
-            if images:
-                self.images.update(images)
+            self.records.append(turn)
+            self.images.update(stored)
             return True
 
-    def snapshot(self) -> tuple[list[Record], TitoState, int]:
+    def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, int]:
+        """(records, state, rollbacks, journal size): the size names this version of the session."""
         with self.state_lock:
-            return list(self.records), self.state, self.rollbacks
+            return list(self.records), self.state, self.rollbacks, self.journal.size
 
 
 class SessionRegistry:
-    """Live sessions by id. A deleted session leaves at once, so it 404s while a turn finishes."""
+    """Live sessions by id, each with its journal in ``store``. A deleted session leaves at
+    once (its file too), so it 404s while a turn finishes."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: JournalStore) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self.store = store
 
-    def create_session(self, session_id: str | None = None, admit: Any = None) -> Session:
-        """``admit(live_count)`` may refuse (raise) before a session is added."""
+    def restore(self, owns: Callable[[str], bool]) -> int:
+        """Load the sessions on disk that ``owns`` accepts (this worker's shard); how many."""
+        n = 0
+        for restored in self.store.restore(owns):
+            with self._lock:
+                self._sessions[restored.session_id] = Session.restored(restored)
+            n += 1
+        return n
+
+    def create_session(self, session_id: str | None = None, admit: Callable[[int], None] | None = None) -> Session:
+        """``admit(sessions_on_disk)`` may refuse (raise) before a session is added; the count
+        is the whole server's (every shard's journals), taken under the store's create lock."""
         if session_id is None:
             session_id = uuid.uuid4().hex
         elif not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
@@ -252,9 +284,9 @@ class SessionRegistry:
         with self._lock:
             if session_id in self._sessions:
                 raise SessionExists(session_id)
-            if admit is not None:
-                admit(len(self._sessions))
-            session = self._sessions[session_id] = Session(session_id)
+            created_at = time.time()
+            journal = self.store.create(session_id, created_at, admit)
+            session = self._sessions[session_id] = Session(session_id, journal, created_at=created_at)
         return session
 
     def get(self, session_id: str) -> Session:
@@ -273,8 +305,9 @@ class SessionRegistry:
             session = self._sessions.pop(session_id, None)
         if session is None:
             raise SessionNotFound(session_id)
-        with session.state_lock:
+        with session.state_lock:  # after a commit in flight, so its append is removed too
             session.closed = True
+            session.journal.remove()
         return session
 
     def __len__(self) -> int:
@@ -419,9 +452,15 @@ class SessionCore:
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
                  image_limits: ImageLimits | None = None) -> None:
+        """``registry``: None is one over a private temporary directory, deleted by
+        :meth:`close` (tests, embedding); a server passes its data directory's."""
         self.tokenizer = tokenizer
         self.backend = backend
-        self.registry = registry if registry is not None else SessionRegistry()
+        self._private_dir = None
+        if registry is None:
+            self._private_dir = tempfile.mkdtemp(prefix="shinken-sessions-")
+            registry = SessionRegistry(JournalStore(self._private_dir))
+        self.registry = registry
         self.limits = limits if limits is not None else RequestLimits()
         self.image_limits = image_limits if image_limits is not None else ImageLimits()
         self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
@@ -435,9 +474,9 @@ class SessionCore:
             self.forced_fields["return_routed_experts"] = True
         if indexer_replay:
             self.forced_fields["return_indexer_topk"] = True
-        # miles' session_server_instance_id: stable for this process, new after a restart, so a
-        # client can tell that the sessions it holds are gone.
-        self.instance_id = uuid.uuid4().hex
+        # miles' session_server_instance_id: the data directory's, so it changes exactly when
+        # the sessions a client holds are gone (another directory), not on a restart.
+        self.instance_id = instance_id(registry.store.data_dir)
 
     def create_session(self, session_id: str | None = None) -> Reply:
         self.expiry.sweep()
@@ -447,15 +486,15 @@ class SessionCore:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
 
-    def _snapshot(self, session: Session) -> tuple[list[Record], TitoState, dict[str, Any], bytes]:
+    def _snapshot(self, session: Session) -> tuple[list[TurnRecord], TitoState, dict[str, Any], bytes, int]:
         """A consistent snapshot of the session: its records, state and miles' session metadata
         (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
-        ``max_trim_tokens``, plus our counters), also as JSON bytes. Computed once per
-        committed turn: every commit makes a new state, the cache key."""
-        records, state, rollbacks = session.snapshot()
+        ``max_trim_tokens``, plus our counters), also as JSON bytes, and its journal's size.
+        Computed once per committed turn: every commit makes a new state, the cache key."""
+        records, state, rollbacks, size = session.snapshot()
         cached = session.metadata_cache
         if cached is not None and cached[0] is state:
-            return records, state, cached[1], cached[2]
+            return records, state, cached[1], cached[2], size
         metadata: dict[str, Any] = {}
         try:
             mismatch = session_mismatch(state, self.tokenizer)
@@ -469,7 +508,7 @@ class SessionCore:
                         created_at=session.created_at)
         encoded = json.dumps(metadata, separators=(",", ":")).encode()
         session.metadata_cache = (state, metadata, encoded)
-        return records, state, metadata, encoded
+        return records, state, metadata, encoded, size
 
     def get_session(self, session_id: str, include_images: bool = False) -> Reply:
         """miles' ``GetSessionResponse``; ``include_images``: plus ``"images"``, every image the
@@ -479,18 +518,22 @@ class SessionCore:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
-        records, _state, _metadata, encoded = self._snapshot(session)
-        body = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
-                + b',"records":[']
+        records, _state, _metadata, encoded, size = self._snapshot(session)
+        body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
+                             + b',"records":[']
         for i, record in enumerate(records):
+            assert record.record is not None, "a committed record is in the journal"
             if i:
                 body.append(b",")
-            body += record.chunks
+            body.append(record.record)
         body += (b'],"metadata":', encoded)
         if include_images:
             body += _images_json(session)
         body.append(b"}")
-        return Reply(200, body)
+        # The journal only grows, by every commit: its size names this version of the body
+        # (a Range request resumes only the same version, ``If-Range``).
+        etag = f'"{size:x}{"-i" if include_images else ""}"'
+        return Reply(200, body, headers=(("ETag", etag),))
 
     def samples(self, session_id: str, body: bytes, include_images: bool = False) -> Reply:
         """``POST /sessions/{id}/samples``: the session's training sample(s) as one safetensors
@@ -499,8 +542,7 @@ class SessionCore:
         try:
             max_seq_len = _parse_samples_body(body)
             session = self.registry.get(session_id)
-            records, state, metadata, _encoded = self._snapshot(session)
-            turns = [record.turn for record in records]
+            turns, state, metadata, _encoded, _size = self._snapshot(session)
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
             payload = encode_samples(samples, turns, metadata, empty_reason,
@@ -579,12 +621,13 @@ class SessionCore:
             payload, recorded = self._backend_payload(request, plan, images)
             reply = self.backend.chat_completions(payload, deadline=deadline)
             turn = _parse_turn(reply.parsed)
-            record = self._record(recorded, plan, turn, reply, request_timestamp,
-                                  tuple(image.sha256 for image, _url in images.images))
+            summary, record = self._record(recorded, plan, turn, reply, request_timestamp,
+                                           tuple(image.sha256 for image, _url in images.images))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
-            session.commit(new_state, plan, record, images.new)
+            # A journal that cannot be written: InsufficientStorage (507), nothing stored.
+            session.commit(new_state, plan, summary, record, images.new)
         finally:
             session.turn_lock.release()
         return self._client_reply(reply.parsed, request)
@@ -610,20 +653,21 @@ class SessionCore:
 
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
-                request_timestamp: float, images: tuple[str, ...] = ()) -> Record:
+                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, list[bytes]]:
+        """The record's summary and its bytes, as pieces (the reply is not copied)."""
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
                           separators=(",", ":"))
+        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}"]
+        at = len(chunks[0]) + len(payload) + len(chunks[2])  # the reply's offset in the record
         replay: dict[str, tuple[int, int]] = {}
         for key, start, end in reply.replay_spans:
-            replay.setdefault(key, (start, end))
+            replay.setdefault(key, (at + start, at + end))
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
-                             timestamp=timestamp, request_timestamp=request_timestamp, response=reply.raw,
-                             replay=replay, images=images)
-        chunks = (head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}")
-        return Record(chunks, summary)
+                             timestamp=timestamp, request_timestamp=request_timestamp, replay=replay, images=images)
+        return summary, chunks
 
     def _client_reply(self, parsed: dict[str, Any], request: dict[str, Any]) -> Reply:
         _strip_replay_payloads(parsed)
@@ -641,13 +685,15 @@ class SessionCore:
 
     def close(self) -> None:
         self.backend.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 _IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, spliced after encoding
 _IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
 
 
-def _session_images(session: Session) -> list[DecodedImage]:
+def _session_images(session: Session) -> list[StoredImage]:
     with session.state_lock:
         return list(session.images.values())
 
@@ -676,11 +722,21 @@ def _parse_samples_body(body: bytes) -> int | None:
     return value
 
 
-def build_session_core(config: CoreConfig) -> SessionCore:
-    """The one builder every adapter uses, so single- and multi-process modes cannot drift."""
+def build_session_core(config: CoreConfig, shard: int = 0, shards: int = 1) -> SessionCore:
+    """The one builder every adapter uses, so single- and multi-process modes cannot drift.
+
+    Loads the sessions of ``shard`` of ``shards`` from the data directory's journals first
+    (all of them for the single-process app), so a restarted worker serves what it served."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    store = JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync)
+    registry = SessionRegistry(store)
+    started = time.monotonic()
+    loaded = registry.restore(lambda session_id: shard_for(session_id, shards) == shard)
+    log.info("restored %d sessions of shard %d/%d from %s in %.2f s", loaded, shard, shards, store.dir,
+             time.monotonic() - started)
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
                             read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
-    return SessionCore(load_tokenizer(config.tokenizer), backend, turn_wait_timeout=config.turn_wait(),
+    return SessionCore(tokenizer, backend, registry=registry, turn_wait_timeout=config.turn_wait(),
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),

@@ -301,6 +301,9 @@ class IpcReply:
     length: int
     body: bytes = b""
     stream: BodyStream | None = None
+    # The body is ``body`` spliced with ranges of a file the router reads itself (a records
+    # GET: ``webapp.filebody.encode_layout``); None: ``body`` / ``stream`` is the whole body.
+    file_layout: dict[str, Any] | None = None
 
 
 class BodyStream:
@@ -499,7 +502,10 @@ class IpcClient:
                 content_type=str(meta.get("content_type", "application/json")),
                 headers=[(str(k), str(v)) for k, v in meta.get("headers", ())],
                 length=int(meta.get("length", len(body))),
+                file_layout=meta.get("file_layout"),
             )
+            if reply.file_layout is not None and not isinstance(reply.file_layout, dict):
+                raise TypeError("file_layout must be an object")
         except (KeyError, TypeError, ValueError) as exc:
             raise IpcProtocolError(f"malformed reply meta {meta!r}") from exc
         if meta.get("streamed"):
@@ -528,6 +534,8 @@ class ReplyLike(Protocol):
     body: bytes | list[bytes]
     content_type: str
     headers: tuple[tuple[str, str], ...]
+    # Optional (``getattr``): sent as the reply's ``file_layout`` (see ``IpcReply``).
+    # file_layout: dict[str, Any] | None
 
 
 class _OutStream:
@@ -687,6 +695,9 @@ class IpcServer:
             "headers": [list(h) for h in reply.headers],
             "length": length,
         }
+        layout = getattr(reply, "file_layout", None)
+        if layout is not None:
+            meta["file_layout"] = layout
         if length <= INLINE_BODY_MAX:
             try:
                 frame = encode_envelope_frame(rid, FrameType.REPLY, meta, reply.body)

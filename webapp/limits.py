@@ -14,8 +14,9 @@ ids). These limits match the work instead, and are checked before it is done:
   tokenizing and before the backend call; the request's whole text is refused before
   tokenizing when it exceeds ``max_prompt_tokens * MAX_BYTES_PER_TOKEN`` bytes, so a request
   whose messages each pass cannot make the tokenizer do unbounded work either.
-- ``max_sessions`` (429, :class:`TooManySessions`) and ``session_idle_ttl`` (a session nobody
-  touched that long is deleted) bound the sessions a worker holds.
+- ``max_sessions`` (429, :class:`TooManySessions`; counted over the server's data directory, so
+  every worker admits against the same count) and ``session_idle_ttl`` (a session nobody
+  touched that long is deleted, its journal too) bound the sessions a server holds.
 
 Every limit is named in its error (``limit`` attribute and message), so a client can tell
 which one it hit. Imports nothing of the core: the core calls it.
@@ -53,7 +54,7 @@ __all__ = [
 # Declared in webapp.settings.SETTINGS; named here for the core's callers.
 DEFAULT_MAX_MESSAGE_BYTES: int = default("max_message_bytes")  # a long tool output, far below the body cap
 DEFAULT_MAX_PROMPT_TOKENS: int = default("max_prompt_tokens")  # the longest context windows served today
-DEFAULT_MAX_SESSIONS: int = default("max_sessions")  # per worker (per shard); single-process: one worker
+DEFAULT_MAX_SESSIONS: int = default("max_sessions")  # per server: the journals in its data directory
 DEFAULT_SESSION_IDLE_TTL: float = default("session_idle_ttl")  # a day without a request: the client is gone
 # Requests nest a handful of levels (messages -> content parts -> image_url); tool schemas a
 # few more. Far below the interpreter's recursion limit, which a 1,000-level body reached.

@@ -14,10 +14,11 @@ gunicorn). See ``docs/session-server-ops.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
-import uuid
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,10 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
 from webapp.backend_liveness import probe_backend
+from webapp.datadir import default_data_dir, lock_data_dir
+from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
+from webapp.filebody import decode_layout, file_response
 from webapp.http_limits import HttpLimits, iter_body
 from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
@@ -130,6 +134,8 @@ def _error(status: int, message: str, **extra: object) -> Response:
 
 def _relay(reply: IpcReply) -> Response:
     headers = [(k, v) for k, v in reply.headers if k.lower() not in _OWN_HEADERS]
+    if reply.file_layout is not None:
+        return _relay_file(reply, headers)
     if reply.stream is None:
         response = Response(reply.body, status=reply.status, headers=headers)
     else:
@@ -143,6 +149,22 @@ def _relay(reply: IpcReply) -> Response:
     else:
         del response.headers["Content-Type"]
     return response
+
+
+def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> Response:
+    """A records GET: the worker named where the records are; this process sends them from the
+    journal with sendfile (webapp.filebody), so no record byte crosses the worker channel."""
+    inline = reply.body if reply.stream is None else b"".join(_stream_body(reply))
+    assert reply.file_layout is not None
+    try:
+        pieces = decode_layout(inline, reply.file_layout)
+        return file_response(pieces, status=reply.status, content_type=reply.content_type, headers=headers,
+                             environ=request.environ)
+    except FileNotFoundError:  # deleted between the worker's answer and now
+        return _error(404, "session not found (deleted during the request)")
+    except ValueError as exc:
+        log.error("malformed file layout from a worker: %s", exc)
+        return _error(502, f"malformed reply from the session worker: {exc}")
 
 
 def _stream_body(reply: IpcReply) -> Iterator[bytes]:
@@ -182,15 +204,20 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     :meth:`HttpLimits.from_env` without ``http_limits``)."""
     config = config if config is not None else RouterConfig.from_env()
     http_limits = http_limits if http_limits is not None else HttpLimits.from_env()
+    # The data directory is this router's alone (its workers write it, one shard each); they
+    # all get its resolved path, so an unset data_dir means one place for every process.
+    data_dir = os.path.abspath(config.core.get("data_dir") or default_data_dir())
+    config = dataclasses.replace(config, core={**config.core, "data_dir": data_dir})
+    lock_data_dir(data_dir)
     supervisor = Supervisor(config.supervisor_config())
     app = Flask("webapp.router")
     app.extensions[_EXTENSION] = supervisor
     app.config["SHINKEN_ROUTER"] = config
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES  # refused (413) before reading more
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
-    # miles' session_server_instance_id: this router process (its workers' sessions live and
-    # die with it), so a client can tell after a restart that its sessions are gone.
-    instance_id = uuid.uuid4().hex
+    # miles' session_server_instance_id: the data directory's (webapp.datadir), so it changes
+    # exactly when the sessions a client holds are gone, not when the server restarts.
+    instance_id = data_dir_instance_id(data_dir)
 
     def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from webapp.filebody import FileSpan
 from webapp.session_errors import SampleAssemblyError
 from webapp.tokenizers import ChatTokenizer, decode_lenient
 
@@ -93,9 +94,9 @@ class TurnRecord:
     meta: dict[str, Any]  # SAMPLE_META_KEYS present in choices[0].meta_info
     timestamp: float
     request_timestamp: float
-    response: bytes  # the backend reply verbatim: the record's own bytes, not a copy
-    replay: dict[str, tuple[int, int]]  # replay key -> span of its base64 text in ``response``
+    replay: dict[str, tuple[int, int]]  # replay key -> span of its base64 text in the record's bytes
     images: tuple[str, ...] = ()  # sha256 of each image in the prompt, in order of appearance
+    record: FileSpan | None = None  # the record's bytes in the session journal (None: not written yet)
 
 
 @dataclass
@@ -266,7 +267,8 @@ def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, lay
     elif layers <= 0:
         raise SampleAssemblyError("routed_experts in the records but no routing-replay layer count is set "
                                   "(--routing-replay-layers)")
-    values = np.frombuffer(base64.b64decode(turn.response[start:end]), dtype="<i4").astype(np.int32, copy=False)
+    assert turn.record is not None, "a committed record is in the journal"
+    values = np.frombuffer(base64.b64decode(turn.record.read(start, end)), dtype="<i4").astype(np.int32, copy=False)
     rows = turn.prompt_len + len(turn.output_ids) - 1
     if rows <= 0:
         return np.empty((0, layers, 0), dtype=np.int32)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
+from webapp.datadir import DataDirInUse, check_free, default_data_dir
 from webapp.errors import WebappError
 from webapp.settings import (
     BY_NAME,
@@ -323,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         parser.error(f"cannot listen on {host}:{port}: {exc.strerror}; pass --bind with a free port (or port 0)")
     port = listener.getsockname()[1]
+    if values["data_dir"] is None:  # one per address: a restart on it finds its sessions again
+        values["data_dir"] = default_data_dir(f"{host}-{port}")
+    try:
+        check_free(values["data_dir"])
+    except (DataDirInUse, OSError) as exc:
+        parser.error(str(exc))
     backend = None
     backend_url = values["backend_url"]
     if backend_url is None:

@@ -54,6 +54,7 @@ __all__ = [
     "ImageRefused",
     "ImageTooLarge",
     "ImageUndecodable",
+    "InsufficientStorage",
     "InvalidField",
     "InvalidJSON",
     "RemoteImageURL",
@@ -175,6 +176,13 @@ class SessionExists(SessionError):
 
 class SessionBusy(SessionError):
     status = 503
+
+
+class InsufficientStorage(SessionError):
+    """The session journal could not be written (a full disk, a file-size limit, an I/O error):
+    the turn or session was not stored, in the file or in memory; retry when there is room."""
+
+    status = 507
 
 
 class TokenPrefixMismatch(SessionError):

@@ -119,10 +119,14 @@ SETTINGS: tuple[Setting, ...] = (
     _S("max_message_bytes", int, 8 << 20, _C, "413 for a message whose text is over this many UTF-8 bytes",
        minimum=1),
     _S("max_prompt_tokens", int, 1 << 20, _C, "413 for a turn whose prompt is over this many tokens", minimum=1),
-    _S("max_sessions", int, 10_000, _C, "429 for a new session past this many live ones per session core "
-       "(per worker)", minimum=1),
+    _S("max_sessions", int, 10_000, _C, "429 for a new session past this many on the server (every "
+       "worker's, counted in the data directory)", minimum=1),
     _S("session_idle_ttl", float, 86_400.0, _C, "seconds after which a session nobody used is deleted",
        minimum=0),
+    _S("data_dir", str, None, _C, "the sessions' journals live here and survive restarts (unset: "
+       "$XDG_STATE_HOME/shinken/session-server/HOST-PORT, see docs/session-server-ops.md)"),
+    _S("fsync", bool, False, _C, "fsync each journal append before the reply: a machine crash then loses "
+       "no answered turn either (off: a process crash loses none; each turn waits for the disk)"),
     _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
     _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------

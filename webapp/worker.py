@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shinken_sync.lifetime import die_with_parent
+from webapp.filebody import encode_layout, has_spans
 from webapp.ipc import WORKER_BOOT_ERROR, Op
 
 __all__ = ["EXIT_BOOT_ERROR", "PROCESS_TITLE", "WorkerBootError", "run"]
@@ -82,7 +83,7 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
         from webapp.core import CoreConfig, build_session_core
 
         config = CoreConfig(**core_config)
-        core = build_session_core(config)
+        core = build_session_core(config, shard, shards)
     except Exception as exc:  # a bad setting (tokenizer path...): report it, do not loop
         log.exception("cannot boot the session core for shard %d", shard)
         reason = f"{type(exc).__name__}: {exc}"
@@ -121,6 +122,25 @@ def _refuse_until_closed(server: Any, parent_pid: int) -> int:
         return EXIT_BOOT_ERROR
     finally:
         server.close()
+
+
+@dataclasses.dataclass
+class _FileReply:
+    """A reply whose body names file ranges: only the inline bytes and the layout cross the
+    channel; the router sends the ranges from the file itself (``webapp.filebody``)."""
+
+    status: int
+    body: bytes
+    content_type: str
+    headers: tuple[tuple[str, str], ...]
+    file_layout: dict[str, Any]
+
+
+def _wire_reply(reply: Any) -> Any:
+    if not isinstance(reply.body, list) or not has_spans(reply.body):
+        return reply
+    inline, layout = encode_layout(reply.body)
+    return _FileReply(reply.status, inline, reply.content_type, reply.headers, layout)
 
 
 class SessionOps:
@@ -167,7 +187,7 @@ class SessionOps:
         if owner != self._shard:  # a routing bug must be loud, not a silent 404
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
-        return self._session_ops[op](session_id, meta, body)
+        return _wire_reply(self._session_ops[op](session_id, meta, body))
 
     def _chat(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
         budget = meta.get("budget")

@@ -13,6 +13,7 @@ import safetensors.numpy
 
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import CoreConfig, SessionCore, build_session_core
+from webapp.filebody import FileSpan
 from webapp.reference_backend import R3Shape, reference_completion
 from webapp.session_errors import BackendMalformed
 from webapp.tokenizers import ByteChatTokenizer
@@ -64,7 +65,7 @@ def make_core(backend=None) -> SessionCore:
 
 
 def body_of(reply) -> dict:
-    return json.loads(b"".join(reply.chunks))
+    return json.loads(reply.read())
 
 
 def error_of(reply) -> str:
@@ -162,15 +163,17 @@ def test_ten_turns_with_tool_messages_exact_records_and_r3():
             assert record["request"]["input_ids"][: len(prev_ids)] == prev_ids
 
 
-def test_records_get_reuses_the_backend_bytes_without_reencoding():
+def test_records_get_names_journal_spans_holding_the_backend_bytes_verbatim():
     backend = FakeBackend()
     core = make_core(backend)
     sid = new_session(core)
     chat(core, sid, [{"role": "user", "content": "a"}])
     reply = core.get_session(sid)
     assert isinstance(reply.body, list)
-    assert any(chunk is backend.raws[0] for chunk in reply.body)
-    assert reply.content_length == len(b"".join(reply.body))
+    spans = [piece for piece in reply.body if isinstance(piece, FileSpan)]
+    assert len(spans) == 1 and backend.raws[0] in spans[0].read()  # the reply's bytes, on disk
+    assert not any(backend.raws[0] in piece for piece in reply.body if isinstance(piece, bytes))
+    assert reply.content_length == len(reply.read())
 
 
 def test_rollback_in_core_and_too_deep_is_400():
@@ -297,7 +300,7 @@ def test_stream_answers_sse():
     sid = new_session(core)
     reply = chat(core, sid, [{"role": "user", "content": "a"}], stream=True, stream_options={"include_usage": True})
     assert reply.status == 200 and reply.content_type == "text/event-stream"
-    events = b"".join(reply.chunks).decode().split("\n\n")
+    events = reply.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"

@@ -187,13 +187,14 @@ def test_the_docs_table_is_the_generated_one() -> None:
 
 
 @pytest.mark.integration
-def test_real_workers_run_with_the_whole_config_from_the_environment(reference_backend_factory) -> None:
+def test_real_workers_run_with_the_whole_config_from_the_environment(reference_backend_factory,
+                                                                    tmp_path) -> None:
     """The router process reads SHINKEN_* as under the launcher; each real worker process echoes
     the CoreConfig it built (turn_wait_timeout was dropped on the way before)."""
     backend = reference_backend_factory()
     env = {**os.environ, "SHINKEN_BACKEND_URL": backend.url, "SHINKEN_WORKERS": "2",
            "SHINKEN_TURN_WAIT_TIMEOUT": "7", "SHINKEN_POOL_MAXSIZE": "5", "SHINKEN_MAX_SESSIONS": "9",
-           "SHINKEN_INDEXER_REPLAY": "1"}
+           "SHINKEN_INDEXER_REPLAY": "1", "SHINKEN_DATA_DIR": str(tmp_path / "data"), "SHINKEN_FSYNC": "1"}
     script = textwrap.dedent("""
         from gevent import monkey; monkey.patch_all()
         import json
@@ -210,7 +211,7 @@ def test_real_workers_run_with_the_whole_config_from_the_environment(reference_b
     assert out.returncode == 0, out.stderr
     configs = json.loads(out.stdout.strip().splitlines()[-1])
     expected = {**dataclasses.asdict(CoreConfig(backend.url)), "turn_wait_timeout": 7.0, "pool_maxsize": 5,
-                "max_sessions": 9, "indexer_replay": True}
+                "max_sessions": 9, "indexer_replay": True, "data_dir": str(tmp_path / "data"), "fsync": True}
     assert configs == [expected, expected]
 
 

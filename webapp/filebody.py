@@ -1,0 +1,267 @@
+"""Response bodies made of in-memory pieces and ranges of files, sent with ``sendfile``.
+
+A records GET is a few small JSON pieces around the records, which stay in their session's
+journal (``webapp.journal``): the body is a list of *pieces*, each ``bytes`` or a
+:class:`FileSpan`. This module is the one place that
+
+- measures and slices such a body (``Range: bytes=a-b``, answered 206),
+- carries it across the router/worker channel without the file bytes (:func:`encode_layout`
+  on the worker, :func:`decode_layout` on the router: only the inline pieces and the spans'
+  offsets travel; the router reads the same file the worker wrote, same host),
+- and writes it to the client: file spans go with ``os.sendfile`` straight from the page cache
+  to the client's socket (gunicorn's ``environ["gunicorn.socket"]``), everything else is
+  yielded to the WSGI server as usual. Without a raw socket (another WSGI server, TLS) the
+  spans are read with ``pread`` in :data:`READ_CHUNK` pieces instead.
+
+Why write around the WSGI server: a body here is many file ranges between JSON glue, and
+``wsgi.file_wrapper`` sends one whole file. The WSGI server has sent the status line and
+headers by the time the first inline piece (a records GET always starts with one) is written,
+so the spans that follow go on the socket in order; gunicorn only counts the bytes for its
+access log. Under gevent the socket is non-blocking: each ``sendfile`` sends what the socket
+buffer takes and the greenlet waits for writability in the hub, so chats on the same process
+keep their turns while a multi-GiB body goes out.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import ssl
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from werkzeug.http import parse_range_header, unquote_etag
+from werkzeug.wrappers import Response
+
+__all__ = [
+    "READ_CHUNK",
+    "FileSpan",
+    "Piece",
+    "body_length",
+    "decode_layout",
+    "encode_layout",
+    "has_spans",
+    "file_response",
+    "read_pieces",
+    "slice_pieces",
+]
+
+READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
+_SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """``length`` bytes of the file at ``path`` from ``offset``; immutable once written (the
+    journal only appends, so a span stays valid until the file is deleted)."""
+
+    path: str
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the span (end: its length)."""
+        end = self.length if end is None else end
+        with open(self.path, "rb", buffering=0) as f:
+            return _pread_all(f.fileno(), end - start, self.offset + start)
+
+
+Piece = bytes | FileSpan
+
+
+def has_spans(pieces: Iterable[Any]) -> bool:
+    return any(isinstance(p, FileSpan) for p in pieces)
+
+
+def body_length(pieces: Iterable[Piece]) -> int:
+    return sum(len(p) for p in pieces)
+
+
+def slice_pieces(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
+    """Bytes ``[start, stop)`` of the body, as pieces (spans narrowed, bytes sliced)."""
+    out: list[Piece] = []
+    pos = 0
+    for piece in pieces:
+        size = len(piece)
+        lo, hi = max(start - pos, 0), min(stop - pos, size)
+        if lo < hi:
+            if isinstance(piece, FileSpan):
+                out.append(FileSpan(piece.path, piece.offset + lo, hi - lo))
+            else:
+                out.append(piece[lo:hi])
+        pos += size
+        if pos >= stop:
+            break
+    return out
+
+
+def read_pieces(pieces: Iterable[Piece]) -> bytes:
+    """The whole body in memory (tests, small bodies)."""
+    return b"".join(p.read() if isinstance(p, FileSpan) else p for p in pieces)
+
+
+# -- across the router/worker channel ------------------------------------------------------------
+
+def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
+    """``pieces`` -> (the inline bytes joined, the layout): ``{"path": str, "pieces": [n |
+    [offset, length]]}``, where ``n`` is the next ``n`` inline bytes and a pair a span of
+    ``path``. One file per body (a session's journal)."""
+    paths = {p.path for p in pieces if isinstance(p, FileSpan)}
+    if len(paths) != 1:
+        raise ValueError(f"a file body names exactly one file, got {sorted(paths)}")
+    layout: list[Any] = []
+    inline: list[bytes] = []
+    for piece in pieces:
+        if isinstance(piece, FileSpan):
+            layout.append([piece.offset, piece.length])
+        else:
+            layout.append(len(piece))
+            inline.append(piece)
+    return b"".join(inline), {"path": paths.pop(), "pieces": layout}
+
+
+def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
+    """The inverse of :func:`encode_layout`; raises ``ValueError`` on a malformed layout."""
+    path = layout.get("path")
+    entries = layout.get("pieces")
+    if not isinstance(path, str) or not isinstance(entries, list):
+        raise ValueError(f"malformed file layout {layout!r}")
+    pieces: list[Piece] = []
+    pos = 0
+    for entry in entries:
+        if type(entry) is int and entry >= 0:
+            pieces.append(inline[pos:pos + entry])
+            pos += entry
+        elif (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)):
+            pieces.append(FileSpan(path, entry[0], entry[1]))
+        else:
+            raise ValueError(f"malformed file layout entry {entry!r}")
+    if pos != len(inline):
+        raise ValueError(f"file layout names {pos} inline bytes, the body has {len(inline)}")
+    return pieces
+
+
+# -- to the client -------------------------------------------------------------------------------
+
+def file_response(pieces: Sequence[Piece], *, status: int, content_type: str,
+                  headers: Iterable[tuple[str, str]], environ: Mapping[str, Any]) -> Response:
+    """A response for a body of pieces: ``Range`` (one range; ``If-Range`` against the ETag)
+    answered 206/416, HEAD without a body, spans sent by ``sendfile`` where the server allows.
+
+    Raises ``FileNotFoundError`` if the file is gone (its session deleted meanwhile), before
+    anything is sent."""
+    headers = list(headers)
+    length = body_length(pieces)
+    etag = next((v for k, v in headers if k.lower() == "etag"), None)
+    response = Response(status=status, headers=headers, content_type=content_type or None)
+    response.headers["Accept-Ranges"] = "bytes"
+    wanted = _wanted_range(environ, etag) if status == 200 else None
+    if wanted is not None:
+        span = wanted.range_for_length(length)
+        if span is None:
+            response.status_code = 416
+            response.headers["Content-Range"] = f"bytes */{length}"
+            response.headers["Content-Length"] = "0"
+            return response
+        start, stop = span
+        pieces = slice_pieces(pieces, start, stop)
+        response.status_code = 206
+        response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{length}"
+        length = stop - start
+    body = _FileBody(pieces, _raw_socket(environ))
+    response.response = body
+    response.direct_passthrough = True
+    response.headers["Content-Length"] = str(length)
+    response.call_on_close(body.close)
+    return response
+
+
+def _wanted_range(environ: Mapping[str, Any], etag: str | None) -> Any:
+    header = environ.get("HTTP_RANGE")
+    if not header:
+        return None
+    if_range = environ.get("HTTP_IF_RANGE")
+    if if_range and (etag is None or unquote_etag(if_range)[0] != unquote_etag(etag)[0]):
+        return None  # the body changed since the client's copy: the whole body, 200
+    return parse_range_header(header)
+
+
+def _raw_socket(environ: Mapping[str, Any]) -> Any:
+    sock = environ.get("gunicorn.socket")
+    if sock is None or isinstance(sock, ssl.SSLSocket) or environ.get("wsgi.url_scheme") == "https":
+        return None
+    return sock
+
+
+class _FileBody:
+    """The WSGI iterable: opens the file at construction (a missing file fails before any
+    header is sent), yields inline pieces, sends spans with ``sendfile`` (or yields them)."""
+
+    def __init__(self, pieces: Sequence[Piece], sock: Any) -> None:
+        self._pieces = pieces
+        self._sock = sock
+        self._fds: dict[str, int] = {}
+        try:
+            for piece in pieces:
+                if isinstance(piece, FileSpan) and piece.path not in self._fds:
+                    self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.close()
+            raise
+        # sendfile only after something went through the server: its headers are on the wire.
+        self._headers_out = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for piece in self._pieces:
+            if not isinstance(piece, FileSpan):
+                self._headers_out = True
+                yield piece
+            elif self._sock is not None and self._headers_out:
+                _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
+            else:
+                fd = self._fds[piece.path]
+                for pos in range(0, piece.length, READ_CHUNK):
+                    self._headers_out = True
+                    yield _pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:  # a journal span is committed bytes: short means the file shrank
+        raise OSError(f"short read: {len(data)} of {size} bytes at {offset}")
+    return data
+
+
+def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
+    wait_write = _wait_writable()
+    while count:
+        try:
+            sent = os.sendfile(sock_fd, fd, offset, min(count, _SENDFILE_MAX))
+        except BlockingIOError:
+            wait_write(sock_fd)
+            continue
+        if sent == 0:
+            raise OSError(f"sendfile sent nothing with {count} bytes left (file shrank?)")
+        offset += sent
+        count -= sent
+
+
+def _wait_writable() -> Any:
+    """The hub's wait under gevent (the socket is non-blocking there), else ``select``."""
+    try:
+        from gevent import monkey
+        if monkey.is_module_patched("socket"):
+            from gevent.socket import wait_write
+            return wait_write
+    except ImportError:
+        pass
+    return lambda fd: select.select([], [fd], [])
