@@ -11,9 +11,12 @@ Prints, against the issue's targets (speed targets live here, never in tests):
    floor: a raw ``os.sendfile`` of the same journal file over a loopback TCP socket to the same
    reader. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs.
 2. ``load``: the same GET while 64 clients chat on other sessions of the same server, half of
-   them on the big session's shard (``webapp.sharding.shard_for``): GET MiB/s vs the floor
-   (target >= 0.5x; the floor under the same chats is printed too) and the chat p50/p99 while a
-   GET is in flight vs the same chats with no GET (alternating windows) -> target within 1.5x.
+   them on the big session's shard (``webapp.sharding.shard_for``), each pausing ``--think-ms``
+   between chats: GET MiB/s vs the idle floor (target >= 0.5x; the floor under the same chats
+   is printed too) and the chat p50/p99 while a GET is in flight vs the same chats with no GET
+   -> target p99 within 1.5x. Windows alternate: no GET, GETs back to back, sendfile floors
+   back to back (the control: the same bytes moved on loopback without the server); a chat
+   counts for the window it started and ended in.
 3. ``prod``: N sessions x T turns x ~64 MiB per turn (default 8 x 50, ~25 GiB on disk), all
    sessions at once, every turn must answer 200, then every session is fetched (bytes read ==
    Content-Length). ``VmRSS`` of every ``shinken-session-worker`` (descendants of the server)
@@ -21,7 +24,8 @@ Prints, against the issue's targets (speed targets live here, never in tests):
 4. ``commit``: chat latency p50/p99 with small records (no R3) for: the tree before the
    journal (``--baseline-commit``, extracted with ``git archive`` into the temp dir and run as
    its own server), the journal with fsync off, and with ``--fsync``; the three servers are up
-   at once and the same client load runs on each in turn, rotated over rounds.
+   at once and the same closed-loop load (1 client: latency; 16: a busy server) runs on each in
+   turn, rotated over rounds.
 
 Big records come from the embedded reference backend's R3 knob (``--reference-r3-layers L
 --reference-r3-topk K``): each reply carries base64 of (prompt + completion - 1) x L x K int32.
@@ -62,7 +66,8 @@ JOURNAL_FLAG = "--data-dir"
 FSYNC_FLAG = "--fsync"
 JOURNAL_PATH = "sessions/{sid}.journal"
 WORKER_TITLE = "shinken-session-worker"
-HERE = Path(__file__).resolve().parent
+SCRIPT = Path(__file__).resolve()
+HERE = SCRIPT.parent
 REPO = HERE.parent
 
 
@@ -227,6 +232,9 @@ def start_server(tmp: Path, name: str, workers: int, extra: list[str], pythonpat
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
     env["PYTHONPATH"] = str(pythonpath)
+    # A guard: a data directory left to its default would land here, never in $HOME (the bench
+    # also runs from inside ``tmp``, so ``python -m`` finds ``pythonpath``'s webapp, not the cwd's).
+    env["XDG_STATE_HOME"] = str(tmp / f"state-{name}")
     server = SessionServerProcess(server_argv(workers, None, "127.0.0.1:0", *extra), tmp / f"{name}.log", env=env)
     try:
         server.wait_ready()
@@ -501,7 +509,7 @@ class ChatLoad:
                                       "chats_per_client": chats_per_client, "out": str(self.out)}))
         env = dict(os.environ, PYTHONPATH=str(pythonpath))
         with open(tmp / f"{tag}.log", "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, __file__, "_chatload", str(config)], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "_chatload", str(config)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, env=env)
         line = self.proc.stdout.readline()
         if line.strip() != b"ready":
@@ -617,9 +625,8 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
     back); each chat is classified by the window it started and ended in."""
     shards = args.workers
     clients = args.chat_clients
-    plan = [big_shard if i % 2 == 0 else (big_shard + 1 + i // 2) % shards for i in range(clients)]
-    if shards == 1:
-        plan = [0] * clients
+    others = [shard for shard in range(shards) if shard != big_shard] or [big_shard]
+    plan: list[int | None] = [big_shard if i % 2 == 0 else others[(i // 2) % len(others)] for i in range(clients)]
     load = ChatLoad(tmp, server.url, plan, shards, args.think_ms / 1e3, args.turns_per_session)
     idle_windows: list[tuple[float, float]] = []
     gets: list[GetResult] = []
@@ -638,7 +645,11 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
                 if time.monotonic() - t0 >= args.window_s:
                     break
             sampler.set_phase("load-floor")
-            floors.append(floor.get(buf))
+            t0 = time.monotonic()
+            while True:  # the control: the same bytes moved by sendfile, not by the server
+                floors.append(floor.get(buf))
+                if time.monotonic() - t0 >= args.window_s:
+                    break
         result = load.finish()
     finally:
         load.kill()
@@ -654,6 +665,7 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
         return picked
 
     get_windows = [(g.start, g.end) for g in gets]
+    floor_windows = [(f.start, f.end) for f in floors]
     out: dict = {"clients": clients, "same_shard_clients": plan.count(big_shard), "think_ms": args.think_ms,
                  "turns_per_session": args.turns_per_session, "gets": len(gets),
                  "incomplete_gets": sum(not g.complete for g in gets),
@@ -666,14 +678,19 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
     out["floor_loaded_mib_s_median"] = statistics.median(out["floor_loaded_mib_s"])
     idle_s = sum(e - s for s, e in idle_windows)
     get_s = sum(e - s for s, e in get_windows)
+    floor_s = sum(e - s for s, e in floor_windows)
     for label, same in (("all", None), ("same", True), ("other", False)):
-        idle, loaded = during(idle_windows, same), during(get_windows, same)
+        idle, loaded, control = during(idle_windows, same), during(get_windows, same), during(floor_windows, same)
         out[label] = {"idle": latency_summary(idle), "get": latency_summary(loaded),
+                      "floor": latency_summary(control),
                       "idle_chats_per_s": len(idle) / idle_s if idle_s else 0.0,
-                      "get_chats_per_s": len(loaded) / get_s if get_s else 0.0}
+                      "get_chats_per_s": len(loaded) / get_s if get_s else 0.0,
+                      "floor_chats_per_s": len(control) / floor_s if floor_s else 0.0}
         if idle and loaded:
             out[label]["p99_ratio"] = out[label]["get"]["p99_ms"] / out[label]["idle"]["p99_ms"]
             out[label]["p50_ratio"] = out[label]["get"]["p50_ms"] / out[label]["idle"]["p50_ms"]
+        if idle and control:
+            out[label]["floor_p99_ratio"] = out[label]["floor"]["p99_ms"] / out[label]["idle"]["p99_ms"]
     return out
 
 
@@ -803,11 +820,13 @@ def extract_tree(commit: str, dest: Path) -> Path:
 
 
 def bench_commit(args: argparse.Namespace, tmp: Path) -> dict:
+    """Three servers up at once; for each client count, the same closed-loop load (no think
+    time, sessions of ``--turns-per-session`` turns) on each server in turn, rotated per round."""
     small = ["--reference-r3-layers", "0"]
     variants: dict[str, tuple[list[str], Path]] = {}
-    out: dict = {"clients": args.commit_clients, "chats_per_client": args.commit_chats,
-                 "rounds": args.commit_rounds, "turns_per_session": args.turns_per_session,
-                 "fs": fs_type(tmp), "load_before": loadavg()}
+    concurrencies = [int(c) for c in str(args.commit_clients).split(",")]
+    out: dict = {"clients": concurrencies, "chats_per_round": args.commit_chats, "rounds": args.commit_rounds,
+                 "turns_per_session": args.turns_per_session, "fs": fs_type(tmp), "load_before": loadavg()}
     if args.baseline_commit:
         try:
             tree = extract_tree(args.baseline_commit, tmp / "baseline-tree")
@@ -820,34 +839,41 @@ def bench_commit(args: argparse.Namespace, tmp: Path) -> dict:
     variants["journal, fsync off"] = ([*small, JOURNAL_FLAG, str(tmp / "commit-off")], REPO)
     variants["journal, fsync on"] = ([*small, JOURNAL_FLAG, str(tmp / "commit-on"), FSYNC_FLAG], REPO)
     servers: dict[str, object] = {}
-    latencies: dict[str, list[float]] = {k: [] for k in variants}
-    seconds: dict[str, float] = {k: 0.0 for k in variants}
-    errors: dict[str, int] = {k: 0 for k in variants}
     try:
         for i, (label, (extra, tree)) in enumerate(variants.items()):
             servers[label] = start_server(tmp, f"commit-server-{i}", args.workers, extra, tree)
-        plan: list[int | None] = [None] * args.commit_clients
-        for label, server in servers.items():  # warm-up, not counted
-            ChatLoad(tmp, server.url, plan, args.workers, 0.0, args.turns_per_session,
-                     max(5, args.commit_chats // 5)).finish()
         labels = list(servers)
-        for r in range(args.commit_rounds):
-            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
-                load = ChatLoad(tmp, servers[label].url, plan, args.workers, 0.0, args.turns_per_session,
-                                args.commit_chats)
-                result = load.finish()
-                chats = result["chats"]
-                latencies[label] += [end - start for start, end, _, status in chats if status == 200]
-                seconds[label] += max(c[1] for c in chats) - min(c[0] for c in chats)
-                errors[label] += len(result["errors"]) + sum(1 for c in chats if c[3] != 200)
-        out["variants"] = {label: {**latency_summary(latencies[label]),
-                                   "turns_per_s": len(latencies[label]) / seconds[label] if seconds[label] else 0.0,
-                                   "errors": errors[label]} for label in variants}
+        out["shapes"] = {}
+        for clients in concurrencies:
+            plan: list[int | None] = [None] * clients
+            per_client = max(1, args.commit_chats // clients)
+            latencies: dict[str, list[float]] = {k: [] for k in labels}
+            seconds: dict[str, float] = dict.fromkeys(labels, 0.0)
+            errors: dict[str, int] = dict.fromkeys(labels, 0)
+            for server in servers.values():  # warm-up, not counted
+                ChatLoad(tmp, server.url, plan, args.workers, 0.0, args.turns_per_session,
+                         max(5, per_client // 5)).finish()
+            for r in range(args.commit_rounds):
+                for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                    result = ChatLoad(tmp, servers[label].url, plan, args.workers, 0.0, args.turns_per_session,
+                                      per_client).finish()
+                    chats = result["chats"]
+                    latencies[label] += [end - start for start, end, _, status in chats if status == 200]
+                    seconds[label] += max(c[1] for c in chats) - min(c[0] for c in chats)
+                    errors[label] += len(result["errors"]) + sum(1 for c in chats if c[3] != 200)
+            out["shapes"][str(clients)] = {
+                label: {**latency_summary(latencies[label]),
+                        "turns_per_s": len(latencies[label]) / seconds[label] if seconds[label] else 0.0,
+                        "errors": errors[label]} for label in labels}
         out["load_after"] = loadavg()
-        return out
     finally:
         for server in servers.values():
             server.close()
+    for i, label in enumerate(variants):
+        if label.startswith("in-memory") and (tmp / f"state-commit-server-{i}").exists():
+            raise RuntimeError("the baseline server made a data directory: it ran the journal code, not "
+                               f"{args.baseline_commit}")
+    return out
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -883,6 +909,10 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
                          f"-> {s['get']['p99_ms']:.1f} ms: x{s['p99_ratio']:.2f} (n {s['idle']['n']}/{s['get']['n']}, "
                          f"{s['idle_chats_per_s']:.0f} -> {s['get_chats_per_s']:.0f} chats/s)"),
                          "p99 within 1.5x", verdict(s["p99_ratio"] <= 1.5)))
+            if "floor_p99_ratio" in s:
+                rows.append(("     control: during a sendfile floor instead of the GET",
+                             (f"p50 {s['floor']['p50_ms']:.1f} ms, p99 {s['floor']['p99_ms']:.1f} ms: "
+                              f"x{s['floor_p99_ratio']:.2f} of idle ({s['floor_chats_per_s']:.0f} chats/s)"), "", ""))
     p = report.get("prod")
     if p and "worker_rss_max" in p:
         ok = (p["turns_done"] == p["turns_planned"] and p["gets_complete"] == p["gets"] == p["sessions"])
@@ -897,19 +927,20 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
                      f" GiB in {p['files']} files; GETs {p['gets_bytes'] / GiB:.2f} GiB at "
                      f"{p['gets_mib_s']:.0f} MiB/s"), "", ""))
     c = report.get("commit")
-    if c and "variants" in c:
-        base = next((v for k, v in c["variants"].items() if k.startswith("in-memory")), None)
-        for label, v in c["variants"].items():
-            if not v.get("n"):
-                continue
-            extra = ""
-            if base and base is not v and base.get("n"):
-                extra = f" ({v['p50_ms'] - base['p50_ms']:+.2f} / {v['p99_ms'] - base['p99_ms']:+.2f} ms vs in-memory)"
-            rows.append((f"4. chat, small records: {label}",
-                         (f"p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms{extra}, {v['turns_per_s']:.0f} turns/s, "
-                         f"{v['errors']} errors"), "", ""))
-        if "baseline_error" in c:
-            rows.append(("4. in-memory baseline", c["baseline_error"], "", ""))
+    if c and "shapes" in c:
+        for clients, variants in c["shapes"].items():
+            base = next((v for k, v in variants.items() if k.startswith("in-memory")), None)
+            for label, v in variants.items():
+                if not v.get("n"):
+                    continue
+                extra = ""
+                if base and base is not v and base.get("n"):
+                    extra = f" ({v['p50_ms'] - base['p50_ms']:+.2f} / {v['p99_ms'] - base['p99_ms']:+.2f} ms)"
+                rows.append((f"4. small-record chat, {clients} client(s): {label}",
+                             (f"p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms{extra}, {v['turns_per_s']:.0f} "
+                              f"turns/s, {v['errors']} errors"), "", ""))
+    if c and "baseline_error" in c:
+        rows.append(("4. in-memory baseline", c["baseline_error"], "", ""))
     return rows
 
 
@@ -934,7 +965,8 @@ def main() -> int:
     parser.add_argument("--turn-mib", type=float, default=64.0, help="1+2: R3 per turn of the big session")
     parser.add_argument("--reps", type=int, default=3, help="1: GETs and floors, alternated")
     parser.add_argument("--chat-clients", type=int, default=64, help="2: chatting clients")
-    parser.add_argument("--think-ms", type=float, default=100.0, help="2: each client's pause between chats")
+    parser.add_argument("--think-ms", type=float, default=250.0,
+                        help="2: each client's pause between chats (a computer-use step's action + screenshot)")
     parser.add_argument("--turns-per-session", type=int, default=4, help="2+4: a chat client's session length")
     parser.add_argument("--window-s", type=float, default=15.0, help="2: each idle and each GET window")
     parser.add_argument("--cycles", type=int, default=2, help="2: idle/GET window pairs")
@@ -944,8 +976,8 @@ def main() -> int:
     parser.add_argument("--prod-turn-mib", type=float, default=64.0)
     parser.add_argument("--prod-concurrency", type=int, default=8, help="3: sessions driven at once")
     parser.add_argument("--get-concurrency", type=int, default=2, help="3: final GETs at once")
-    parser.add_argument("--commit-clients", type=int, default=8)
-    parser.add_argument("--commit-chats", type=int, default=100, help="4: chats per client per round")
+    parser.add_argument("--commit-clients", default="1,16", help="4: concurrent clients, a comma list (1: latency)")
+    parser.add_argument("--commit-chats", type=int, default=600, help="4: chats per round and server")
     parser.add_argument("--commit-rounds", type=int, default=3)
     parser.add_argument("--baseline-commit", default="a483994",
                         help="4: the last commit before the journal ('' to skip the in-memory baseline)")
@@ -953,11 +985,14 @@ def main() -> int:
     if args.quick:
         for name, value in (("size_gib", 0.5), ("turn_mib", 16.0), ("reps", 2), ("chat_clients", 16),
                             ("window_s", 5.0), ("cycles", 1), ("prod_sessions", 2), ("prod_turns", 8),
-                            ("prod_turn_mib", 16.0), ("commit_chats", 30), ("commit_rounds", 1)):
+                            ("prod_turn_mib", 16.0), ("commit_chats", 120), ("commit_rounds", 1)):
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
     only = set(args.only.split(","))
+    json_path = Path(args.json).resolve() if args.json else None
+    cwd = os.getcwd()
     tmp = Path(tempfile.mkdtemp(prefix="records-journal-bench-"))
+    os.chdir(tmp)  # servers start here: `python -m webapp.serve` puts the cwd first on sys.path
 
     def on_signal(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the finally blocks: servers stopped, tmp deleted
@@ -984,9 +1019,10 @@ def main() -> int:
             report["commit"] = bench_commit(args, tmp)
     finally:
         report["load_end"] = loadavg()
+        os.chdir(cwd)
         shutil.rmtree(tmp, ignore_errors=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        if json_path is not None:
+            json_path.write_text(json.dumps(report, indent=2, default=str))
     print()
     print(f"summary (load at start {report['load_start']}, at end {report['load_end']}):")
     print_table(summary_rows(report))
