@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,6 +275,65 @@ def vm_rss(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent not idle (all cores; /proc/stat)."""
+    with open("/proc/stat", "rb") as f:
+        values = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / CLK_TCK  # less idle and iowait
+
+
+class CpuMeter:
+    """CPU seconds per role (router, session workers, backend, chat load, this process, the
+    whole machine) accumulated over labelled windows: cores busy = seconds / window length."""
+
+    def __init__(self, server_pid: int, extra: dict[str, int]) -> None:
+        import psutil
+
+        workers, routers = worker_processes(server_pid)
+        backends = []
+        with contextlib.suppress(psutil.Error):
+            backends = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
+                        if "reference_backend" in " ".join(p.cmdline())]
+        self.roles = {"router": routers, "workers": workers, "backend": backends, "bench": [os.getpid()],
+                      **{k: [v] for k, v in extra.items()}}
+        self.busy: dict[str, dict[str, float]] = {}
+        self.seconds: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        now = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self.roles.items()}
+        now["machine"] = machine_busy_seconds()
+        return now
+
+    @contextlib.contextmanager
+    def window(self, label: str) -> Iterator[None]:
+        t0, before = time.monotonic(), self._now()
+        try:
+            yield
+        finally:
+            after = self._now()
+            self.seconds[label] = self.seconds.get(label, 0.0) + time.monotonic() - t0
+            acc = self.busy.setdefault(label, {})
+            for role, value in after.items():
+                acc[role] = acc.get(role, 0.0) + value - before[role]
+
+    def cores(self) -> dict[str, dict[str, float]]:
+        return {label: {role: round(v / self.seconds[label], 2) for role, v in acc.items()}
+                for label, acc in self.busy.items()}
 
 
 class RssSampler(threading.Thread):
@@ -631,25 +691,31 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
     idle_windows: list[tuple[float, float]] = []
     gets: list[GetResult] = []
     floors: list[GetResult] = []
+    get_cycles: list[int] = []
+    meter = CpuMeter(server.pid, {"chatload": load.proc.pid})
     try:
         time.sleep(args.warmup_s)
-        for _ in range(args.cycles):
+        for cycle in range(args.cycles):
             sampler.set_phase("load-idle")
             t0 = time.monotonic()
-            time.sleep(args.window_s)
+            with meter.window("idle"):
+                time.sleep(args.window_s)
             idle_windows.append((t0, time.monotonic()))
             sampler.set_phase("load-get")
             t0 = time.monotonic()
-            while True:
-                gets.append(read_get(url_addr(server.url), f"/sessions/{sid}", buf))
-                if time.monotonic() - t0 >= args.window_s:
-                    break
+            with meter.window("get"):
+                while True:
+                    gets.append(read_get(url_addr(server.url), f"/sessions/{sid}", buf))
+                    get_cycles.append(cycle)
+                    if time.monotonic() - t0 >= args.window_s:
+                        break
             sampler.set_phase("load-floor")
             t0 = time.monotonic()
-            while True:  # the control: the same bytes moved by sendfile, not by the server
-                floors.append(floor.get(buf))
-                if time.monotonic() - t0 >= args.window_s:
-                    break
+            with meter.window("floor"):
+                while True:  # the control: the same bytes moved by sendfile, not by the server
+                    floors.append(floor.get(buf))
+                    if time.monotonic() - t0 >= args.window_s:
+                        break
         result = load.finish()
     finally:
         load.kill()
@@ -671,7 +737,8 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
                  "incomplete_gets": sum(not g.complete for g in gets),
                  "chat_errors": len(result["errors"]) + sum(1 for c in chats if c[3] != 200),
                  "chat_error_samples": result["errors"][:5],
-                 "get_mib_s": [g.mib_s for g in gets], "floor_loaded_mib_s": [f.mib_s for f in floors],
+                 "get_mib_s": [g.mib_s for g in gets], "get_cycle": get_cycles,
+                 "floor_loaded_mib_s": [f.mib_s for f in floors], "cores_busy": meter.cores(),
                  "worker_rss_max": sampler.worker_max("load-idle", "load-get", "load-floor"),
                  "router_rss_max": sampler.router_max("load-idle", "load-get", "load-floor"), "load": loadavg()}
     out["get_mib_s_median"] = statistics.median(out["get_mib_s"])
@@ -969,7 +1036,7 @@ def main() -> int:
                         help="2: each client's pause between chats (a computer-use step's action + screenshot)")
     parser.add_argument("--turns-per-session", type=int, default=4, help="2+4: a chat client's session length")
     parser.add_argument("--window-s", type=float, default=15.0, help="2: each idle and each GET window")
-    parser.add_argument("--cycles", type=int, default=2, help="2: idle/GET window pairs")
+    parser.add_argument("--cycles", type=int, default=3, help="2: idle/GET window pairs")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="2: chats before the first window")
     parser.add_argument("--prod-sessions", type=int, default=8)
     parser.add_argument("--prod-turns", type=int, default=50)
@@ -1011,6 +1078,11 @@ def main() -> int:
                 print(f"  under load: GET {lo['get_mib_s_median']:.0f} MiB/s ({lo['gets']} GETs, "
                       f"{lo['incomplete_gets']} incomplete), floor under the same chats "
                       f"{lo['floor_loaded_mib_s_median']:.0f} MiB/s; chat errors {lo['chat_errors']}", flush=True)
+                print("  each GET (cycle: MiB/s): " + ", ".join(
+                    f"{c}: {r:.0f}" for c, r in zip(lo["get_cycle"], lo["get_mib_s"])), flush=True)
+                for label, cores in lo["cores_busy"].items():
+                    print(f"  cores busy in the {label} windows: "
+                          + ", ".join(f"{role} {v:.2f}" for role, v in cores.items()), flush=True)
         if "prod" in only:
             print("3. production shape", flush=True)
             report["prod"] = bench_prod(args, tmp)
