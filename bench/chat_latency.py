@@ -28,6 +28,7 @@ import sys
 import time
 
 import requests
+from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
 from webapp.reference_backend import start_reference_backend
@@ -82,6 +83,7 @@ def through_server(n: int, workers: int) -> list[float]:
 
 
 def main() -> int:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=200, help="timed calls per case (after the first)")
     parser.add_argument("--workers", type=int, default=2, help="session-server workers")

@@ -48,6 +48,7 @@ import gevent
 import gevent.event
 import gevent.pool
 import psutil
+from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
 from webapp.ipc_channel import IpcClient, IpcServer, open_socket
@@ -464,6 +465,7 @@ def bench_head_of_line(stub_url: str, assistant: dict, quick: bool) -> dict:
 
 
 def main() -> None:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     if len(sys.argv) > 1 and sys.argv[1] == "_stub":
         stub_main(sys.argv[2], int(sys.argv[3]))
         return

@@ -36,6 +36,7 @@ import gevent.pool
 import numpy as np
 from dataplane import Http, sessions_on, start_server  # importing it gevent-patches this process
 from PIL import Image
+from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile  # the one definition (docs/benchmarks.md)
 from webapp.reference_backend import start_reference_backend
@@ -188,6 +189,7 @@ def run_hol(backend_url: str, sessions: int, turns: int, pool_of_shots: list[byt
 
 
 def main() -> None:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description="screenshot turns through the session server")
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=20)

@@ -31,6 +31,7 @@ import time
 
 import requests
 import safetensors.numpy
+from scratch import scratch_state_home
 
 from webapp.reference_backend import start_reference_backend
 from webapp.serve import READY_URL_PATTERN, server_argv
@@ -108,6 +109,7 @@ def run(workers: int, backend_url: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=50)
     parser.add_argument("--r3-layers", type=int, default=48)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import requests
+from scratch import scratch_state_home
 
 from webapp.serve import server_argv
 
@@ -125,6 +126,7 @@ def nginx_hop(chats: int) -> dict[str, float]:
 
 
 def main() -> None:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sandboxes", type=int, default=12)
     parser.add_argument("--turns", type=int, default=8)

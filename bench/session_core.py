@@ -37,6 +37,7 @@ import time
 
 import psutil
 import requests
+from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
 from webapp.backend import BackendReply, parse_backend_reply
@@ -189,6 +190,7 @@ def bench_parse(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=50)

@@ -96,7 +96,8 @@ def start_session_server(workers: int, port: int, log_path: Path, host: str = "1
     """``shinken-session-server`` with its embedded reference backend on loopback, started
     through its one launcher (``webapp.serve.start_session_server``; imported here, so that
     ``shinken_sync`` never imports ``webapp`` at import time). Returns at once: the caller
-    waits with ``wait_ready()`` while its sandboxes start.
+    waits with ``wait_ready()`` while its sandboxes start. Its data directory (the sessions'
+    journals) is ``session-data/`` beside the log, in the demo's output directory.
 
     It runs in its own session (a terminal's Ctrl-C reaches only the demo, which stops it in
     order) and dies with the demo however the demo dies (see webapp.serve). Started from the
@@ -104,7 +105,8 @@ def start_session_server(workers: int, port: int, log_path: Path, host: str = "1
     """
     from webapp.serve import start_session_server as launch
 
-    return launch(workers, None, f"{host}:{port}", log_path=log_path, own_session=True, wait=False)
+    return launch(workers, None, f"{host}:{port}", "--data-dir", str(log_path.parent / "session-data"),
+                  log_path=log_path, own_session=True, wait=False)
 
 
 def wait_ready(server: Any, timeout: float = SERVER_START_TIMEOUT) -> str:

@@ -30,8 +30,6 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from webapp.backend_liveness import probe_backend
-from webapp.datadir import default_data_dir, lock_data_dir
-from webapp.filebody import file_response, has_spans
 from webapp.core import (
     MAX_CHAT_BODY_BYTES,
     CoreConfig,
@@ -42,7 +40,9 @@ from webapp.core import (
     json_response,
     openai_error_response,
 )
+from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.errors import WebappError
+from webapp.filebody import file_response, has_spans
 from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images

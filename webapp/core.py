@@ -46,7 +46,7 @@ from typing import Any
 
 from webapp.backend import BackendClient, BackendReply
 from webapp.datadir import default_data_dir, instance_id
-from webapp.filebody import FileSpan, Piece, read_pieces
+from webapp.filebody import Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGES,

@@ -41,8 +41,8 @@ __all__ = [
     "body_length",
     "decode_layout",
     "encode_layout",
-    "has_spans",
     "file_response",
+    "has_spans",
     "read_pieces",
     "slice_pieces",
 ]
@@ -125,11 +125,11 @@ def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
 
 
 def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
-    """The inverse of :func:`encode_layout`; raises ``ValueError`` on a malformed layout."""
+    """The inverse of :func:`encode_layout`; raises ``TypeError``/``ValueError`` on a malformed layout."""
     path = layout.get("path")
     entries = layout.get("pieces")
     if not isinstance(path, str) or not isinstance(entries, list):
-        raise ValueError(f"malformed file layout {layout!r}")
+        raise TypeError(f"malformed file layout {layout!r}")
     pieces: list[Piece] = []
     pos = 0
     for entry in entries:

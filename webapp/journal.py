@@ -58,8 +58,8 @@ from webapp.session_errors import InsufficientStorage, SessionExists
 from webapp.tito import INITIAL_STATE, TitoState
 
 __all__ = [
-    "FILE_HEADER",
     "ENTRY_HEADER",
+    "FILE_HEADER",
     "FORMAT_VERSION",
     "MAGIC",
     "JournalStore",
@@ -486,7 +486,7 @@ class _Scan:
                 return
             try:
                 meta, body_at = self._meta(kind, head, start, end)
-            except (ValueError, OSError) as exc:
+            except (TypeError, ValueError, OSError) as exc:
                 self.torn = f"an unreadable {kind.name} entry ({exc})"
                 return
             yield kind, pos, end, meta, body_at
@@ -506,7 +506,7 @@ class _Scan:
             body_at = meta_at + n
         meta = json.loads(meta_bytes)
         if not isinstance(meta, dict):
-            raise ValueError("meta is not an object")
+            raise TypeError("meta is not an object")
         return meta, body_at
 
 

@@ -162,7 +162,7 @@ def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> Response:
                              environ=request.environ)
     except FileNotFoundError:  # deleted between the worker's answer and now
         return _error(404, "session not found (deleted during the request)")
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         log.error("malformed file layout from a worker: %s", exc)
         return _error(502, f"malformed reply from the session worker: {exc}")
 

@@ -200,13 +200,15 @@ def reference_backend_factory() -> Iterator[Callable[..., ReferenceBackendProces
 
 
 @pytest.fixture(scope="module")
-def session_server_factory() -> Iterator[Callable[..., ServerProcess]]:
+def session_server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
     def start(argv: list[str] | None = None, env: dict[str, str] | None = None, *,
               backend_url: str | None = None, tokenizer: str | None = None,
               ready_pattern: str = GUNICORN_READY, timeout: float = SERVER_READY_TIMEOUT) -> ServerProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
+        # Each server its own data directory (one server per directory; pass one to share).
+        full_env["SHINKEN_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
         if backend_url is not None:
             full_env["SHINKEN_BACKEND_URL"] = backend_url
         if tokenizer is not None:

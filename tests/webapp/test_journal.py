@@ -1,0 +1,270 @@
+"""The session journal (webapp.journal) in-process: format, recovery, torn tails, write errors.
+
+Every core here writes under ``tmp_path``. The end-to-end paths (a SIGKILLed worker, a whole
+server restart, re-sharding, a full tmpfs) are in test_journal_recovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+
+import pytest
+
+from webapp.core import SessionCore, SessionRegistry
+from webapp.filebody import FileSpan, decode_layout, encode_layout, read_pieces, slice_pieces
+from webapp.journal import ENTRY_HEADER, FILE_HEADER, FORMAT_VERSION, MAGIC, JournalStore, Kind
+from webapp.sharding import shard_for
+
+from .test_core import R3, TOK, WAIT, FakeBackend, body_of, chat, error_of, new_session
+
+PNG_1x1 = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
+
+
+def core_on(data_dir, backend=None, owns=lambda sid: True, fsync=False) -> SessionCore:
+    registry = SessionRegistry(JournalStore(str(data_dir), fsync=fsync))
+    registry.restore(owns)
+    return SessionCore(TOK, backend or FakeBackend(), registry=registry, turn_wait_timeout=WAIT,
+                       routing_replay_layers=R3.layers)
+
+
+def play(core: SessionCore, sid: str, turns: int, start: list | None = None) -> list:
+    """``turns`` chats appending a user message each time; returns the conversation."""
+    msgs = list(start or [])
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"step {i} of {sid[:6]}"})
+        reply = chat(core, sid, msgs)
+        assert reply.status == 200, reply.read()
+        msgs.append(body_of(reply)["choices"][0]["message"])
+    return msgs
+
+
+def entries(path) -> list[tuple[int, Kind, int]]:
+    """(offset, kind, total size) of each entry, read with the documented format alone."""
+    data = path.read_bytes()
+    assert FILE_HEADER.unpack(data[:FILE_HEADER.size]) == (MAGIC, FORMAT_VERSION)
+    out, pos = [], FILE_HEADER.size
+    while pos < len(data):
+        length, kind, crc = ENTRY_HEADER.unpack_from(data, pos)
+        payload = data[pos + ENTRY_HEADER.size:pos + ENTRY_HEADER.size + length]
+        assert zlib.crc32(bytes((kind,)) + payload) == crc
+        out.append((pos, Kind(kind), ENTRY_HEADER.size + length))
+        pos += ENTRY_HEADER.size + length
+    assert pos == len(data)
+    return out
+
+
+def test_restart_serves_the_same_bytes_and_continues_with_the_same_token_ids(tmp_path):
+    core = core_on(tmp_path)
+    sids = [new_session(core) for _ in range(3)]
+    convs = {sid: play(core, sid, 3) for sid in sids}
+    before = {sid: core.get_session(sid).read() for sid in sids}
+    core.close()
+
+    again = core_on(tmp_path)
+    for sid in sids:
+        assert again.get_session(sid).read() == before[sid]
+        old_ids = body_of(again.get_session(sid))["metadata"]["accumulated_token_ids"]
+        play(again, sid, 1, convs[sid])
+        after = body_of(again.get_session(sid))
+        assert after["metadata"]["accumulated_token_ids"][:len(old_ids)] == old_ids
+        assert len(after["records"]) == 4
+        assert after["metadata"]["tito_session_mismatch"] == body_of(again.get_session(sid))["metadata"][
+            "tito_session_mismatch"] == []
+
+
+def test_the_file_is_the_documented_format_and_records_are_its_bytes(tmp_path):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    play(core, sid, 2)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    kinds = [kind for _pos, kind, _size in entries(path)]
+    assert kinds == [Kind.CREATE, Kind.TURN, Kind.TURN]
+    records = body_of(core.get_session(sid))["records"]
+    data = path.read_bytes()
+    for record_json in (json.dumps(r, separators=(",", ":")) for r in records):
+        assert record_json.encode()[:40] in data  # the served record starts inside the file
+
+
+def test_rollback_replays_to_the_same_records_and_state(tmp_path):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    first = [{"role": "user", "content": "a"}]
+    r1 = body_of(chat(core, sid, first))["choices"][0]["message"]
+    second = first + [r1, {"role": "user", "content": "b"}]
+    assert chat(core, sid, second).status == 200
+    assert chat(core, sid, second).status == 200  # regenerate: replaces the last record
+    before = core.get_session(sid).read()
+    again = core_on(tmp_path)
+    assert again.get_session(sid).read() == before
+    assert body_of(again.get_session(sid))["metadata"]["num_rollbacks"] == 1
+    assert chat(again, sid, second).status == 200  # the restored previous state allows it again
+
+
+@pytest.mark.parametrize("damage", ["short_header", "length_past_end", "bad_crc", "unknown_kind", "half_turn"])
+def test_a_torn_tail_is_cut_logged_and_never_served(tmp_path, caplog, damage):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    msgs = play(core, sid, 2)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    good = path.stat().st_size
+    before = core.get_session(sid).read()
+    with open(path, "r+b") as f:
+        if damage == "short_header":
+            f.seek(0, 2)
+            f.write(b"\x07\x00\x00")
+        elif damage == "length_past_end":
+            f.seek(0, 2)
+            f.write(ENTRY_HEADER.pack(1 << 20, Kind.TURN, 0) + b"x" * 100)
+        elif damage == "bad_crc":  # the last turn's payload flipped: that whole turn goes
+            last_pos, _kind, _size = entries(path)[-1]
+            f.seek(good - 10)
+            byte = f.read(1)
+            f.seek(good - 10)
+            f.write(bytes((byte[0] ^ 0xFF,)))
+            good = last_pos
+        elif damage == "unknown_kind":
+            f.seek(0, 2)
+            f.write(ENTRY_HEADER.pack(2, 99, zlib.crc32(bytes((99,)) + b"{}")) + b"{}")
+        elif damage == "half_turn":  # a crash mid-append: the last turn's first half only
+            last_pos, _kind, size = entries(path)[-1]
+            f.truncate(last_pos + size // 2)
+            good = last_pos
+    with caplog.at_level(logging.WARNING, logger="webapp.journal"):
+        again = core_on(tmp_path)
+    assert "torn tail" in caplog.text and str(path) in caplog.text
+    assert path.stat().st_size == good
+    got = again.get_session(sid)
+    assert got.status == 200
+    if damage in ("bad_crc", "half_turn"):
+        assert len(body_of(got)["records"]) == 1  # the torn turn is not served
+        msgs = msgs[:2]  # what the session holds now: its first turn
+    else:
+        assert got.read() == before
+    play(again, sid, 1, msgs)  # the session continues from what it holds
+
+
+def test_trailing_images_without_their_turn_are_an_unfinished_commit(tmp_path, caplog):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    play(core, sid, 1)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    good = path.stat().st_size
+    before = core.get_session(sid).read()
+    meta = json.dumps({"sha256": "0" * 64, "mime_type": "image/png", "width": 1, "height": 1}).encode()
+    payload = struct.pack("<I", len(meta)) + meta + b"\x89PNG"
+    with open(path, "ab") as f:
+        f.write(ENTRY_HEADER.pack(len(payload), Kind.IMAGE, zlib.crc32(bytes((Kind.IMAGE,)) + payload)) + payload)
+    with caplog.at_level(logging.WARNING, logger="webapp.journal"):
+        again = core_on(tmp_path)
+    assert "images without the turn" in caplog.text
+    assert path.stat().st_size == good and again.get_session(sid).read() == before
+
+
+def test_images_survive_a_restart_and_stay_out_of_memory(tmp_path):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    url = f"data:image/png;base64,{PNG_1x1}"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    assert chat(core, sid, msgs).status == 200
+    session = core.registry.get(sid)
+    (image,) = session.images.values()
+    assert isinstance(image.span, FileSpan)  # the bytes are in the journal, not in the session
+    before = core.get_session(sid, include_images=True).read()
+    again = core_on(tmp_path)
+    assert again.get_session(sid, include_images=True).read() == before
+    assert again.samples(sid, b"{}", include_images=True).status == 200
+
+
+def test_a_write_error_is_507_and_commits_nothing(tmp_path, monkeypatch):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    msgs = play(core, sid, 1)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    size, before = path.stat().st_size, core.get_session(sid).read()
+
+    real = os.pwritev
+
+    def half_then_full(fd, buffers, offset):  # part of the turn lands, then the disk is full
+        if not getattr(half_then_full, "done", False):
+            half_then_full.done = True
+            return real(fd, [bytes(buffers[0])[:5]], offset)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", half_then_full)
+    msgs.append({"role": "user", "content": "next"})
+    reply = chat(core, sid, msgs)
+    assert reply.status == 507
+    assert body_of(reply)["error"]["code"] == "insufficient_storage" and "No space" in error_of(reply)
+    assert path.stat().st_size == size  # cut back: no half turn on disk
+    assert core.get_session(sid).read() == before  # nor in memory
+    monkeypatch.setattr(os, "pwritev", real)
+    assert chat(core, sid, msgs).status == 200  # room again: the same turn goes through
+    assert len(body_of(core.get_session(sid))["records"]) == 2
+
+
+def test_create_on_a_full_disk_is_507_and_leaves_no_file(tmp_path, monkeypatch):
+    core = core_on(tmp_path)
+    monkeypatch.setattr(os, "pwritev", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    reply = core.create_session()
+    assert reply.status == 507 and "No space" in body_of(reply)["error"]
+    assert list((tmp_path / "sessions").iterdir()) == []
+
+
+def test_delete_removes_the_file_and_max_sessions_counts_the_directory(tmp_path):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    assert path.exists()
+    assert core.delete_session(sid).status == 204
+    assert not path.exists()
+    # Two cores on one directory (two workers of one server) share one max_sessions count.
+    shard0 = core_on(tmp_path, owns=lambda s: shard_for(s, 2) == 0)
+    shard1 = core_on(tmp_path, owns=lambda s: shard_for(s, 2) == 1)
+    for c in (shard0, shard1):
+        c.expiry.max_sessions = 3
+    assert shard0.create_session().status == 200 and shard1.create_session().status == 200
+    assert shard0.create_session().status == 200
+    refused = shard1.create_session()
+    assert refused.status == 429 and "max_sessions" in body_of(refused)["error"]
+
+
+def test_a_file_of_another_format_version_is_left_alone(tmp_path, caplog):
+    core_on(tmp_path)
+    path = tmp_path / "sessions" / "future.journal"
+    path.write_bytes(FILE_HEADER.pack(MAGIC, FORMAT_VERSION + 1) + b"whatever")
+    with caplog.at_level(logging.ERROR, logger="webapp.journal"):
+        core = core_on(tmp_path)
+    assert "format version" in caplog.text
+    assert core.get_session("future").status == 404
+    assert path.read_bytes().endswith(b"whatever")  # untouched
+
+
+def test_workers_restore_only_their_shard(tmp_path):
+    core = core_on(tmp_path)
+    sids = [new_session(core) for _ in range(8)]
+    for n in (2, 3):
+        cores = [core_on(tmp_path, owns=lambda s, k=k, n=n: shard_for(s, n) == k) for k in range(n)]
+        for sid in sids:
+            owner = shard_for(sid, n)
+            for k, c in enumerate(cores):
+                assert c.get_session(sid).status == (200 if k == owner else 404)
+
+
+def test_file_layout_round_trip_and_ranges(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4)
+    pieces = [b"head", FileSpan(str(path), 10, 100), b",", FileSpan(str(path), 500, 7), b"tail"]
+    whole = read_pieces(pieces)
+    inline, layout = encode_layout(pieces)
+    assert inline == b"head,tail" and read_pieces(decode_layout(inline, layout)) == whole
+    for start, stop in [(0, 4), (2, 50), (3, 110), (104, 105), (0, len(whole)), (110, len(whole))]:
+        assert read_pieces(slice_pieces(pieces, start, stop)) == whole[start:stop]
+    with pytest.raises(ValueError):
+        decode_layout(inline, {"path": str(path), "pieces": [4, [1, -1]]})
+    with pytest.raises(ValueError):
+        decode_layout(b"short", layout)
