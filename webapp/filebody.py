@@ -17,22 +17,28 @@ Why write around the WSGI server: a body here is many file ranges between JSON g
 ``wsgi.file_wrapper`` sends one whole file. The WSGI server has sent the status line and
 headers by the time the first inline piece (a records GET always starts with one) is written,
 so the spans that follow go on the socket in order; gunicorn only counts the bytes for its
-access log. Under gevent the socket is non-blocking: each ``sendfile`` sends what the socket
-buffer takes and the greenlet waits for writability in the hub, so chats on the same process
-keep their turns while a multi-GiB body goes out.
+access log. Under gevent a span goes out from a thread of the hub's pool (``webapp.offload``)
+that makes the socket blocking for it: one ``sendfile`` moves up to a GiB without the GIL,
+while the process's other greenlets (chats) run; a loop of non-blocking ``sendfile`` calls in
+the hub moved one socket buffer per turn of the hub and fell to a third of the floor under 64
+chatting clients (docs/benchmarks.md section 15).
 """
 
 from __future__ import annotations
 
 import os
 import select
+import socket
 import ssl
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from werkzeug.http import parse_range_header, unquote_etag
 from werkzeug.wrappers import Response
+
+from webapp.offload import hub_threadpool, run_blocking
 
 __all__ = [
     "READ_CHUNK",
@@ -48,6 +54,8 @@ __all__ = [
 ]
 
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
+_STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
+_TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
 
 
@@ -245,12 +253,18 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
 
 
 def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
-    wait_write = _wait_writable()
+    if hub_threadpool() is not None:  # gevent: the socket is non-blocking, the hub must go on
+        run_blocking(_sendfile_blocking, sock_fd, fd, offset, count)
+    else:  # gunicorn's sync or threads worker: a blocking socket, or wait in select
+        _sendfile_all(sock_fd, fd, offset, count, lambda: select.select([], [sock_fd], []))
+
+
+def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Callable[[], object]) -> None:
     while count:
         try:
             sent = os.sendfile(sock_fd, fd, offset, min(count, _SENDFILE_MAX))
         except BlockingIOError:
-            wait_write(sock_fd)
+            on_full()
             continue
         if sent == 0:
             raise OSError(f"sendfile sent nothing with {count} bytes left (file shrank?)")
@@ -258,13 +272,25 @@ def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
         count -= sent
 
 
-def _wait_writable() -> Any:
-    """The hub's wait under gevent (the socket is non-blocking there), else ``select``."""
+def _sendfile_blocking(sock_fd: int, fd: int, offset: int, count: int) -> None:
+    """In a thread of the hub's pool: the socket made blocking for the span (the greenlet that
+    owns the connection waits for this call, nothing else touches it), so each ``sendfile``
+    moves up to a GiB in the kernel without the GIL, instead of one socket buffer per turn of
+    the hub; ``SO_SNDTIMEO`` bounds a client that stops reading."""
+    from gevent import monkey
+
+    def stalled() -> None:
+        raise TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s")
+
+    raw_socket = monkey.get_original("socket", "socket")
+    sock = raw_socket(fileno=os.dup(sock_fd))  # socket options belong to the socket: set via a dup
     try:
-        from gevent import monkey
-        if monkey.is_module_patched("socket"):
-            from gevent.socket import wait_write
-            return wait_write
-    except ImportError:
-        pass
-    return lambda fd: select.select([], [fd], [])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(int(_STALL_TIMEOUT), 0))
+        os.set_blocking(sock_fd, True)
+        try:
+            _sendfile_all(sock_fd, fd, offset, count, stalled)
+        finally:
+            os.set_blocking(sock_fd, False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(0, 0))
+    finally:
+        sock.close()  # the dup only: the connection lives on in sock_fd

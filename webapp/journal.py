@@ -23,7 +23,8 @@ ids are the state's ids past ``prompt_len``). A turn's new images are IMAGE entr
 before its TURN entry, written with it in one ``writev``; images not followed by their TURN
 are an unfinished commit.
 
-Write: the entries of a turn go out before the reply does; on any error (a full disk, EFBIG,
+Write: the entries of a turn go out before the reply does (a large or fsync'ed append in a
+thread, so the worker's other sessions go on meanwhile); on any error (a full disk, EFBIG,
 EIO) the file is cut back to its last good length and :class:`InsufficientStorage` (507) is
 raised, so neither the file nor the session in memory holds the turn. ``fsync`` (setting
 ``fsync``, off by default) makes each append durable before the reply: without it a process
@@ -53,6 +54,7 @@ from typing import Any, Protocol
 
 from webapp.datadir import sessions_dir
 from webapp.filebody import FileSpan
+from webapp.offload import run_blocking
 from webapp.samples import TurnRecord
 from webapp.session_errors import InsufficientStorage, SessionExists
 from webapp.tito import INITIAL_STATE, TitoState
@@ -79,6 +81,7 @@ META_LENGTH = struct.Struct("<I")
 SUFFIX = ".journal"
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
+_OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
 
 
 class Kind(IntEnum):
@@ -256,10 +259,12 @@ class SessionJournal:
             fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise InsufficientStorage(f"journal {self.path} is gone; the turn was not stored") from None
+        chunks = [c for entry in entries for c in entry]
         try:
-            _write_at(fd, [c for entry in entries for c in entry], self.size)
-            if self.fsync:
-                os.fsync(fd)
+            if self.fsync or pos - self.size >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
+                run_blocking(self._write, fd, chunks)
+            else:
+                self._write(fd, chunks)
         except OSError as exc:
             try:
                 os.ftruncate(fd, self.size)
@@ -272,6 +277,11 @@ class SessionJournal:
         self.size = pos
         self.last_crc = ENTRY_HEADER.unpack(entries[-1][0])[2]
         return starts
+
+    def _write(self, fd: int, chunks: list[bytes]) -> None:
+        _write_at(fd, chunks, self.size)
+        if self.fsync:
+            os.fsync(fd)
 
     def remove(self) -> None:
         try:
