@@ -17,7 +17,7 @@ Why write around the WSGI server: a body here is many file ranges between JSON g
 ``wsgi.file_wrapper`` sends one whole file. The WSGI server has sent the status line and
 headers by the time the first inline piece (a records GET always starts with one) is written,
 so the spans that follow go on the socket in order; gunicorn only counts the bytes for its
-access log. Under gevent a span goes out from a thread of the hub's pool (``webapp.offload``)
+access log. Under gevent a span goes out from a thread of a pool (``webapp.offload``)
 that makes the socket blocking for it: one ``sendfile`` moves up to a GiB without the GIL,
 while the process's other greenlets (chats) run; a loop of non-blocking ``sendfile`` calls in
 the hub moved one socket buffer per turn of the hub and fell to a third of the floor under 64
@@ -38,7 +38,7 @@ from typing import Any
 from werkzeug.http import parse_range_header, unquote_etag
 from werkzeug.wrappers import Response
 
-from webapp.offload import hub_threadpool, run_blocking
+from webapp.offload import gevent_active, run_blocking
 
 __all__ = [
     "READ_CHUNK",
@@ -253,8 +253,8 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
 
 
 def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
-    if hub_threadpool() is not None:  # gevent: the socket is non-blocking, the hub must go on
-        run_blocking(_sendfile_blocking, sock_fd, fd, offset, count)
+    if gevent_active():  # the socket is non-blocking, the hub must go on
+        run_blocking("send", _sendfile_blocking, sock_fd, fd, offset, count)
     else:  # gunicorn's sync or threads worker: a blocking socket, or wait in select
         _sendfile_all(sock_fd, fd, offset, count, lambda: select.select([], [sock_fd], []))
 
@@ -273,7 +273,7 @@ def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Calla
 
 
 def _sendfile_blocking(sock_fd: int, fd: int, offset: int, count: int) -> None:
-    """In a thread of the hub's pool: the socket made blocking for the span (the greenlet that
+    """In a thread of the ``send`` lane: the socket made blocking for the span (the greenlet that
     owns the connection waits for this call, nothing else touches it), so each ``sendfile``
     moves up to a GiB in the kernel without the GIL, instead of one socket buffer per turn of
     the hub; ``SO_SNDTIMEO`` bounds a client that stops reading."""

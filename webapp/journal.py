@@ -262,7 +262,7 @@ class SessionJournal:
         chunks = [c for entry in entries for c in entry]
         try:
             if self.fsync or pos - self.size >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
-                run_blocking(self._write, fd, chunks)
+                run_blocking("journal", self._write, fd, chunks)
             else:
                 self._write(fd, chunks)
         except OSError as exc:
