@@ -35,7 +35,6 @@ import json
 import multiprocessing
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import gevent
 import gevent.event
 import gevent.pool
 import psutil
+from rawhttp import Http
 from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
@@ -58,41 +58,6 @@ from webapp.sharding import shard_for
 MiB = 1024**2
 GiB = 1024**3
 R3_MARKER = 424242  # a session tag: the stub pads its replies with R3
-
-
-# -- a minimal HTTP/1.1 keep-alive client (raw sockets: cheap, so the server is measured) -------
-
-class Http:
-    def __init__(self, url: str) -> None:
-        host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
-        self.addr = (host, int(port))
-        self.sock = socket.create_connection(self.addr, timeout=600)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle/delayed-ACK stalls
-        self.rfile = self.sock.makefile("rb", buffering=256 * 1024)
-
-    def request(self, method: str, path: str, body: bytes = b"", sink: bool = False) -> tuple[int, bytes | int]:
-        head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {len(body)}\r\n"
-                f"Content-Type: application/json\r\n\r\n").encode()
-        self.sock.sendall(head + body)
-        status = int(self.rfile.readline().split()[1])
-        length = 0
-        while True:
-            line = self.rfile.readline()
-            if line in (b"\r\n", b""):
-                break
-            name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
-                length = int(value)
-        if not sink:
-            return status, self.rfile.read(length)
-        left = length
-        while left:  # discard without keeping: a records GET can be GiBs
-            left -= len(self.rfile.read1(min(left, 4 * MiB)))
-        return status, length
-
-    def close(self) -> None:
-        self.rfile.close()
-        self.sock.close()
 
 
 # -- the stub backend ----------------------------------------------------------------------------

@@ -60,6 +60,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rawhttp import Http, url_addr
+
+from shinken_sync.stats import percentile
+
 MiB = 1024**2
 GiB = 1024**3
 READ_BUF = 4 * MiB  # the GET client's recv_into buffer
@@ -70,53 +74,6 @@ WORKER_TITLE = "shinken-session-worker"
 SCRIPT = Path(__file__).resolve()
 HERE = SCRIPT.parent
 REPO = HERE.parent
-
-
-def percentile(values: list[float], q: float) -> float:
-    from shinken_sync.stats import percentile as nearest_rank
-
-    return nearest_rank(values, q)
-
-
-# -- a minimal HTTP/1.1 keep-alive client (raw sockets, so the server is what is measured) -------
-
-class Http:
-    """Blocking; cooperative under gevent once the process is patched (the chat-load process)."""
-
-    def __init__(self, url: str, timeout: float = 900.0) -> None:
-        self.addr = url_addr(url)
-        self.sock = socket.create_connection(self.addr, timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.rfile = self.sock.makefile("rb", buffering=256 * 1024)
-
-    def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {len(body)}\r\n"
-                f"Content-Type: application/json\r\n\r\n").encode()
-        self.sock.sendall(head + body)
-        status_line = self.rfile.readline()
-        if not status_line:
-            raise ConnectionError(f"{method} {path}: connection closed before the reply")
-        status = int(status_line.split()[1])
-        length = 0
-        while True:
-            line = self.rfile.readline()
-            if line in (b"\r\n", b""):
-                break
-            name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
-                length = int(value)
-        return status, self.rfile.read(length)
-
-    def close(self) -> None:
-        self.rfile.close()
-        self.sock.close()
-
-
-def url_addr(url: str) -> tuple[str, int]:
-    match = re.match(r"http://([^:/]+):(\d+)", url)
-    if match is None:
-        raise ValueError(f"not an http://HOST:PORT URL: {url}")
-    return match.group(1), int(match.group(2))
 
 
 @dataclass
