@@ -100,7 +100,9 @@ def test_a_node_lost_mid_run_costs_only_its_episodes(ray_cluster, hosts, front, 
     assert 2 <= len(errors) < SANDBOXES and summary["episodes"] == SANDBOXES - len(errors)
     for error in errors.values():
         assert error.startswith(("SandboxDied", "DriverLost")), error
-        assert "died" in error, error  # Ray's cause
+        # Ray's cause: "...died..." once the GCS has declared the lost node's actor dead, or
+        # ActorUnavailableError's "...is unavailable..." when the call fails before it has.
+        assert "died" in error or "unavailable" in error, error
     # The lost node held one of the 3 spread driver actors: its share is marked DriverLost.
     assert sum(error.startswith("DriverLost") for error in errors.values()) == SANDBOXES // 3, errors
     assert all(lost_ip not in line["sandbox"] for line in lines)  # every sandbox of the lost node: an error
