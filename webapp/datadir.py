@@ -44,21 +44,20 @@ def sessions_dir(data_dir: str) -> str:
 def check_free(data_dir: str) -> None:
     """Raise :class:`DataDirInUse` if another process owns ``data_dir`` (without taking it:
     the launcher asks before it starts the server that will)."""
-    data_dir = os.path.abspath(data_dir)
+    os.close(_take_lock(os.path.abspath(data_dir)))
+
+
+def _take_lock(data_dir: str) -> int:
+    """The fd holding ``data_dir``'s lock (created with the directory if need be)."""
     os.makedirs(sessions_dir(data_dir), exist_ok=True)
     fd = os.open(os.path.join(data_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        _flock(fd, data_dir)
-    finally:
-        os.close(fd)
-
-
-def _flock(fd: int, data_dir: str) -> None:
-    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(fd)
         raise DataDirInUse(f"data directory {data_dir} is in use by another session server "
                            f"(pass --data-dir to give this one its own)") from None
+    return fd
 
 
 def lock_data_dir(data_dir: str) -> None:
@@ -67,16 +66,8 @@ def lock_data_dir(data_dir: str) -> None:
     Only the process that spawns the session workers (the router, or the single-process app)
     takes it: the workers it supervises write under its ownership, one shard each."""
     data_dir = os.path.abspath(data_dir)
-    if data_dir in _owned:
-        return
-    os.makedirs(sessions_dir(data_dir), exist_ok=True)
-    fd = os.open(os.path.join(data_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        _flock(fd, data_dir)
-    except DataDirInUse:
-        os.close(fd)
-        raise
-    _owned[data_dir] = fd
+    if data_dir not in _owned:
+        _owned[data_dir] = _take_lock(data_dir)
 
 
 def instance_id(data_dir: str) -> str:

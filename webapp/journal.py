@@ -249,8 +249,9 @@ class SessionJournal:
         record_at = starts[-1] + ENTRY_HEADER.size + META_LENGTH.size + len(meta)
         return replace(turn, record=FileSpan(self.path, record_at, sum(len(c) for c in record))), stored
 
-    def _append(self, entries: list[list[bytes]]) -> list[int]:
-        """Write the entries in one go at the end; returns each entry's offset."""
+    def _append(self, entries: list[list[bytes]], what: str = "the turn") -> list[int]:
+        """Write the entries in one go at the end; returns each entry's offset. Raises
+        :class:`InsufficientStorage` (naming ``what`` was not stored), the file cut back."""
         starts, pos = [], self.size
         for entry in entries:
             starts.append(pos)
@@ -258,7 +259,7 @@ class SessionJournal:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise InsufficientStorage(f"journal {self.path} is gone; the turn was not stored") from None
+            raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
         chunks = [c for entry in entries for c in entry]
         try:
             if self.fsync or pos - self.size >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
@@ -270,7 +271,7 @@ class SessionJournal:
                 os.ftruncate(fd, self.size)
             except OSError:
                 log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
-            raise InsufficientStorage(f"the turn was not stored: writing the session journal failed: "
+            raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
                                       f"{exc.strerror or exc}") from exc
         finally:
             os.close(fd)
@@ -343,25 +344,23 @@ class JournalStore:
 
     def _create(self, session_id: str, created_at: float) -> SessionJournal:
         path = self.path(session_id)
-        payload = json.dumps({"session_id": session_id, "created_at": created_at}).encode()
-        data = FILE_HEADER.pack(MAGIC, FORMAT_VERSION) + b"".join(_entry(Kind.CREATE, [payload]))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
         except FileExistsError:
             raise SessionExists(session_id) from None
         except OSError as exc:
             raise InsufficientStorage(f"cannot create the session journal: {exc.strerror or exc}") from exc
-        try:
-            _write_at(fd, [data], 0)
+        journal = SessionJournal(path, 0, self.fsync)
+        payload = json.dumps({"session_id": session_id, "created_at": created_at}).encode()
+        try:  # the file header, then the CREATE entry: the same append (and fsync) as a turn's
+            journal._append([[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])],
+                            what="the session")
             if self.fsync:
-                os.fsync(fd)
                 _fsync_dir(self.dir)
-        except OSError as exc:
+        except (InsufficientStorage, OSError):
             os.unlink(path)
-            raise InsufficientStorage(f"cannot create the session journal: {exc.strerror or exc}") from exc
-        finally:
-            os.close(fd)
-        return SessionJournal(path, len(data), self.fsync, ENTRY_HEADER.unpack_from(data, FILE_HEADER.size)[2])
+            raise
+        return journal
 
     def restore(self, owns: Callable[[str], bool],
                 pause: Callable[[], object] = lambda: None) -> Iterator[RestoredSession]:
@@ -520,17 +519,18 @@ class _Scan:
             pos = end
 
     def _meta(self, kind: Kind, head: bytes, start: int, end: int) -> tuple[dict[str, Any], int]:
+        """The entry's meta JSON (a CREATE's whole payload) and where its body starts; from the
+        payload's first bytes already read (``head``), else read again."""
         if kind is Kind.CREATE:
-            meta_bytes, body_at = os.pread(self.f.fileno(), end - start, start), end
+            meta_at, n = start, end - start
         else:
             (n,) = META_LENGTH.unpack(head[:META_LENGTH.size])
-            if start + META_LENGTH.size + n > end:
-                raise ValueError("meta past the entry")
             meta_at = start + META_LENGTH.size
-            meta_bytes = head[META_LENGTH.size:META_LENGTH.size + n]
-            if len(meta_bytes) < n:
-                meta_bytes = os.pread(self.f.fileno(), n, meta_at)
-            body_at = meta_at + n
+            if meta_at + n > end:
+                raise ValueError("meta past the entry")
+        lo = meta_at - start
+        meta_bytes = head[lo:lo + n] if lo + n <= len(head) else os.pread(self.f.fileno(), n, meta_at)
+        body_at = meta_at + n
         meta = json.loads(meta_bytes)
         if not isinstance(meta, dict):
             raise TypeError("meta is not an object")
