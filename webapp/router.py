@@ -276,13 +276,18 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                             else f"health check failed: {job.exception!r}" if job.exception is not None
                             else job.value)
                     for shard, job in enumerate(jobs)}
+        # failed_shards: never restarted (their workers could not boot); the launcher gives up on
+        # them. A slot may turn FAILED after its probe answered "unavailable": the slot's own
+        # reason (why it could not boot) is the final word for it, read once, after the probes.
+        failed_why = {slot["shard"]: slot["reason"] for slot in supervisor.status()
+                      if slot["state"] == SlotState.FAILED.value}
+        problems.update(failed_why)
         bad = {shard: why for shard, why in problems.items() if why is not None}
         if bad:
             detail = "; ".join(f"shard {shard}: {why}" for shard, why in sorted(bad.items()))
             if backend_problem is not None:
                 detail += f"; {backend_problem}"
-            # failed_shards: never restarted (their workers could not boot); the launcher gives up on them
-            failed = [slot["shard"] for slot in supervisor.status() if slot["state"] == SlotState.FAILED.value]
+            failed = sorted(failed_why)
             return _error(503, f"unhealthy shards: {detail}", unhealthy_shards=sorted(bad), failed_shards=failed,
                           backend="ok" if backend_problem is None else "unreachable")
         if backend_problem is not None:

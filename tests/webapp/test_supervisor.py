@@ -170,8 +170,15 @@ def test_a_worker_that_cannot_boot_leaves_its_shard_failed_with_the_reason(refer
         gevent.sleep(1.5)  # a respawn loop would have started another worker by now
         health = app.test_client().get("/health")
         chat = app.test_client().post("/sessions")
+        # A probe that raced the last boot attempt saw the shard "starting", not yet failed: the
+        # slot's reason, read after the probes, is what /health reports for a failed shard.
+        from webapp.supervisor import ShardUnavailable
+        def stale_probe(shard, meta, body=b"", **kw):
+            raise ShardUnavailable(shard, "worker starting")
+        supervisor.request = stale_probe
+        raced = app.test_client().get("/health").get_json()
         print(json.dumps({{"status": supervisor.status(), "codes": codes, "health": health.status_code,
-                          "body": health.get_json(), "create": chat.status_code}}))
+                          "body": health.get_json(), "create": chat.status_code, "raced": raced}}))
         stop_supervisor(app)
     """)
     out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=150)
@@ -184,6 +191,8 @@ def test_a_worker_that_cannot_boot_leaves_its_shard_failed_with_the_reason(refer
     assert result["health"] == 503 and result["body"]["failed_shards"] == [0, 1]
     assert str(missing) in result["body"]["error"]
     assert result["create"] == 503
+    assert result["raced"]["failed_shards"] == [0, 1]
+    assert result["raced"]["error"].count("could not boot") == 2 and "worker starting" not in result["raced"]["error"]
 
 
 @pytest.mark.integration
