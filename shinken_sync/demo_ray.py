@@ -21,21 +21,56 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from shinken_sync import demo
 from shinken_sync.errors import ShinkenError
 
+if TYPE_CHECKING:
+    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
+
 __all__ = ["EpisodeDriver", "run"]
 
 
 class DriverLost(Exception):
     """A driver actor died before returning its episodes (Ray's cause in the message)."""
+
+
+_GATHER_POLL = 0.2  # s: how soon the gather loop sees a Ctrl-C
+
+
+class _CtrlC:
+    """Ctrl-C as a count the gather loop polls, not a KeyboardInterrupt. An exception raised
+    at an arbitrary bytecode inside Ray's client calls (a lock held, a reply half-read) may
+    leave the driver unable to make its next Ray call, the ``stop`` it must send; Ray defers
+    SIGINT around such regions itself (``ray._private.utils.DeferSigint``). A second Ctrl-C
+    aborts at once, as before. Outside the main thread (no signal handlers there) it counts
+    nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous: Any = None
+
+    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class EpisodeDriver:
@@ -179,28 +214,28 @@ def run(args: argparse.Namespace) -> int:
         progress.start()
         futures = [d.run.remote(server_url, args.turns) for d in drivers]
         gathered = 0
-        while gathered < len(futures):
-            share, future = shares[gathered], futures[gathered]
-            try:
-                part = ray.get(future)
-            except RayActorError as exc:
-                cause = " ".join(str(exc).split())[:600]
-                for index, _ in share:
-                    episodes[index].error = f"{DriverLost.__name__}: {cause}"
-            except KeyboardInterrupt:
-                if interrupted:
-                    raise
-                interrupted = True
-                print("\nshinken demo: interrupted; the drivers finish the turns in flight and keep every "
-                      "episode's records so far", file=sys.stderr)
-                for actor in drivers:
-                    actor.stop.remote()
-                continue
-            else:
-                for ep in part["episodes"]:
-                    episodes[ep.index] = ep
-                _merge(progress, part)
-            gathered += 1
+        with _CtrlC() as ctrl_c:
+            while gathered < len(futures):
+                if ctrl_c.count and not interrupted:
+                    interrupted = True
+                    print("\nshinken demo: interrupted; the drivers finish the turns in flight and keep every "
+                          "episode's records so far", file=sys.stderr)
+                    for actor in drivers:
+                        actor.stop.remote()
+                share, future = shares[gathered], futures[gathered]
+                if not ray.wait([future], timeout=_GATHER_POLL)[0]:
+                    continue
+                try:
+                    part = ray.get(future)
+                except RayActorError as exc:
+                    cause = " ".join(str(exc).split())[:600]
+                    for index, _ in share:
+                        episodes[index].error = f"{DriverLost.__name__}: {cause}"
+                else:
+                    for ep in part["episodes"]:
+                        episodes[ep.index] = ep
+                    _merge(progress, part)
+                gathered += 1
         progress.finish()
     finally:
         for actor in drivers:

@@ -44,9 +44,29 @@ def _read(out) -> tuple[dict, list[dict]]:
     return summary, lines
 
 
+def _finish(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The demo's stderr once it exited; on ``timeout``, kill it and fail with that stderr (the
+    one place that says where it hung), before pytest's own timeout would say nothing."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the demo did not exit {timeout:.0f} s after {what}:\n{proc.communicate()[1][-3000:]}")
+
+
+def _wait_for_chats(nginx, proc, at_least: int) -> None:
+    deadline = time.monotonic() + 120
+    while sum("chat/completions" in line for line in nginx.access_log()) < at_least:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{at_least} chats never came (exit {proc.poll()}):\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
 def test_demo_in_ray_mode_end_to_end(ray_cluster, hosts, front, tmp_path):
     proc = _demo(ray_cluster, hosts, front, tmp_path, turns=3)
-    _, stderr = proc.communicate(timeout=240)
+    stderr = _finish(proc, 240, "its start")
     assert proc.returncode == 0, stderr[-3000:]
     summary, lines = _read(tmp_path)
     assert summary["episodes"] == SANDBOXES and summary["steps"] == SANDBOXES * 3
@@ -59,40 +79,28 @@ def test_demo_in_ray_mode_end_to_end(ray_cluster, hosts, front, tmp_path):
     assert (tmp_path / "contact_sheet.png").exists()
 
 
-def _wait_for_chats(nginx, proc, at_least: int) -> None:
-    deadline = time.monotonic() + 120
-    while sum("chat/completions" in line for line in nginx.access_log()) < at_least:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-
-
+@pytest.mark.timeout(240)
 def test_ctrl_c_keeps_every_episodes_records_so_far(ray_cluster, hosts, front, tmp_path):
     before = sum("chat/completions" in line for line in front.access_log())
     proc = _demo(ray_cluster, hosts, front, tmp_path, turns=200)
-    try:
-        _wait_for_chats(front, proc, before + 2 * SANDBOXES)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _wait_for_chats(front, proc, before + 2 * SANDBOXES)
+    proc.send_signal(signal.SIGINT)
+    stderr = _finish(proc, 60, "Ctrl-C")
     assert proc.returncode == 130, stderr[-3000:]
     summary, lines = _read(tmp_path)
     assert summary["interrupted"] and summary["episodes"] == SANDBOXES and summary["consistent"]
     assert all(line["interrupted"] and 0 < len(line["steps"]) < 200 for line in lines)
 
 
+@pytest.mark.timeout(420)
 def test_a_node_lost_mid_run_costs_only_its_episodes(ray_cluster, hosts, front, tmp_path):
     before = sum("chat/completions" in line for line in front.access_log())
     proc = _demo(ray_cluster, hosts, front, tmp_path, turns=30)
-    try:
-        _wait_for_chats(front, proc, before + 2 * SANDBOXES)  # the run is under way
-        hosts.kill_host(2)
-        proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1  # episodes were lost; the run still finished and wrote its outputs
+    _wait_for_chats(front, proc, before + 2 * SANDBOXES)  # the run is under way
+    hosts.kill_host(2)
+    stderr = _finish(proc, 280, "its node was lost")
+    # episodes were lost; the run still finished and wrote its outputs
+    assert proc.returncode == 1, stderr[-3000:]
     summary, lines = _read(tmp_path)
     lost_ip = hosts.addresses[2]
     errors = summary["episode_errors"]
