@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,7 +30,7 @@ from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
 from webapp.reference_backend import start_reference_backend
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import start_session_server
 
 BODY = {"model": "reference", "messages": [{"role": "user", "content": "Click the OK button."}]}
 
@@ -59,27 +57,17 @@ def straight(n: int) -> list[float]:
 
 
 def through_server(n: int, workers: int) -> list[float]:
-    proc = subprocess.Popen(server_argv(workers, None, "127.0.0.1:0", "--reference-r3-layers", "0"),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
-    try:
-        match = re.search(READY_URL_PATTERN, proc.stdout.readline())
-        if not match:
-            raise RuntimeError("the session server did not get ready")
-        url = match.group(1)
-        with requests.Session() as http:
-            samples = []
-            for _ in range(n + 1):
-                session = http.post(url + "/sessions", timeout=30).json()["session_id"]
-                t0 = time.perf_counter()
-                reply = http.post(f"{url}/sessions/{session}/v1/chat/completions", json=BODY, timeout=30)
-                samples.append(time.perf_counter() - t0)
-                reply.raise_for_status()
-                http.delete(f"{url}/sessions/{session}", timeout=30)
-            return samples
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        proc.stdout.close()
+    with start_session_server(workers, None, "127.0.0.1:0", "--reference-r3-layers", "0") as server, \
+            requests.Session() as http:
+        samples = []
+        for _ in range(n + 1):
+            session = http.post(server.url + "/sessions", timeout=30).json()["session_id"]
+            t0 = time.perf_counter()
+            reply = http.post(f"{server.url}/sessions/{session}/v1/chat/completions", json=BODY, timeout=30)
+            samples.append(time.perf_counter() - t0)
+            reply.raise_for_status()
+            http.delete(f"{server.url}/sessions/{session}", timeout=30)
+        return samples
 
 
 def main() -> int:

@@ -52,7 +52,7 @@ from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile
 from webapp.ipc_channel import IpcClient, IpcServer, open_socket
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import SessionServerProcess, start_session_server
 from webapp.sharding import shard_for
 
 MiB = 1024**2
@@ -156,9 +156,9 @@ def start_stub(reply_path: str, r3_bytes: int = 64 * MiB) -> Proc:
     return Proc([sys.executable, __file__, "_stub", reply_path, str(r3_bytes)], r'"url": "(http://[^"]+)"')
 
 
-def start_server(workers: int, backend_url: str) -> Proc:
+def start_server(workers: int, backend_url: str) -> SessionServerProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
-    return Proc(server_argv(workers, backend_url), READY_URL_PATTERN, env)
+    return start_session_server(workers, backend_url, env=env)
 
 
 # -- 1. scaling on a parse-heavy shape ------------------------------------------------------------
@@ -213,7 +213,7 @@ def bench_scaling(stub_url: str, assistant: dict, quick: bool) -> dict:
             run_sessions(server.url, 2, cache.__getitem__, 2)  # warm up
         for _ in range(rounds):
             for workers, server in servers.items():
-                workers_ps = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                workers_ps = [p for p in psutil.Process(server.pid).children(recursive=True)
                               if "shinken-session-worker" in " ".join(p.cmdline())]
                 cpu0 = sum(sum(p.cpu_times()[:2]) for p in workers_ps)
                 done, elapsed, _ = run_sessions(server.url, sessions, cache.__getitem__, sessions, workers)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,24 +32,9 @@ import safetensors.numpy
 from scratch import scratch_state_home
 
 from webapp.reference_backend import start_reference_backend
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import start_session_server
 
 READY_TIMEOUT = 120.0
-
-
-def start(workers: int, backend_url: str, layers: int) -> tuple[subprocess.Popen, str]:
-    argv = server_argv(workers, backend_url, "127.0.0.1:0", "--routing-replay-layers", str(layers))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + READY_TIMEOUT
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        match = re.search(READY_URL_PATTERN, raw.decode())
-        if match:
-            return proc, match.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit(f"server --workers {workers} not ready")
 
 
 def build_session(url: str, turns: int, user_bytes: int) -> tuple[str, int]:
@@ -81,8 +64,9 @@ def fetch(http: requests.Session, method: str, url: str, decode) -> tuple[int, f
 
 
 def run(workers: int, backend_url: str, args: argparse.Namespace) -> None:
-    proc, url = start(workers, backend_url, args.r3_layers)
-    try:
+    with start_session_server(workers, backend_url, "127.0.0.1:0", "--routing-replay-layers", str(args.r3_layers),
+                              wait=False) as server:
+        url = server.wait_ready(READY_TIMEOUT)
         t0 = time.perf_counter()
         sid, tokens = build_session(url, args.turns, args.user_bytes)
         build = time.perf_counter() - t0
@@ -103,9 +87,6 @@ def run(workers: int, backend_url: str, args: argparse.Namespace) -> None:
             print(f"  {name:14} {size:>14,} {req * 1e3:>11.0f} {full * 1e3:>11.0f}")
         (gs, gr, gf), (ss, sr, sf) = medians["GET records"], medians["POST samples"]
         print(f"  ratio GET/samples: bytes {gs / ss:.1f}x, request {gr / sr:.1f}x, with decode {gf / sf:.1f}x")
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def main() -> None:

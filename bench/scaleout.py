@@ -29,7 +29,7 @@ from pathlib import Path
 import requests
 from scratch import scratch_state_home
 
-from webapp.serve import server_argv
+from webapp.serve import start_session_server
 
 BODY = {"model": "reference", "messages": [{"role": "user", "content": "Click the OK button."}]}
 
@@ -75,13 +75,12 @@ def _free_port() -> int:
 def nginx_hop(chats: int) -> dict[str, float]:
     from tests.scaleout.front import NGINX
 
-    server = subprocess.Popen(server_argv(2, None, "127.0.0.1:0", "--instance", "solo"), stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    server = start_session_server(2, None, "127.0.0.1:0", "--instance", "solo")
     prefix = Path(tempfile.mkdtemp(prefix="shinken-bench-nginx-"))
     prefix.chmod(0o755)
     nginx = None
     try:
-        direct = json.loads(server.stdout.readline())["url"]
+        direct = server.url
         port = _free_port()
         conf = prefix / "nginx.conf"
         subprocess.run([sys.executable, "-m", "webapp.serve", "nginx-config", f"solo={direct[len('http://'):]}",
@@ -120,8 +119,7 @@ def nginx_hop(chats: int) -> dict[str, float]:
         if nginx is not None:
             nginx.terminate()
             nginx.wait(15)
-        server.terminate()
-        server.wait(60)
+        server.close()
         shutil.rmtree(prefix, ignore_errors=True)
 
 

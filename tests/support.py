@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
+
+import psutil
+
+# A server's graceful stop may take gunicorn's graceful_timeout (20 s) plus the launcher's cleanup.
+GRACEFUL_STOP_TIMEOUT = 30.0
+EXIT_GRACE = 5.0  # what a graceful stop left may take this long to finish exiting
 
 
 def native_thread_count(settle_to: int | None = None) -> int:
@@ -99,3 +107,59 @@ def sigkill_and_expect_no_descendant(proc: subprocess.Popen, expected: tuple[str
                 leftover.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+class ServerProcess:
+    """A server subprocess whose merged stdout/stderr is drained by a reader thread.
+
+    It leads a process group of its own, so :meth:`close` can kill whatever its tree leaves
+    behind (gunicorn has no parent-death signal).
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], ready_pattern: str, timeout: float) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.leftovers: list[psutil.Process] = []
+        self._lines: list[str] = []
+        self._ready = threading.Event()
+        self._pattern = re.compile(ready_pattern)
+        self.url = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._ready.wait(timeout) or not self.url:
+            self.close()
+            raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def _drain(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self._lines.append(line)
+            match = self._pattern.search(line)
+            if match and not self.url:
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # EOF: the process died before it was ready
+
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def close(self, timeout: float = GRACEFUL_STOP_TIMEOUT) -> None:
+        """SIGTERM (a graceful stop of the whole tree), then SIGKILL to the process group.
+
+        ``leftovers``: the descendants still alive after the graceful stop, before the SIGKILL.
+        """
+        if self.proc.poll() is None:
+            try:
+                tree = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                tree = []
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+                _gone, self.leftovers = psutil.wait_procs(tree, timeout=EXIT_GRACE)
+            except subprocess.TimeoutExpired:
+                self.leftovers = [p for p in tree if p.is_running()]
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group is gone already
+            pass
+        self.proc.wait(timeout)

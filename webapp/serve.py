@@ -133,6 +133,14 @@ class SessionServerProcess:
             raise RuntimeError("the session server is not ready (call wait_ready first)")
         return str(self._ready["url"])
 
+    @property
+    def ready_line(self) -> dict[str, object]:
+        """The launcher's ready line (``url``, ``workers``, ``instance``, ``pid``...); only once
+        :meth:`wait_ready` returned."""
+        if self._ready is None:
+            raise RuntimeError("the session server is not ready (call wait_ready first)")
+        return dict(self._ready)
+
     def _read_stdout(self) -> None:
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:  # until the process (and gunicorn, which shares it) exits
@@ -205,9 +213,10 @@ def _terminate(proc: subprocess.Popen, grace: float) -> None:
 def start_session_server(workers: int = 1, backend_url: str | None = None, bind: str = "127.0.0.1:0",
                          *extra: str, log_path: Path | None = None, own_session: bool = False,
                          wait: bool = True, env: dict[str, str] | None = None) -> SessionServerProcess:
-    """Start ``shinken-session-server`` (the one launcher: every embedder — ``shinken demo``,
-    tests, benches — goes through it) with ``extra`` flags; ``bind`` port 0 is bound by the
-    server itself, which reports the port, so there is no free-port race.
+    """Start ``shinken-session-server`` with ``extra`` flags (``shinken demo``, the benches and
+    tests that only need a running server start it this way; tests that read the server's whole
+    output start the same :func:`server_argv` with their own reader); ``bind`` port 0 is bound
+    by the server itself, which reports the port, so there is no free-port race.
 
     With ``wait`` (default) returns once it is ready (``.url``), else at once (then call
     :meth:`SessionServerProcess.wait_ready`). Raises :class:`SessionServerNotReady`.

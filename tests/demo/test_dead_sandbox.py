@@ -5,8 +5,6 @@ Before, the episode played every remaining turn against the dead sandbox."""
 from __future__ import annotations
 
 import io
-import json
-import subprocess
 import threading
 
 import pytest
@@ -15,7 +13,7 @@ import requests
 from shinken_sync.demo import Episode, Progress, run_episode
 from shinken_sync.errors import SandboxDied
 from shinken_sync.providers import LocalProvider
-from webapp.serve import server_argv
+from webapp.serve import start_session_server
 
 pytestmark = pytest.mark.integration
 
@@ -38,18 +36,11 @@ class KillsItsDaemonOnSecondStep:
 
 
 def test_an_episode_whose_sandbox_dies_ends_with_sandbox_died():
-    server = subprocess.Popen(server_argv(1), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              start_new_session=True)
-    try:
-        url = json.loads(server.stdout.readline())["url"]
-        with LocalProvider() as provider:
-            handle = provider.create()
-            sandbox = provider.connect(handle)
-            ep = Episode(index=0, sandbox_id=handle.sandbox_id)
-            with pytest.raises(SandboxDied, match="SIGKILL"):
-                run_episode(ep, KillsItsDaemonOnSecondStep(sandbox, handle), url, 5, requests.Session(),
-                            threading.Event(), Progress(5, stream=io.StringIO()))
-            assert len(ep.steps) == 1 and not ep.finished
-    finally:
-        server.terminate()
-        server.wait(60)
+    with start_session_server(1) as server, LocalProvider() as provider:
+        handle = provider.create()
+        sandbox = provider.connect(handle)
+        ep = Episode(index=0, sandbox_id=handle.sandbox_id)
+        with pytest.raises(SandboxDied, match="SIGKILL"):
+            run_episode(ep, KillsItsDaemonOnSecondStep(sandbox, handle), server.url, 5, requests.Session(),
+                        threading.Event(), Progress(5, stream=io.StringIO()))
+        assert len(ep.steps) == 1 and not ep.finished

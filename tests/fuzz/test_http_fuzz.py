@@ -14,10 +14,7 @@ import json
 import os
 import random
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
+
+from tests.support import ServerProcess
+from webapp.serve import READY_URL_PATTERN, server_argv
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.integration]
 
@@ -35,66 +35,32 @@ ANSWER_TIMEOUT = 15.0  # per case; a truncated body ends with our half-close, so
 FD_SLACK = 16  # pooled backend connections, the receive-buffer pool... may settle at a few more
 RSS_SLACK = 96 << 20
 MODES = {"router": 2, "single-process": 0}
+READY_TIMEOUT = 90.0
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3}) ")
 
 
-class Server:
-    def __init__(self, workers: int) -> None:
-        argv = [sys.executable, "-m", "webapp.serve", "--workers", str(workers), "--bind", "127.0.0.1:0",
-                "--body-timeout", "5", "--max-sessions", "100000"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.lines: list[str] = []
-        ready = threading.Event()
-        self.url = ""
-
-        def drain() -> None:
-            for raw in self.proc.stdout:
-                line = raw.decode(errors="replace")
-                self.lines.append(line)
-                if '"ready": true' in line:
-                    self.url = json.loads(line)["url"]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(90) or not self.url:
-            self.close()
-            raise RuntimeError("server not ready:\n" + "".join(self.lines))
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def tree(self) -> list[psutil.Process]:
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
-    def usage(self) -> tuple[int, int]:
-        """Open fds and RSS summed over the server's processes (reference backend included)."""
-        fds = rss = 0
-        for proc in self.tree():
-            try:
-                fds += proc.num_fds()
-                rss += proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return fds, rss
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
+def usage(server: ServerProcess) -> tuple[int, int]:
+    """Open fds and RSS summed over the server's processes (reference backend included)."""
+    root = psutil.Process(server.proc.pid)
+    fds = rss = 0
+    for proc in [root, *root.children(recursive=True)]:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            fds += proc.num_fds()
+            rss += proc.memory_info().rss
+        except psutil.NoSuchProcess:
             pass
-        self.proc.wait(30)
+    return fds, rss
+
+
+def port(server: ServerProcess) -> int:
+    return int(server.url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
-def server(request) -> Iterator[Server]:
-    srv = Server(MODES[request.param])
+def server(request) -> Iterator[ServerProcess]:
+    srv = ServerProcess(server_argv(MODES[request.param], None, "127.0.0.1:0", "--body-timeout", "5",
+                                    "--max-sessions", "100000"),
+                        dict(os.environ), READY_URL_PATTERN, READY_TIMEOUT)
     yield srv
     srv.close()
 
@@ -238,24 +204,24 @@ def test_malformed_http_requests(server) -> None:
     # warm-up round first: pools, greenlets and allocator arenas settle before the baseline
     cases = [make_case(rng, sid) for _ in range(CASES_PER_ROUND)]
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda data: exchange(server.port, data), cases))
+        list(pool.map(lambda data: exchange(port(server), data), cases))
     serve_normal_client(server.url)
-    fds0, rss0 = server.usage()
+    fds0, rss0 = usage(server)
     failures = []
     for round_no in range(ROUNDS):
         cases = [with_pipelining(rng, make_case(rng, sid)) for _ in range(CASES_PER_ROUND)]
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda case: exchange(server.port, case[1]), cases))
+            answers = list(pool.map(lambda case: exchange(port(server), case[1]), cases))
         for i, ((pipelined, data), (status, out)) in enumerate(zip(cases, answers)):
             if (status is not None and status >= 500) or (pipelined and status != 200) or b" 500 " in out:
                 failures.append((round_no, i, data[:300], out[:300]))
         serve_normal_client(server.url)
     assert not failures, f"{len(failures)} cases answered 5xx or lost a pipelined request (seed {SEED}), " \
                          f"first: {failures[0]}"
-    fds1, rss1 = server.usage()
+    fds1, rss1 = usage(server)
     assert fds1 - fds0 <= FD_SLACK, f"fds grew {fds0} -> {fds1}"
     assert rss1 - rss0 <= RSS_SLACK, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
-    output = "".join(server.lines)
+    output = server.output()
     assert "Traceback" not in output, output[-4000:]
 
 
@@ -265,10 +231,10 @@ def test_slow_and_half_open_clients_cost_nothing(server) -> None:
     meanwhile, and everything is given back once they go."""
     rng = random.Random(SEED + 1)
     sid = requests.post(f"{server.url}/sessions", timeout=30).json()["session_id"]
-    fds0, _ = server.usage()
+    fds0, _ = usage(server)
     socks = []
     for i in range(300):
-        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10,
+        sock = socket.create_connection(("127.0.0.1", port(server)), timeout=10,
                                         source_address=(f"127.0.1.{i % 50 + 1}", 0))
         whole = make_case(rng, sid)
         sock.sendall(whole[: rng.randrange(1, max(2, len(whole)))])
@@ -277,7 +243,7 @@ def test_slow_and_half_open_clients_cost_nothing(server) -> None:
     for sock in socks:
         sock.close()
     deadline_checks = 0
-    while server.usage()[0] - fds0 > FD_SLACK and deadline_checks < 100:
+    while usage(server)[0] - fds0 > FD_SLACK and deadline_checks < 100:
         deadline_checks += 1
         threading.Event().wait(0.2)
-    assert server.usage()[0] - fds0 <= FD_SLACK
+    assert usage(server)[0] - fds0 <= FD_SLACK

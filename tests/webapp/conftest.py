@@ -1,13 +1,16 @@
 """Shared webapp fixtures: real processes on 127.0.0.1 with OS-chosen ports.
 
 - ``reference_backend_factory(tokenizer=None, r3_layers=0, r3_topk=8)`` -> a running
-  ``webapp.reference_backend`` subprocess (``.url``, ``.close()``).
+  ``webapp.reference_backend`` subprocess (``.url``, ``.close()``); ``backend``: one with the
+  defaults per module.
 - ``session_server_factory(argv=None, env=None, backend_url=None, ...)`` -> a running server
   (``.url``, ``.output()``, ``.close()``). Default argv: gunicorn with the gevent worker and
   ``webapp.app:create_app()``; pass ``argv`` to start anything else that prints gunicorn's
   ``Listening at: http://HOST:PORT`` line (or give ``ready_pattern``), e.g.
   ``shinken-session-server --workers 3 --bind 127.0.0.1:0``.
-  ``session_server_factory.gunicorn_argv(app, workers)`` builds the default argv.
+  ``session_server_factory.gunicorn_argv(app, workers)`` builds the default argv;
+  ``session_server_factory.launch(workers, backend_url=None, *flags, env=None)`` starts the
+  launcher (``webapp.serve``, 0 workers: single-process) on port 0 and waits for its ready line.
 - ``hf_tokenizer_dir``: a directory with a small byte-level BPE ``tokenizer.json`` trained on
   the spot and a ChatML template in ``tokenizer_config.json`` (session-scoped).
 - ``vl_tokenizer_dir``: the same for the vision path: the vision special tokens, Qwen2-VL's chat
@@ -23,26 +26,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import psutil
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.support import ServerProcess
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
+from webapp.serve import READY_URL_PATTERN, server_argv
 
 SERVER_READY_TIMEOUT = 60.0
 GUNICORN_READY = r"Listening at: (http://\S+)"
 HANG_LIMIT = 30.0  # a hanging stub handler gives up after this, so no test thread outlives its module
-# A server's graceful stop may take gunicorn's graceful_timeout (20 s) plus the launcher's cleanup.
-GRACEFUL_STOP_TIMEOUT = 30.0
-EXIT_GRACE = 5.0  # what a graceful stop left may take this long to finish exiting
 
 
 CHATML_TEMPLATE = (
@@ -129,62 +127,6 @@ def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> lis
             "-b", "127.0.0.1:0", "--graceful-timeout", "5", app]
 
 
-class ServerProcess:
-    """A server subprocess whose merged stdout/stderr is drained by a reader thread.
-
-    It leads a process group of its own, so :meth:`close` can kill whatever its tree leaves
-    behind (gunicorn has no parent-death signal).
-    """
-
-    def __init__(self, argv: list[str], env: dict[str, str], ready_pattern: str, timeout: float) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.leftovers: list[psutil.Process] = []
-        self._lines: list[str] = []
-        self._ready = threading.Event()
-        self._pattern = re.compile(ready_pattern)
-        self.url = ""
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self._ready.wait(timeout) or not self.url:
-            self.close()
-            raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
-
-    def _drain(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace")
-            self._lines.append(line)
-            match = self._pattern.search(line)
-            if match and not self.url:
-                self.url = match.group(1)
-                self._ready.set()
-        self._ready.set()  # EOF: the process died before it was ready
-
-    def output(self) -> str:
-        return "".join(self._lines)
-
-    def close(self, timeout: float = GRACEFUL_STOP_TIMEOUT) -> None:
-        """SIGTERM (a graceful stop of the whole tree), then SIGKILL to the process group.
-
-        ``leftovers``: the descendants still alive after the graceful stop, before the SIGKILL.
-        """
-        if self.proc.poll() is None:
-            try:
-                tree = psutil.Process(self.proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                tree = []
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-                _gone, self.leftovers = psutil.wait_procs(tree, timeout=EXIT_GRACE)
-            except subprocess.TimeoutExpired:
-                self.leftovers = [p for p in tree if p.is_running()]
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the whole group is gone already
-            pass
-        self.proc.wait(timeout)
-
-
 @pytest.fixture(scope="module")
 def reference_backend_factory() -> Iterator[Callable[..., ReferenceBackendProcess]]:
     started: list[ReferenceBackendProcess] = []
@@ -197,6 +139,12 @@ def reference_backend_factory() -> Iterator[Callable[..., ReferenceBackendProces
     yield start
     for backend in started:
         backend.close()
+
+
+@pytest.fixture(scope="module")
+def backend(reference_backend_factory) -> ReferenceBackendProcess:
+    """The reference backend with its defaults, one per module (a module may override it)."""
+    return reference_backend_factory()
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +166,14 @@ def session_server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerPro
         started.append(server)
         return server
 
+    def launch(workers: int, backend_url: str | None = None, *flags: str,
+               env: dict[str, str] | None = None) -> ServerProcess:
+        # The launcher (``webapp.serve``) on an OS-chosen port, ready once it prints its URL.
+        return start(server_argv(workers, backend_url, "127.0.0.1:0", *flags), env=env,
+                     ready_pattern=READY_URL_PATTERN)
+
     start.gunicorn_argv = gunicorn_argv
+    start.launch = launch
     yield start
     for server in started:
         server.close()

@@ -12,7 +12,6 @@ import psutil
 import pytest
 import requests
 
-from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.sharding import shard_for
 
 pytestmark = pytest.mark.integration
@@ -102,9 +101,9 @@ def backend_url(reference_backend_factory, stub_backend_factory) -> str:
 
 
 def test_parity_workers_1_and_3(session_server_factory, backend_url) -> None:
-    r3 = ("127.0.0.1:0", "--routing-replay-layers", "16")
-    one = session_server_factory(server_argv(1, backend_url, *r3), ready_pattern=READY_URL_PATTERN)
-    three = session_server_factory(server_argv(3, backend_url, *r3), ready_pattern=READY_URL_PATTERN)
+    r3 = ("--routing-replay-layers", "16")
+    one = session_server_factory.launch(1, backend_url, *r3)
+    three = session_server_factory.launch(3, backend_url, *r3)
     got_one, got_three = client_script(one.url), client_script(three.url)
     ids_three = got_three.pop()["ids"]
     got_one.pop()
@@ -150,9 +149,8 @@ def test_records_body_over_4gib_crosses(reference_backend_factory, session_serve
         pytest.skip("needs ~14 GiB of free memory (worker records + backend reply + client)")
     layers, topk = 64, 8
     reference = reference_backend_factory(r3_layers=layers, r3_topk=topk)
-    server = session_server_factory(server_argv(2, reference.url, "127.0.0.1:0", "--read-timeout", "300",
-                                                        "--routing-replay-layers", str(layers)),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(2, reference.url, "--read-timeout", "300",
+                                           "--routing-replay-layers", str(layers))
     http = requests.Session()
     sid = http.post(f"{server.url}/sessions", timeout=30).json()["session_id"]
     # Byte tokenizer: ~1 token per byte. Each turn's record holds the backend's R3 for the whole
@@ -181,7 +179,7 @@ def test_records_body_over_4gib_crosses(reference_backend_factory, session_serve
 
 def test_workers_0_serves_the_single_process_app(reference_backend_factory, session_server_factory) -> None:
     backend = reference_backend_factory()
-    server = session_server_factory(server_argv(0, backend.url), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(0, backend.url)
     sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
     chat = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=30,
                          json={"messages": [{"role": "user", "content": "hi"}]})
@@ -193,8 +191,7 @@ def test_workers_0_serves_the_single_process_app(reference_backend_factory, sess
 
 def test_workers_0_honours_the_read_timeout(stub_backend_factory, session_server_factory) -> None:
     silent = stub_backend_factory(lambda request: None)  # never answers
-    server = session_server_factory(server_argv(0, silent, "127.0.0.1:0", "--read-timeout", "0.3"),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(0, silent, "--read-timeout", "0.3")
     sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
     chat = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=20,
                          json={"messages": [{"role": "user", "content": "hi"}]})

@@ -24,7 +24,7 @@ from webapp.limits import (
     json_depth_exceeds,
     loads_strict,
 )
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import server_argv
 from webapp.session_errors import InvalidJSON
 
 pytestmark = pytest.mark.integration
@@ -33,16 +33,10 @@ MODES = {"single-process": 0, "router": 1}
 LIMIT_FLAGS = ("--max-message-bytes", "2000", "--max-prompt-tokens", "3000", "--max-sessions", "3")
 
 
-@pytest.fixture(scope="module")
-def backend(reference_backend_factory):
-    return reference_backend_factory()
-
-
 @pytest.fixture(scope="module", params=sorted(MODES))
 def limited(request, backend, session_server_factory) -> str:
     """A server with small limits; one per mode."""
-    server = session_server_factory(server_argv(MODES[request.param], backend.url, "127.0.0.1:0", *LIMIT_FLAGS),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(MODES[request.param], backend.url, *LIMIT_FLAGS)
     return server.url
 
 
@@ -114,8 +108,7 @@ def test_sessions_past_max_sessions_are_429_until_one_is_deleted(limited) -> Non
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_idle_sessions_expire_after_the_ttl(mode, backend, session_server_factory) -> None:
-    server = session_server_factory(server_argv(MODES[mode], backend.url, "127.0.0.1:0",
-                                                "--session-idle-ttl", "2.0"), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(MODES[mode], backend.url, "--session-idle-ttl", "2.0")
     idle, used = _session(server.url), _session(server.url)
     # Touch one session (each request also runs the lazy sweep) for well over the TTL; any
     # request on the idle one would count as use, so it is only asked at the end.
@@ -199,16 +192,14 @@ def test_api_key_from_a_file_never_shows_in_ps(tmp_path, backend, session_server
     key_file = tmp_path / "key"
     key_file.write_text(SECRET + "\n")
     key_file.chmod(0o600)
-    server = session_server_factory(server_argv(1, backend.url, "127.0.0.1:0", "--api-key-file", str(key_file)),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(1, backend.url, "--api-key-file", str(key_file))
     _requires_key(server.url)
     assert _visible_in_ps(server.proc.pid) == []
     assert "warning" not in server.output()
 
 
 def test_api_key_flag_still_works_with_a_warning_and_is_scrubbed_from_ps(backend, session_server_factory) -> None:
-    server = session_server_factory(server_argv(1, backend.url, "127.0.0.1:0", "--api-key", SECRET),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(1, backend.url, "--api-key", SECRET)
     _requires_key(server.url)
     assert "warning: --api-key shows the key" in server.output()
     assert _visible_in_ps(server.proc.pid) == []
@@ -234,7 +225,7 @@ def _embedded_backend(server) -> psutil.Process:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_killed_embedded_backend_is_restarted(mode, session_server_factory) -> None:
-    server = session_server_factory(server_argv(MODES[mode]), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(MODES[mode])
     sid = _session(server.url)
     first = _embedded_backend(server)
     first.kill()
@@ -254,7 +245,7 @@ def test_a_killed_embedded_backend_is_restarted(mode, session_server_factory) ->
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_health_reports_an_unreachable_backend(mode, reference_backend_factory, session_server_factory) -> None:
     backend = reference_backend_factory()
-    server = session_server_factory(server_argv(MODES[mode], backend.url), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(MODES[mode], backend.url)
     assert requests.get(f"{server.url}/health", timeout=30).json()["backend"] == "ok"
     backend.close()
     health = requests.get(f"{server.url}/health", timeout=30)
@@ -266,10 +257,10 @@ def test_health_reports_an_unreachable_backend(mode, reference_backend_factory, 
 def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_server_factory) -> None:
     # issue 18 item 1: a worker tokenizing and encoding a big prompt misses heartbeats for
     # seconds; it uses CPU meanwhile, so it is busy, not hung, and its shard keeps its sessions.
-    server = session_server_factory(
-        server_argv(1, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "0.3",
-                    "--max-message-bytes", str(64 << 20), "--max-prompt-tokens", str(64 << 20)),
-        env={"SHINKEN_HEARTBEAT_INTERVAL": "0.1"}, ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(
+        1, backend.url, "--heartbeat-timeout", "0.3",
+        "--max-message-bytes", str(64 << 20), "--max-prompt-tokens", str(64 << 20),
+        env={"SHINKEN_HEARTBEAT_INTERVAL": "0.1"})
     keep = _session(server.url)
     assert _chat(server.url, keep, {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
     worker = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
@@ -285,7 +276,7 @@ def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_se
 @pytest.mark.timeout(300)
 def test_the_router_streams_request_bodies_in_bounded_memory(backend, session_server_factory) -> None:
     # issue 18 item 6: 4 x 200 MB bodies cost the router +823 MB when it buffered them whole.
-    server = session_server_factory(server_argv(1, backend.url), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(1, backend.url)
     router = next(p for p in psutil.Process(server.proc.pid).children(recursive=True)
                   if "gunicorn: worker" in " ".join(p.cmdline()))
     sid = _session(server.url)

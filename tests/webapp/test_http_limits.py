@@ -13,8 +13,6 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from webapp.serve import READY_URL_PATTERN, server_argv
-
 pytestmark = pytest.mark.integration
 
 MODES = {"single-process": 0, "router": 2}
@@ -22,16 +20,10 @@ SLOW_CLIENTS = 2000
 ATTACKER_HOSTS = [f"127.0.0.{i}" for i in range(2, 22)]  # 20 addresses x 100 connections
 
 
-@pytest.fixture(scope="module")
-def backend(reference_backend_factory):
-    return reference_backend_factory()
-
-
 @pytest.fixture(scope="module", params=sorted(MODES))
 def server(request, backend, session_server_factory) -> str:
-    return session_server_factory(server_argv(MODES[request.param], backend.url, "127.0.0.1:0",
-                                              "--body-timeout", "60", "--max-client-connections", "150"),
-                                  ready_pattern=READY_URL_PATTERN).url
+    return session_server_factory.launch(MODES[request.param], backend.url,
+                                         "--body-timeout", "60", "--max-client-connections", "150").url
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -90,8 +82,7 @@ def test_a_normal_client_is_served_during_2000_slow_body_clients(server) -> None
 
 def test_a_body_not_sent_within_body_timeout_is_408(backend, session_server_factory) -> None:
     for workers in MODES.values():
-        url = session_server_factory(server_argv(workers, backend.url, "127.0.0.1:0", "--body-timeout", "1"),
-                                     ready_pattern=READY_URL_PATTERN).url
+        url = session_server_factory.launch(workers, backend.url, "--body-timeout", "1").url
         sid = requests.post(f"{url}/sessions", timeout=30).json()["session_id"]
         head = f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{"
         with socket.create_connection(_address(url), timeout=30) as sock:

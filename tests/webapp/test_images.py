@@ -27,7 +27,6 @@ from PIL import Image
 
 from webapp.images import ImageLimits, QwenVLRule, extract_images
 from webapp.reference_backend import reference_completion
-from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.session_errors import (
     ImageNotBase64,
     ImageTooLarge,
@@ -229,15 +228,9 @@ def test_the_reference_backend_output_depends_on_one_pixel():
 
 # --- through both server modes ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def backend(reference_backend_factory):
-    return reference_backend_factory()
-
-
 @pytest.fixture(scope="module", params=sorted(MODES))
 def server_url(request, backend, session_server_factory) -> str:
-    server = session_server_factory(server_argv(MODES[request.param], backend.url, "127.0.0.1:0", *LIMIT_FLAGS),
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(MODES[request.param], backend.url, *LIMIT_FLAGS)
     return server.url
 
 

@@ -34,7 +34,7 @@ import requests
 
 from tests.webapp.test_images import image_part, png
 from tests.webapp.test_supervisor import wait_healthy, worker_procs
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import server_argv
 from webapp.sharding import shard_for
 
 pytestmark = pytest.mark.integration
@@ -92,8 +92,7 @@ def serve(factory, backend_url: str, data_dir: Path, workers: int, *extra: str, 
     """A ``shinken-session-server`` on ``data_dir`` (by flag, else by SHINKEN_DATA_DIR)."""
     where = ["--data-dir", str(data_dir)] if data_dir_flag else []
     env = {**(env or {}), **({} if data_dir_flag else {"SHINKEN_DATA_DIR": str(data_dir)})}
-    argv = server_argv(workers, backend_url, "127.0.0.1:0", *where, "--routing-replay-layers", str(layers), *extra)
-    return factory(argv, env=env, ready_pattern=READY_URL_PATTERN)
+    return factory.launch(workers, backend_url, *where, "--routing-replay-layers", str(layers), *extra, env=env)
 
 
 def http(method: str, url: str, **kw) -> requests.Response:

@@ -27,7 +27,6 @@ import safetensors.numpy
 from pydantic import BaseModel, Field
 
 from webapp.reference_backend import R3Shape, reference_completion_json
-from webapp.serve import READY_URL_PATTERN, server_argv
 from webapp.tokenizers import ByteChatTokenizer
 
 TOK = ByteChatTokenizer()
@@ -142,8 +141,7 @@ def servers(request, backend, session_server_factory) -> dict[str, str]:
     workers = request.param
 
     def start(*flags: str) -> str:
-        return session_server_factory(server_argv(workers, backend.url, "127.0.0.1:0", *flags),
-                                      ready_pattern=READY_URL_PATTERN).url
+        return session_server_factory.launch(workers, backend.url, *flags).url
 
     return {"on": start(*REPLAY_FLAGS), "off": start()}
 

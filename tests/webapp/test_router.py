@@ -23,7 +23,7 @@ from werkzeug.test import EnvironBuilder
 from webapp.ipc import MAX_BODY_CHUNK
 from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcReply, IpcServer, open_socket
 from webapp.router import RouterConfig, _relay, create_app
-from webapp.serve import READY_URL_PATTERN, build_parser, server_argv
+from webapp.serve import build_parser
 from webapp.sharding import shard_for
 
 KEY = "s3cret-key"
@@ -136,10 +136,8 @@ def keyed(reference_backend_factory, session_server_factory):
     """workers=2, an API key by flag, a 1 s deadline on control ops, slow hang detection; a
     backend with R3, so a few turns make a records body that crosses the IPC as a stream."""
     backend = reference_backend_factory(r3_layers=16, r3_topk=8)
-    return session_server_factory(
-        server_argv(2, backend.url, "127.0.0.1:0", "--api-key", KEY, "--heartbeat-timeout", "60",
-                    "--routing-replay-layers", "16"),
-        env={"SHINKEN_CONTROL_TIMEOUT": "1"}, ready_pattern=READY_URL_PATTERN)
+    return session_server_factory.launch(2, backend.url, "--api-key", KEY, "--heartbeat-timeout", "60",
+                                         "--routing-replay-layers", "16", env={"SHINKEN_CONTROL_TIMEOUT": "1"})
 
 
 @pytest.mark.integration
@@ -163,8 +161,7 @@ def test_api_key_is_required_on_every_route_but_health(keyed) -> None:
 @pytest.mark.integration
 def test_api_key_from_environment(reference_backend_factory, session_server_factory) -> None:
     backend = reference_backend_factory()
-    server = session_server_factory(server_argv(1, backend.url), env={"SHINKEN_API_KEY": "from-env"},
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(1, backend.url, env={"SHINKEN_API_KEY": "from-env"})
     assert requests.post(f"{server.url}/sessions", timeout=10).status_code == 401
     assert requests.post(f"{server.url}/sessions", headers={"Authorization": "Bearer from-env"},
                          timeout=10).status_code == 200
@@ -246,9 +243,8 @@ def test_a_chat_the_router_gave_up_on_is_never_committed(reference_backend_facto
             return resp.status, resp.read()
 
     # router deadline per chat: 0.5 + 3 + 2 = 5.5 s; six queued turns need ~6 s
-    server = session_server_factory(server_argv(1, stub_backend_factory(slow), "127.0.0.1:0", "--read-timeout", "3"),
-                                    env={"SHINKEN_CONNECT_TIMEOUT": "0.5", "SHINKEN_CHAT_MARGIN": "2"},
-                                    ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(1, stub_backend_factory(slow), "--read-timeout", "3",
+                                           env={"SHINKEN_CONNECT_TIMEOUT": "0.5", "SHINKEN_CHAT_MARGIN": "2"})
     sid = requests.post(f"{server.url}/sessions", timeout=10).json()["session_id"]
     statuses: list[int] = []
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from webapp.scaleout import Instance, full_config, nginx_config, parse_instance
-from webapp.serve import server_argv
+from webapp.serve import start_session_server
 from webapp.sharding import mint_session_id
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
@@ -76,17 +76,11 @@ def test_instance_needs_the_router():
 
 @pytest.mark.integration
 def test_an_instance_mints_its_tag_into_every_session_id():
-    proc = subprocess.Popen(server_argv(1, None, "127.0.0.1:0", "--instance", "east"), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        ready = json.loads(proc.stdout.readline())
-        assert ready["instance"] == "east"
+    with start_session_server(1, None, "127.0.0.1:0", "--instance", "east") as server:
+        assert server.ready_line["instance"] == "east"
         for _ in range(3):
-            req = urllib.request.Request(ready["url"] + "/sessions", method="POST")
+            req = urllib.request.Request(server.url + "/sessions", method="POST")
             with urllib.request.urlopen(req, timeout=30) as reply:
                 assert json.loads(reply.read())["session_id"].startswith("east-")
-        with urllib.request.urlopen(ready["url"] + "/health", timeout=30) as reply:
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as reply:
             assert json.loads(reply.read())["instance"] == "east"
-    finally:
-        proc.terminate()
-        proc.wait(60)

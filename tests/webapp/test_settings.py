@@ -22,7 +22,7 @@ from webapp.app import config_from_env
 from webapp.core import CoreConfig
 from webapp.http_limits import HttpLimits
 from webapp.router import RouterConfig
-from webapp.serve import READY_URL_PATTERN, build_parser, server_argv
+from webapp.serve import build_parser
 from webapp.settings import (
     SETTINGS,
     Scope,
@@ -220,8 +220,7 @@ def test_real_workers_run_with_the_whole_config_from_the_environment(reference_b
 def test_a_variable_reaches_the_session_core_through_the_launcher(workers: int, reference_backend_factory,
                                                                   session_server_factory) -> None:
     backend = reference_backend_factory()
-    server = session_server_factory(server_argv(workers, backend.url, "127.0.0.1:0"), ready_pattern=READY_URL_PATTERN,
-                                    env={"SHINKEN_MAX_SESSIONS": "1"})
+    server = session_server_factory.launch(workers, backend.url, env={"SHINKEN_MAX_SESSIONS": "1"})
     first = requests.post(f"{server.url}/sessions", timeout=30)
     second = requests.post(f"{server.url}/sessions", timeout=30)
     assert first.status_code == 200 and second.status_code == 429 and "max_sessions=1" in second.json()["error"]

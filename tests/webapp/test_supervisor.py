@@ -16,7 +16,7 @@ import psutil
 import pytest
 import requests
 
-from webapp.serve import EXIT_NOT_READY, READY_URL_PATTERN, server_argv
+from webapp.serve import EXIT_NOT_READY, server_argv
 from webapp.sharding import shard_for
 from webapp.supervisor import Supervisor, SupervisorConfig
 from webapp.worker import EXIT_BOOT_ERROR
@@ -63,8 +63,7 @@ def chat(base: str, sid: str) -> requests.Response:
 @pytest.fixture(scope="module")
 def server(reference_backend_factory, session_server_factory):
     backend = reference_backend_factory()
-    return session_server_factory(server_argv(WORKERS, backend.url, "127.0.0.1:0", "--heartbeat-timeout", "3"),
-                                  ready_pattern=READY_URL_PATTERN)
+    return session_server_factory.launch(WORKERS, backend.url, "--heartbeat-timeout", "3")
 
 
 def test_refuses_zero_workers_and_an_unpatched_process() -> None:
@@ -133,7 +132,7 @@ def test_hung_worker_is_detected_killed_and_restarted(server) -> None:
 def test_router_death_takes_its_workers_and_sigterm_leaves_nothing(reference_backend_factory,
                                                                     session_server_factory) -> None:
     backend = reference_backend_factory()
-    server = session_server_factory(server_argv(2, backend.url), ready_pattern=READY_URL_PATTERN)
+    server = session_server_factory.launch(2, backend.url)
     first = worker_procs(server, 2)
     assert len(first) == 2
     router = first[0].parent()
