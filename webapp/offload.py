@@ -8,17 +8,33 @@ gevent it simply calls. Small calls should not use it: the hand-off costs tens o
 
 Each *lane* has a pool of its own, so one kind of work cannot starve another: records GETs to
 slow clients (``send``) never hold up journal appends (``journal``) in the single-process app.
+A lane's threads may also run at a lower CPU priority (a higher ``nice``): a bulk copy then takes
+the CPU the turns leave over instead of an equal share of it.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["LANES", "gevent_active", "run_blocking"]
+__all__ = ["LANES", "Lane", "gevent_active", "run_blocking"]
 
 T = TypeVar("T")
-LANES = {"send": 32, "journal": 8}  # lane -> threads; a lane's calls past that wait for a thread
+
+
+class Lane(NamedTuple):
+    threads: int  # a lane's calls past this many wait for a thread
+    nice: int  # added to the process's nice value in each of its threads (Linux: per thread)
+
+
+LANES = {
+    # Multi-GiB records GETs: on a busy host the turns come first; the copy uses what is left.
+    "send": Lane(threads=32, nice=5),
+    # A turn's own append waits on it: the same priority as the turn.
+    "journal": Lane(threads=8, nice=0),
+}
 _pools: dict[str, Any] = {}
 
 
@@ -39,5 +55,15 @@ def run_blocking(lane: str, fn: Callable[..., T], *args: Any) -> T:
     if pool is None:
         from gevent.threadpool import ThreadPool
 
-        pool = _pools[lane] = ThreadPool(LANES[lane])
-    return pool.apply(fn, args)
+        pool = _pools[lane] = ThreadPool(LANES[lane].threads)
+    nice = LANES[lane].nice
+    return pool.apply(_in_lane_thread, (nice, fn, args)) if nice else pool.apply(fn, args)
+
+
+def _in_lane_thread(nice: int, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    # Two syscalls per call (the calls are multi-MiB copies): no per-thread state to keep right
+    # across pool threads that come and go. The main thread's nice (the pid's) is the base.
+    tid, want = threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice
+    if os.getpriority(os.PRIO_PROCESS, tid) != want:
+        os.setpriority(os.PRIO_PROCESS, tid, want)  # a thread may always lower its own priority
+    return fn(*args)
