@@ -55,18 +55,29 @@ class Shell:
     async def exec(self, p: dict[str, Any]) -> dict[str, Any]:
         env = None if p["env"] is None else {**os.environ, **p["env"]}
         started = time.monotonic()
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            "/bin/sh",
+            "-c",
+            p["cmd"],
+            stdin=asyncio.subprocess.PIPE if p["stdin"] is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=p["cwd"],
+            env=env,
+            start_new_session=True,
+        ))
         try:
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh",
-                "-c",
-                p["cmd"],
-                stdin=asyncio.subprocess.PIPE if p["stdin"] is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=p["cwd"],
-                env=env,
-                start_new_session=True,
-            )
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            # The command may already run: asyncio starts the child, then connects its pipes.
+            # Cancelled in between (the client went away), asyncio would kill only the shell
+            # and the command's own children would live on; so let the start finish here and
+            # kill the whole group.
+            with contextlib.suppress(Exception):
+                started_proc = await spawn
+                _kill_group(started_proc.pid)
+                await within(started_proc.wait(), 1.0)
+            raise
         except FileNotFoundError as exc:
             raise VerbError(f"cannot run command: {exc}", ERR_NOT_FOUND) from None
         except OSError as exc:

@@ -288,6 +288,37 @@ def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):  # i
     assert _wait_for(lambda: not _alive(pid), timeout=10), "the reset connection's exec child is still alive"
 
 
+def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monkeypatch):  # item 4
+    """The command may run before ``exec`` holds its process handle (the child starts, then the
+    loop connects its pipes). A cancel then (the client reset on a loaded daemon) used to leave
+    the shell's children alive: asyncio kills only the shell it started, not its group."""
+    import asyncio
+
+    from shinken_sync.daemon.shell import Shell
+
+    real_start = asyncio.create_subprocess_exec
+    pid_file = tmp_path / "pid"
+
+    async def slow_start(*args, **kwargs):  # a busy loop: the command runs before exec() gets it
+        proc = await real_start(*args, **kwargs)
+        await asyncio.sleep(2.0)
+        return proc
+
+    async def cancel_once_the_command_ran() -> None:
+        cmd = f"sleep 60 & echo $! > {pid_file}; wait"
+        params = daemon_args.validate("exec", {"cmd": cmd}, SCREEN)
+        task = asyncio.ensure_future(Shell().exec(params))
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_start)
+    asyncio.run(asyncio.wait_for(cancel_once_the_command_ran(), 30))
+    pid = int(pid_file.read_text())
+    assert _wait_for(lambda: not _alive(pid), timeout=5), "the cancelled command's background child lives on"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
