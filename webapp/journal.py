@@ -356,8 +356,12 @@ class JournalStore:
             journal._append([[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])],
                             what="the session")
             if self.fsync:
-                _fsync_dir(self.dir)
-        except (InsufficientStorage, OSError):
+                try:
+                    _fsync_dir(self.dir)
+                except OSError as exc:
+                    raise InsufficientStorage(f"the session was not stored: syncing the journal directory "
+                                              f"failed: {exc.strerror or exc}") from exc
+        except InsufficientStorage:
             os.unlink(path)
             raise
         return journal

@@ -215,6 +215,21 @@ def test_create_on_a_full_disk_is_507_and_leaves_no_file(tmp_path, monkeypatch):
     assert list((tmp_path / "sessions").iterdir()) == []
 
 
+def test_create_whose_directory_fsync_fails_is_507_and_leaves_no_file(tmp_path, monkeypatch):
+    core = core_on(tmp_path, fsync=True)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the file's own fsync works; the directory's fails
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    reply = core.create_session()
+    assert reply.status == 507 and "Input/output error" in body_of(reply)["error"]
+    assert list((tmp_path / "sessions").iterdir()) == []
+
+
 def test_delete_removes_the_file_and_max_sessions_counts_the_directory(tmp_path):
     core = core_on(tmp_path)
     sid = new_session(core)
