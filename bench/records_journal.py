@@ -186,20 +186,15 @@ class SendfileFloor:
 # -- servers and their processes ---------------------------------------------------------------
 
 def start_server(tmp: Path, name: str, workers: int, extra: list[str], pythonpath: Path) -> object:
-    from webapp.serve import SessionServerProcess, server_argv
+    from webapp.serve import start_session_server
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
     env["PYTHONPATH"] = str(pythonpath)
     # A guard: a data directory left to its default would land here, never in $HOME (the bench
     # also runs from inside ``tmp``, so ``python -m`` finds ``pythonpath``'s webapp, not the cwd's).
     env["XDG_STATE_HOME"] = str(tmp / f"state-{name}")
-    server = SessionServerProcess(server_argv(workers, None, "127.0.0.1:0", *extra), tmp / f"{name}.log", env=env)
-    try:
-        server.wait_ready()
-    except Exception:
-        server.close()
-        raise
-    return server
+    # wait_ready (in it) stops the server itself when it does not get ready
+    return start_session_server(workers, None, "127.0.0.1:0", *extra, log_path=tmp / f"{name}.log", env=env)
 
 
 def log_tail(tmp: Path, name: str, chars: int = 3000) -> str:

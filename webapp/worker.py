@@ -85,7 +85,6 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
 
         config = CoreConfig(**core_config)
         core = build_session_core(config, shard=None)  # the shard's sessions: loaded below, serving
-
     except Exception as exc:  # a bad setting (tokenizer path...): report it, do not loop
         log.exception("cannot boot the session core for shard %d", shard)
         reason = f"{type(exc).__name__}: {exc}"
