@@ -18,6 +18,11 @@ DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X s
                 "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
 
+PROVIDER_HELP = ("where sandboxes run: 'local' (shinkend processes on this host) or 'isolated' (each in its "
+                 "own namespaces and cgroup; root, bubblewrap; docs/sandboxes.md), or a provider config as "
+                 "JSON, inline or @FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -30,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=non_negative_int, default=2,
                       help="session-server worker processes; 0 = single process")
     demo.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
+    demo.add_argument("--provider", default="local", metavar="TYPE|JSON|@FILE", help=PROVIDER_HELP)
     demo.add_argument("--port", type=port, default=0, help="session server port on 127.0.0.1; 0 = any free port")
     demo.add_argument("--out", default="shinken-demo-out", help="output folder, created if missing")
     ray = demo.add_argument_group("Ray mode (docs/scale-out.md; needs the [ray] extra)")
@@ -50,14 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                                        "({url, token}) and keep them up until Ctrl-C.")
     boxes.add_argument("-n", type=positive_int, default=1, help="how many sandboxes")
     boxes.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
+    boxes.add_argument("--provider", default="local", metavar="TYPE|JSON|@FILE", help=PROVIDER_HELP)
     return parser
 
 
 def _sandboxes(args: argparse.Namespace) -> int:
-    from shinken_sync.demo import display_args
-    from shinken_sync.providers.local import LocalProvider
+    from shinken_sync.demo import provider_config
+    from shinken_sync.providers.config import make_provider
 
-    with LocalProvider(display=args.display, extra_args=display_args(args.display)) as provider:
+    with make_provider(provider_config(args.provider, args.display)) as provider:
         for handle in provider.create_many(args.n):
             url, token = provider.endpoint(handle)
             print(json.dumps({"url": url, "token": token}), flush=True)

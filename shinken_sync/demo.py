@@ -419,6 +419,36 @@ def check_display(display: str) -> None:
         raise DemoError(f"--display xvfb: {problem}; or use --display virtual")
 
 
+def provider_config(spec: str, display: str) -> Any:
+    """The ``--provider`` value as a provider config: a type name (``local``, ``isolated``)
+    gets the demo's screen and ``--display`` with its programs; a JSON object (inline, or
+    ``@FILE``) is taken as written (docs/sandboxes.md), its display fields defaulting to
+    the same. :class:`DemoError` for anything else."""
+    from shinken_sync.providers.config import CONFIGS, config_from_dict
+    from shinken_sync.providers.errors import ProviderConfigError
+
+    text = spec
+    if spec.startswith("@"):
+        try:
+            text = Path(spec[1:]).read_text()
+        except OSError as exc:
+            raise DemoError(f"--provider {spec}: cannot read {spec[1:]}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if text.lstrip().startswith("{") else {"type": text}
+    except ValueError as exc:
+        raise DemoError(f"--provider {spec}: not a provider type nor a JSON object ({exc})") from None
+    if not isinstance(data, dict):
+        raise DemoError(f"--provider {spec}: a provider config is a JSON object")
+    if data.get("type") not in ("local", "isolated"):
+        raise DemoError(f"--provider runs episodes on 'local' or 'isolated' sandboxes, not {data.get('type')!r} "
+                        f"(known provider types: {sorted(CONFIGS)}; for Ray use --ray)")
+    data = {"display": display, "screen": list(SCREEN), "extra_args": display_args(display), **data}
+    try:
+        return config_from_dict(data)
+    except ProviderConfigError as exc:
+        raise DemoError(f"--provider: {exc}") from None
+
+
 def prepare_out(path: str) -> Path:
     """The output folder, created (with its parents) if missing; never a file."""
     out = Path(path)
@@ -440,15 +470,16 @@ def run(args: argparse.Namespace) -> int:
         from shinken_sync import demo_ray
 
         return demo_ray.run(args)
-    from shinken_sync.providers.local import LocalProvider
+    from shinken_sync.providers.config import make_provider
 
     # Every check before anything is created or started.
     check_display(args.display)
+    config = provider_config(getattr(args, "provider", "local"), args.display)
     if args.port:
         _check_port_free("127.0.0.1", args.port)
     out = prepare_out(args.out)
 
-    print(f"shinken demo: {args.sandboxes} {args.display} sandboxes x {args.turns} turns, "
+    print(f"shinken demo: {args.sandboxes} {config.type} {config.display} sandboxes x {args.turns} turns, "
           f"session server with {args.workers} workers -> {out}/", file=sys.stderr)
     server = start_session_server(args.workers, args.port, out / "session-server.log")
     provider = None
@@ -457,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(args.sandboxes * args.turns)
     sandboxes: list[Any] = []
     try:
-        provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
+        provider = make_provider(config)
         handles = provider.create_many(args.sandboxes)
         url = wait_ready(server)
         for i, handle in enumerate(handles):

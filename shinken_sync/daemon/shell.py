@@ -65,8 +65,8 @@ class Shell:
             options = user.popen_options()
             cwd = cwd or user.home
         started = time.monotonic()
-        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            *argv,
+        spawn = asyncio.ensure_future(_start(
+            argv,
             stdin=asyncio.subprocess.PIPE if p["stdin"] is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -85,7 +85,7 @@ class Shell:
             with contextlib.suppress(Exception):
                 started_proc = await spawn
                 _kill_group(started_proc.pid)
-                await within(started_proc.wait(), 1.0)
+                await within(_exited(started_proc), 1.0)
             raise
         except FileNotFoundError as exc:
             raise VerbError(f"cannot run command: {exc}", ERR_NOT_FOUND) from None
@@ -103,7 +103,7 @@ class Shell:
         timeout_s = p["timeout_ms"] / 1000
         try:
             try:
-                await within(proc.wait(), timeout_s)
+                await within(_exited(proc), timeout_s)
             except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
                 _kill_group(proc.pid)
                 raise VerbTimeout(
@@ -119,7 +119,7 @@ class Shell:
             if proc.returncode is None:  # cancelled: the connection went away mid-command
                 _kill_group(proc.pid)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await within(proc.wait(), 1.0)
+                    await within(_exited(proc), 1.0)
             # Background processes the command left may outlive it in the group.
             if proc.returncode is not None and not _group_alive(proc.pid):
                 self._groups.discard(proc.pid)
@@ -142,6 +142,36 @@ class Shell:
         for pgid in self._groups:
             _kill_group(pgid)
         self._groups.clear()
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Also resolves ``exited`` when the process exits. ``Process.wait()`` on Python 3.11
+    returns only once every pipe is closed too (3.12 fixed it): a command leaving a
+    background process on its stdout (``sleep 60 &``) would hold the reply that long."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec`` with :class:`_ExitProtocol`."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitProtocol(limit=2**16, loop=loop), *argv, **options
+    )
+    return asyncio.subprocess.Process(transport, protocol, loop)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Until ``proc`` has exited (its pipes may stay open: see :class:`_ExitProtocol`)."""
+    protocol = proc._protocol  # type: ignore[attr-defined]
+    await asyncio.shield(protocol.exited)
 
 
 class _Capture:

@@ -76,6 +76,8 @@ MAX_SOCKET_PATH = 107
 #: How long bwrap may take to create the namespaces and report its child's pid.
 SETUP_TIMEOUT_S = 10.0
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The sandbox's writable layer: a sized tmpfs each (path -> mode), gone with the sandbox.
+_WRITABLE = {"/tmp": "1777", "/var/tmp": "1777", "/dev/shm": "1777", "/home": "0755", "/run": "0755"}
 #: Host top-level directories a merged-/usr system links into /usr (bound as the same links).
 _USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
@@ -152,23 +154,22 @@ def host_binds() -> list[str]:
     return paths
 
 
-def _others_can_read(path: str) -> bool:
-    """Whether a uid with no group in common with the owners can reach and read ``path``."""
+def _others_can_read(path: str, read: bool = True) -> bool:
+    """Whether a uid with no group in common with the owners can reach ``path`` (and read it)."""
     parts = os.path.realpath(path).split("/")
     for i in range(2, len(parts)):
         if not os.stat("/".join(parts[:i]) or "/").st_mode & 0o001:
             return False
     mode = os.stat(path).st_mode
+    if not read:
+        return not stat.S_ISDIR(mode) or bool(mode & 0o001)
     return bool(mode & 0o004) and (not stat.S_ISDIR(mode) or bool(mode & 0o001))
 
 
 _CLONE_NEWNS = 0x00020000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 1 << 18
-try:  # resolved in the parent: a preexec_fn loads nothing
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _unshare, _mount = _libc.unshare, _libc.mount
-except (OSError, AttributeError):  # not Linux: Isolation.check() refuses before any spawn
-    _unshare = _mount = None
+_libc = ctypes.CDLL(None, use_errno=True)  # resolved in the parent: a preexec_fn loads nothing
+_unshare, _mount = _libc.unshare, _libc.mount  # Linux only, as bubblewrap is
 
 
 def launcher_preexec(staged: list[tuple[str, str]], uid: int, parent_pid: int) -> None:
@@ -220,7 +221,14 @@ class IsolatedDaemon(DaemonProcess):
 
     def _prepare(self) -> None:
         iso = self.isolation
-        self.host_dir = tempfile.mkdtemp(prefix="shk-", dir=iso.state_dir)  # 0700, root's
+        parent = iso.state_dir or tempfile.gettempdir()
+        if not _others_can_read(parent, read=False):
+            raise IsolationUnavailable(
+                f"state_dir {parent!r} cannot be traversed by the sandbox's uid (bwrap runs as "
+                f"{iso.daemon_host_uid} and binds its socket directory from there); chmod o+x it or pass "
+                f"another state_dir"
+            )
+        self.host_dir = tempfile.mkdtemp(prefix="shk-", dir=parent)  # 0700, root's
         sock_dir = os.path.join(self.host_dir, "sock")
         if len(os.path.join(sock_dir, "s")) > MAX_SOCKET_PATH:
             raise IsolationUnavailable(
@@ -281,14 +289,24 @@ class IsolatedDaemon(DaemonProcess):
                     cmd += ["--symlink", os.readlink(host), host]
                 elif os.path.isdir(host):
                     cmd += ["--ro-bind", host, host]
-        for source, dest in self._binds:
-            if dest != "/":
-                cmd += ["--ro-bind", source, dest]
         size = str(iso.tmpfs_mb * mb)
         cmd += ["--proc", "/proc", "--dev", "/dev"]
-        for path, perms in (("/tmp", "1777"), ("/var/tmp", "1777"), ("/dev/shm", "1777"), ("/home", "0755"),
-                            ("/run", "0755")):  # fmt: skip
+        for path, perms in _WRITABLE.items():
             cmd += ["--perms", perms, "--size", size, "--tmpfs", path]
+        # After the tmpfs mounts, which would hide a bind below them (a venv under /tmp, say). The
+        # directories leading to each are made 0755 first: bwrap would make them 0700, the
+        # daemon's, and the agent could not reach a bound interpreter or package through them.
+        made = {"/", "/usr", "/etc", *_WRITABLE}
+        for source, dest in self._binds:
+            if dest == "/":
+                continue
+            parts = dest.split("/")
+            for i in range(2, len(parts)):
+                parent = "/".join(parts[:i])
+                if parent not in made:
+                    made.add(parent)
+                    cmd += ["--perms", "0755", "--dir", parent]
+            cmd += ["--ro-bind", source, dest]
         cmd += ["--bind", self._sock_dir, SOCKET_DIR]
         if iso.rootfs is None:
             cmd += ["--remount-ro", "/"]  # bwrap's own root: only the mounts above are writable
