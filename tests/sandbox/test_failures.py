@@ -1,0 +1,114 @@
+"""An isolated sandbox that cannot be built says what is missing, in one line, and leaves nothing.
+
+"Nothing" is checked where it would be: the state directory (host directories,
+sockets, staging mount points), the cgroups named after the provider, the
+processes, the mounts. The one stand-in: a fake ``bwrap`` that refuses like a
+kernel without user namespaces would (turning them off here would be a global
+sysctl, outside anything a test may touch).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shinken_sync.providers.errors import CgroupUnavailable, DaemonStartError, IsolationUnavailable
+from shinken_sync.providers.isolated import IsolatedProvider, Isolation
+from tests.sandbox.conftest import cgroup_dirs
+
+
+def assert_nothing_left(provider: IsolatedProvider | None, state_dir: str) -> None:
+    assert os.listdir(state_dir) == []
+    if provider is not None:
+        assert cgroup_dirs(provider.prefix) == []
+    assert state_dir not in Path("/proc/self/mountinfo").read_text()
+
+
+_cleanups: list[Path] = []
+
+
+def request_cleanup(path: Path) -> None:
+    _cleanups.append(path)
+
+
+@pytest.fixture(autouse=True)
+def _remove_requested() -> Iterator[None]:
+    yield
+    while _cleanups:
+        shutil.rmtree(_cleanups.pop(), ignore_errors=True)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    return text
+
+
+def test_no_bwrap(state_dir: str) -> None:
+    with pytest.raises(IsolationUnavailable) as err:
+        IsolatedProvider(isolation=Isolation(bwrap="/nonexistent/bwrap", state_dir=state_dir))
+    assert "bubblewrap" in one_line(err.value) and "apt-get install bubblewrap" in str(err.value)
+    assert_nothing_left(None, state_dir)
+
+
+def test_no_root_filesystem(state_dir: str, tmp_path: Path) -> None:
+    with pytest.raises(IsolationUnavailable) as err:
+        IsolatedProvider(isolation=Isolation(rootfs=str(tmp_path / "missing"), state_dir=state_dir))
+    assert "is not a directory" in one_line(err.value) and "docs/sandboxes.md" in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IsolationUnavailable) as err:
+        IsolatedProvider(isolation=Isolation(rootfs=str(tmp_path / "empty"), state_dir=state_dir))
+    assert "has no /usr/bin/python3" in one_line(err.value)
+    assert_nothing_left(None, state_dir)
+
+
+def test_namespaces_refused(state_dir: str, make_provider: Callable[..., IsolatedProvider]) -> None:
+    # Beside the state directory: bwrap runs as the sandbox's unprivileged uid, which cannot
+    # reach pytest's 0700 tmp_path.
+    fake = Path(state_dir + "-bin") / "bwrap"
+    fake.parent.mkdir(mode=0o755)
+    request_cleanup(fake.parent)
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create a new namespace, likely because the kernel "
+                    "does not allow non-privileged user namespaces.' >&2\nexit 1\n")  # fmt: skip
+    fake.chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    provider = make_provider(bwrap=str(fake))
+    with pytest.raises(IsolationUnavailable) as err:
+        provider.create()
+    text = one_line(err.value)
+    assert "No permissions to create a new namespace" in text and "user.max_user_namespaces" in text
+    assert_nothing_left(provider, state_dir)
+
+
+def test_cgroups_not_permitted(state_dir: str, make_provider: Callable[..., IsolatedProvider]) -> None:
+    provider = make_provider(cgroup_parent="/no/such/parent")
+    with pytest.raises(CgroupUnavailable) as err:
+        provider.create()
+    assert "cannot create cgroup" in one_line(err.value) and "cgroup_parent" in str(err.value)
+    assert_nothing_left(provider, state_dir)
+
+
+def test_a_daemon_that_fails_to_start_quotes_its_log(state_dir: str,
+                                                     make_provider: Callable[..., IsolatedProvider]) -> None:
+    provider = make_provider(provider_kwargs={"extra_args": ["--display", "xvfb", "--launch", "/no/such/program"]})
+    with pytest.raises(DaemonStartError) as err:
+        provider.create()
+    first = str(err.value).splitlines()[0]
+    assert "exited before it was ready" in first
+    assert err.value.stderr_tail  # the daemon's (the desktop's) own last words
+    assert_nothing_left(provider, state_dir)
+
+
+def test_create_many_is_all_or_nothing(state_dir: str, make_provider: Callable[..., IsolatedProvider]) -> None:
+    provider = make_provider()
+    ok = provider.create()
+    with pytest.raises(DaemonStartError):
+        provider.create_many(3, extra_args=["--screen", "1x1"])
+    assert os.listdir(state_dir) == [os.path.basename(ok.daemon.host_dir)]
+    assert len(cgroup_dirs(provider.prefix)) == len(ok.daemon.cgroup.dirs)
+    provider.destroy(ok)
+    assert_nothing_left(provider, state_dir)
