@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 # program -> Debian package that provides it
-PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm"}
+# bwrap: the isolated sandboxes (tests/sandbox); choom comes with util-linux.
+PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm", "bwrap": "bubblewrap"}
 
 
 def main() -> int:
@@ -23,7 +24,7 @@ def main() -> int:
     line = "apt-get install -y " + " ".join(missing)
     can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
     if not can_install:
-        print(f"system_deps: missing {', '.join(missing)}; the Xvfb tests will skip. "
+        print(f"system_deps: missing {', '.join(missing)}; the tests that need them will skip. "
               f"To run them: sudo {line}", file=sys.stderr)
         return 0
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

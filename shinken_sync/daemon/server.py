@@ -9,10 +9,14 @@ Everything else goes to stderr. Each sandbox is served on its own URL path
 ``/sb/<index>``: ``/sb/0`` in single mode, ``/sb/0`` .. ``/sb/N-1`` with
 ``--fleet N`` (N virtual sandboxes in one process sharing one encode cache,
 for scale tests). One bearer token guards them all, read from ``--token-file``
-(a regular file the group and others cannot read) or, without that option, from
-the ``SHINKEND_TOKEN`` environment variable (removed from the daemon's
-environment at once, so ``exec`` children never see it). Never from the
-command line, where ``ps`` shows it. docs/protocol.md is the reference.
+(a regular file the group and others cannot read), from ``--token-fd`` (a pipe
+read to EOF, what the providers use: the token is then in no file, argument or
+environment) or, without either, from the ``SHINKEND_TOKEN`` environment
+variable (moved into a pipe at once and the daemon re-executed without it, so
+neither ``exec`` children nor ``/proc/PID/environ`` see it). Never from the
+command line, where ``ps`` shows it. ``--unix PATH`` serves on a unix socket
+instead of TCP; ``--exec-user`` runs the agent's processes apart from the
+daemon (daemon/identity.py). docs/protocol.md is the reference.
 
 Exit codes: 0 after a clean shutdown, 2 for bad command-line options or a token
 that cannot be used (missing, unreadable, empty, shorter than
@@ -323,9 +327,26 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _reexec_with_token_pipe() -> None:
+    """Move a ``$SHINKEND_TOKEN`` into a pipe and execute this daemon again without it.
+
+    The kernel keeps a process's initial environment in ``/proc/PID/environ`` whatever
+    ``os.environ`` becomes, so popping the variable hid it from children only. Run from
+    the command line only (never replaces a process that called :func:`main`)."""
+    token = os.environ.pop(TOKEN_ENV).encode("utf-8", "surrogateescape")
+    read_end, write_end = os.pipe()
+    os.write(write_end, token[: 60 * 2**10])  # fits a pipe's buffer; longer is no token anyway
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    os.execv(sys.executable, [sys.executable, "-m", "shinken_sync.daemon.server", *sys.argv[1:],
+                              "--token-fd", str(read_end)])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and args.token_file is None and args.token_fd is None and os.environ.get(TOKEN_ENV):
+        _reexec_with_token_pipe()
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),

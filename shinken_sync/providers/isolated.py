@@ -240,11 +240,7 @@ class IsolatedDaemon(DaemonProcess):
         limits = iso.limits
         if limits is not None:
             self.cgroup = SandboxCgroup.create(self.name, limits, iso.cgroup_parent)
-        token_r, token_w = os.pipe()
-        self._child_fds.append(token_r)
-        os.write(token_w, self.token.encode())  # far below a pipe's buffer: never blocks
-        os.close(token_w)
-        self._fds["token"] = token_r
+        super()._prepare()  # the token pipe
         block_r, self._fds["block"] = os.pipe()
         self._fds["info"], info_w = os.pipe()
         self._child_fds += [block_r, info_w]
@@ -316,7 +312,7 @@ class IsolatedDaemon(DaemonProcess):
         for cap in DAEMON_CAPS:
             cmd += ["--cap-add", cap]
         python = iso.python if iso.rootfs else sys.executable
-        cmd += ["--", python, "-m", "shinken_sync.daemon.server", "--token-fd", str(self._fds["token"]),
+        cmd += ["--", python, "-m", "shinken_sync.daemon.server", "--token-fd", str(self._token_fd),
                 "--unix", SOCKET_PATH, "--exec-user", f"{iso.agent_uid}:{iso.agent_uid}",
                 "--exec-home", AGENT_HOME, *argv]  # fmt: skip
         return cmd
@@ -328,7 +324,7 @@ class IsolatedDaemon(DaemonProcess):
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             close_fds=True,
-            pass_fds=self._child_fds,
+            pass_fds=[*self._pass_fds(), *self._child_fds],
             start_new_session=True,
             # One spawner thread (see .process); the preexec makes only system calls.
             preexec_fn=functools.partial(launcher_preexec, self._staged, self.isolation.daemon_host_uid,  # noqa: PLW1509
@@ -336,6 +332,7 @@ class IsolatedDaemon(DaemonProcess):
         )
 
     def _spawned(self) -> None:
+        self._forget_token()
         for fd in self._child_fds:
             os.close(fd)
         self._child_fds.clear()

@@ -2,8 +2,9 @@
 
 :func:`start_daemons` launches ``sys.executable -m shinken_sync.daemon.server``
 children with bounded parallelism and waits for each one's ready line. Every
-child gets a fresh random token in a 0600 file (deleted as soon as the child
-reported ready: it reads the token before binding), and its stderr goes to an
+child gets a fresh random token through a pipe it reads to EOF at start
+(``--token-fd``: the token is in no file, argument or environment variable,
+so nothing in ``/proc/PID/{cmdline,environ}`` names it), and its stderr goes to an
 already-unlinked temporary file whose descriptor the parent keeps, so a failed
 start can quote the daemon's last words and a crash leaves nothing on disk.
 
@@ -117,7 +118,7 @@ class DaemonProcess:
     def __init__(self, argv: list[str], name: str):
         self.name = name
         self.token = secrets.token_urlsafe(32)
-        self._token_path: str | None = None
+        self._token_fd: int | None = None  # the child's end of the token pipe, until the spawn
         self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
         self.ready: dict[str, Any] = {}
         self._buffer = bytearray()
@@ -134,13 +135,18 @@ class DaemonProcess:
         _live.add(self)
 
     def _prepare(self) -> None:
-        fd, self._token_path = tempfile.mkstemp(prefix=f"shinkend-{self.name}-", suffix=".token")  # mode 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(self.token)
+        self._token_fd, write_end = os.pipe()
+        try:
+            os.write(write_end, self.token.encode())  # 43 bytes: far below a pipe's buffer, never blocks
+        finally:
+            os.close(write_end)
 
     def _command(self, argv: list[str]) -> list[str]:
-        assert self._token_path is not None
-        return [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
+        return [sys.executable, "-m", "shinken_sync.daemon.server", "--token-fd", str(self._token_fd), *argv]
+
+    def _pass_fds(self) -> list[int]:
+        """Descriptors the child inherits (at their numbers)."""
+        return [] if self._token_fd is None else [self._token_fd]
 
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -149,11 +155,13 @@ class DaemonProcess:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             close_fds=True,
+            pass_fds=self._pass_fds(),
             start_new_session=True,
             preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
 
     def _spawned(self) -> None:
+        self._forget_token()  # the child holds its end now
         # The kernel counts OOM kills per memory cgroup; the child starts in ours.
         self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
         self._oom_kills_at_start = read_oom_kills(self._oom_counter)
@@ -202,7 +210,6 @@ class DaemonProcess:
 
     def _started(self) -> None:
         self.process.stdout.close()  # the daemon writes nothing else to stdout
-        self._forget_token()  # read before the daemon bound its port
 
     def start_error(self, message: str) -> DaemonStartError:
         self.terminate()
@@ -270,9 +277,10 @@ class DaemonProcess:
         self._stderr.close()
 
     def _forget_token(self) -> None:
-        if self._token_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._token_path)
+        if self._token_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._token_fd)
+            self._token_fd = None
 
 
 def start_daemons(

@@ -103,3 +103,21 @@ def test_exec_returns_when_the_command_exits_not_when_its_background_does(unix_d
             t0 = time.monotonic()
             assert sb.exec("sleep 5 & echo started", timeout=10).stdout == "started\n"
             assert time.monotonic() - t0 < 2.5
+
+
+def test_a_token_from_the_environment_leaves_no_trace_in_proc(tmp_path: Path) -> None:
+    # /proc/PID/environ keeps a process's initial environment whatever os.environ becomes:
+    # the daemon moves the token into a pipe and re-executes itself without the variable.
+    token = "env-token-" + secrets.token_hex(12)
+    env = {**{k: v for k, v in os.environ.items() if k != "SHINKEND_TOKEN"}, "SHINKEND_TOKEN": token}
+    proc = subprocess.Popen([sys.executable, "-m", "shinken_sync.daemon.server", "--unix", str(tmp_path / "s")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
+    try:
+        ready = json.loads(proc.stdout.readline())
+        for name in ("environ", "cmdline"):
+            assert token not in Path(f"/proc/{proc.pid}/{name}").read_bytes().decode(errors="replace")
+        with connect(ready["url"], token) as sb:
+            assert sb.exec('printf "%s" "${SHINKEND_TOKEN-unset}"').stdout == "unset"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -281,3 +281,14 @@ def test_destroy_leaves_no_process_mount_cgroup_or_directory(provider: IsolatedP
     assert not any(os.path.exists(d) for d in dirs)
     mounts = Path("/proc/self/mountinfo").read_text()
     assert not any(d in mounts for d in dirs)
+
+
+def test_files_the_client_writes_belong_to_the_agent(provider: IsolatedProvider) -> None:
+    handle = provider.create()
+    with provider.connect(handle) as sb:
+        sb.write_file("/home/agent/notes/todo.txt", b"first\n", make_dirs=True)
+        r = sh(sb, "echo second >> /home/agent/notes/todo.txt && touch /home/agent/notes/more && "
+                   "stat -c '%u %n' /home/agent/notes /home/agent/notes/todo.txt && cat /home/agent/notes/todo.txt")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.splitlines() == ["1000 /home/agent/notes", "1000 /home/agent/notes/todo.txt",
+                                         "first", "second"]
