@@ -1,6 +1,7 @@
 """Isolated sandboxes: cold start (create -> first screenshot) and idle memory, beside local ones.
 
     sudo python bench/sandbox_coldstart.py [--reps 10] [--many 16] [--displays virtual,xvfb]
+                                           [--xvfb-args "--desktop wm"]
 
 For each display and each provider (``local``: a shinkend process on loopback; ``isolated``:
 the same daemon under bubblewrap in its own namespaces and cgroup, dialed over its unix
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import threading
 import time
@@ -72,10 +74,15 @@ def _pids(handle: Any) -> set[int]:
     return cgroup.pids() if cgroup is not None else _descendants(handle.pid)
 
 
+#: More shinkend flags for the xvfb runs (a desktop's options), from --xvfb-args.
+XVFB_ARGS: tuple[str, ...] = ()
+
+
 def _config(kind: str, display: str) -> Any:
+    extra = XVFB_ARGS if display == "xvfb" else ()
     if kind == "local":
-        return LocalConfig(display=display, screen=SCREEN)
-    return IsolatedConfig(display=display, screen=SCREEN)
+        return LocalConfig(display=display, screen=SCREEN, extra_args=extra)
+    return IsolatedConfig(display=display, screen=SCREEN, extra_args=extra)
 
 
 def one_at_a_time(kind: str, display: str, reps: int) -> tuple[list[float], list[tuple[int, int]]]:
@@ -119,7 +126,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--many", type=int, default=16)
     parser.add_argument("--displays", default="virtual,xvfb")
+    parser.add_argument("--xvfb-args", default="", help="more shinkend flags for the xvfb runs, e.g. a desktop's")
     args = parser.parse_args()
+    global XVFB_ARGS
+    XVFB_ARGS = tuple(shlex.split(args.xvfb_args))
     if os.geteuid() != 0:
         print("needs root (the isolated provider maps users and creates cgroups)", file=sys.stderr)
         return 2
