@@ -82,3 +82,29 @@ def test_create_many_is_on_the_interface_and_all_or_nothing() -> None:
         provider.create()
     with pytest.raises(ValueError):
         provider.create_many(1, parallelism=0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("ray", "'local' or 'isolated'"),
+        ("{not json", "not a provider type nor a JSON object"),
+        ('{"type": "local", "screan": [1, 2]}', "unknown key(s) ['screan']"),
+        ("@/nonexistent/provider.json", "cannot read"),
+    ],
+)
+def test_the_demo_refuses_a_bad_provider_in_one_line(spec: str, message: str) -> None:
+    from shinken_sync.demo import DemoError, provider_config
+
+    with pytest.raises(DemoError) as err:
+        provider_config(spec, "virtual")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_demo_fills_a_provider_config_with_its_screen_and_display(tmp_path) -> None:
+    from shinken_sync.demo import SCREEN, provider_config
+
+    assert provider_config("isolated", "virtual") == IsolatedConfig(screen=SCREEN)
+    path = tmp_path / "p.json"
+    path.write_text('{"type": "local", "rtt_ms": 50}')
+    assert provider_config(f"@{path}", "virtual") == LocalConfig(screen=SCREEN, rtt_ms=50.0)
