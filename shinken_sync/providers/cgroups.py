@@ -156,6 +156,22 @@ class SandboxCgroup:
             raise
         return group
 
+    @classmethod
+    def remove_stale(cls, name: str, parent: str | None = None) -> bool:
+        """Remove sandbox ``name``'s cgroup left by a dead provider; False (and left in
+        place) while a process is still in it."""
+        try:
+            version, parents = detect(parent)
+        except CgroupUnavailable:
+            return True
+        dirs = {c: os.path.join(base, f"shinken-{name}") for c, base in parents.items()}
+        group = cls(version, {c: d for c, d in dirs.items() if os.path.isdir(d)})
+        if group.pids():
+            return False
+        with contextlib.suppress(CgroupUnavailable):
+            group.remove(timeout=0.5)
+        return not group.dirs
+
     def _apply(self, limits: CgroupLimits) -> None:
         try:
             if self.version == 2:

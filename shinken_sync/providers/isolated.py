@@ -29,6 +29,9 @@ can and cannot reach, running it in production). Per sandbox:
 Destroy kills the sandbox's PID namespace (its init, so the kernel kills every
 process in it), waits for bwrap, removes the cgroup and the host directory. The
 mounts live only in the sandbox's mount namespace and go with its last process.
+A provider killed outright takes its sandboxes with it (``--die-with-parent``) but
+cleans nothing; the next provider on the same ``state_dir`` removes what it left
+(:func:`sweep_stale`, by the owner pid recorded in each sandbox's directory).
 """
 
 from __future__ import annotations
@@ -190,6 +193,45 @@ def launcher_preexec(staged: list[tuple[str, str]], uid: int, parent_pid: int) -
     die_with_parent(parent_pid, signal.SIGTERM)
 
 
+OWNER_FILE = "owner.json"
+
+
+def _start_time(pid: int) -> str | None:
+    """``pid``'s start time in clock ticks since boot (tells a reused pid apart), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_stale(isolation: Isolation) -> list[str]:
+    """Remove what dead providers left under ``isolation.state_dir``: the directories
+    (and the cgroups) of sandboxes whose provider process is gone. The sandboxes
+    themselves died with it (bwrap ``--die-with-parent``); a cgroup still holding a
+    process is left alone. Returns the sandbox names swept."""
+    parent = isolation.state_dir or tempfile.gettempdir()
+    swept = []
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith("shk-") and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return swept
+    for entry in entries:
+        try:
+            with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                owner = json.load(f)
+            pid, start, name = int(owner["pid"]), owner["start"], str(owner["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not one of ours, or still being written
+        if _start_time(pid) == start and start is not None:
+            continue  # its provider lives
+        if isolation.limits is not None and not SandboxCgroup.remove_stale(name, isolation.cgroup_parent):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        swept.append(name)
+    return swept
+
+
 @dataclass(eq=False)
 class IsolatedSandbox:
     """Handle of one isolated sandbox."""
@@ -240,6 +282,10 @@ class IsolatedDaemon(DaemonProcess):
             )
         os.mkdir(sock_dir, 0o700)
         os.chown(sock_dir, iso.daemon_host_uid, iso.daemon_host_uid)  # inside: uid 0's, 0700
+        # Who owns this directory and the sandbox's cgroup: a provider killed with SIGKILL
+        # cleans nothing, the next one on the same state_dir does (sweep_stale).
+        with open(os.path.join(self.host_dir, OWNER_FILE), "w") as f:
+            json.dump({"pid": os.getpid(), "start": _start_time(os.getpid()), "name": self.name}, f)
         limits = iso.limits
         if limits is not None:
             self.cgroup = SandboxCgroup.create(self.name, limits, iso.cgroup_parent)
@@ -478,6 +524,7 @@ class IsolatedProvider(Provider[IsolatedSandbox]):
     ):
         self.isolation = isolation or Isolation()
         self._bwrap = self.isolation.check()
+        sweep_stale(self.isolation)
         self._defaults: dict[str, Any] = {
             "display": display,
             "screen": tuple(screen),

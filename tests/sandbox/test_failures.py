@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import pytest
 
 from shinken_sync.providers.errors import CgroupUnavailable, DaemonStartError, IsolationUnavailable
 from shinken_sync.providers.isolated import IsolatedProvider, Isolation
-from tests.sandbox.conftest import cgroup_dirs
+from tests.sandbox.conftest import cgroup_dirs, remove_leftovers
 
 
 def assert_nothing_left(provider: IsolatedProvider | None, state_dir: str) -> None:
@@ -112,3 +115,31 @@ def test_create_many_is_all_or_nothing(state_dir: str, make_provider: Callable[.
     assert len(cgroup_dirs(provider.prefix)) == len(ok.daemon.cgroup.dirs)
     provider.destroy(ok)
     assert_nothing_left(provider, state_dir)
+
+
+def test_what_a_killed_provider_left_is_swept_by_the_next(state_dir: str,
+                                                          make_provider: Callable[..., IsolatedProvider]) -> None:
+    driver = ("import sys, time\n"
+              "from shinken_sync.providers.isolated import IsolatedProvider, Isolation\n"
+              f"p = IsolatedProvider(isolation=Isolation(state_dir={state_dir!r}))\n"
+              "h = p.create()\n"
+              "print(p.prefix, h.daemon.host_dir, *sorted(h.daemon.cgroup.pids()), flush=True)\n"
+              "time.sleep(120)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix, host_dir, *pids = proc.stdout.readline().split()
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the sandbox dies with its provider (bwrap --die-with-parent)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    try:
+        assert os.path.isdir(host_dir) and cgroup_dirs(prefix)  # nobody cleaned up after a SIGKILL
+        make_provider()  # the next provider on this state_dir does
+        assert not os.path.exists(host_dir)
+        assert cgroup_dirs(prefix) == []
+    finally:
+        remove_leftovers(prefix)
