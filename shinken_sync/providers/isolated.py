@@ -211,7 +211,7 @@ def sweep_stale(isolation: Isolation) -> list[str]:
     themselves died with it (bwrap ``--die-with-parent``); a cgroup still holding a
     process is left alone. Returns the sandbox names swept."""
     parent = isolation.state_dir or tempfile.gettempdir()
-    swept = []
+    swept: list[str] = []
     try:
         entries = [e for e in os.scandir(parent) if e.name.startswith("shk-") and e.is_dir(follow_symlinks=False)]
     except OSError:
