@@ -313,6 +313,19 @@ class IsolatedDaemon(DaemonProcess):
                 path = stage
             self._binds.append((path, dest))
         self._sock_dir = sock_dir
+        # Without a root filesystem /etc is the host's: its passwd and group would name the
+        # host's users (and the agent after whoever has uid 1000 there).
+        self._data: dict[str, int] = {}
+        if iso.rootfs is None:
+            users = {"/etc/passwd": f"root:x:0:0:shinkend:/root:/usr/sbin/nologin\n"
+                                    f"agent:x:{iso.agent_uid}:{iso.agent_uid}:agent:{AGENT_HOME}:/bin/sh\n",
+                     "/etc/group": f"root:x:0:\nagent:x:{iso.agent_uid}:\n"}  # fmt: skip
+            for path, text in users.items():
+                read_end, write_end = os.pipe()
+                os.write(write_end, text.encode())
+                os.close(write_end)
+                self._child_fds.append(read_end)
+                self._data[path] = read_end
 
     def _command(self, argv: list[str]) -> list[str]:
         iso = self.isolation
@@ -353,6 +366,8 @@ class IsolatedDaemon(DaemonProcess):
                     cmd += ["--perms", "0755", "--dir", parent]
             cmd += ["--ro-bind", source, dest]
         cmd += ["--bind", self._sock_dir, SOCKET_DIR]
+        for path, fd in self._data.items():  # over the host's /etc: the sandbox's own users only
+            cmd += ["--perms", "0644", "--ro-bind-data", str(fd), path]
         if iso.rootfs is None:
             cmd += ["--remount-ro", "/"]  # bwrap's own root: only the mounts above are writable
         cmd += ["--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "LANG", "C.UTF-8",

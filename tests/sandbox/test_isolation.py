@@ -72,6 +72,8 @@ def test_the_agent_is_an_unprivileged_user_inside_and_outside(provider: Isolated
         assert lines[0] == "1000" and lines[1] == "1000"
         assert all(line.split()[1] == "0000000000000000" for line in lines[2:5]), r.stdout
         assert lines[5].split()[1] == "1"
+        # Its own users, not the host's (without a root filesystem /etc is the host's).
+        assert sh(sb, "whoami; getent passwd | cut -d: -f1 | tr '\\n' ' '").stdout == "agent\nroot agent "
         sh(sb, "sleep 30 & echo started")
         # On the host every process of the sandbox runs as one of its two unprivileged uids.
         iso = provider.isolation
