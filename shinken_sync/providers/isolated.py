@@ -144,14 +144,17 @@ class Isolation:
         return bwrap
 
 
+def _package_dir() -> str:
+    import shinken_sync
+
+    return os.path.dirname(os.path.realpath(shinken_sync.__file__))
+
+
 def host_binds() -> list[str]:
     """What a sandbox without its own root filesystem needs of the host, read-only: this
     interpreter (prefix, base prefix) and the ``shinken_sync`` package (an editable
     install lives outside them), each once and outside /usr."""
-    import shinken_sync
-
-    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                  os.path.dirname(os.path.abspath(shinken_sync.__file__))]  # fmt: skip
+    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, _package_dir()]
     paths: list[str] = []
     for path in sorted({os.path.realpath(p) for p in candidates}, key=len):
         if path == "/usr" or path.startswith("/usr/") or any(path.startswith(p + "/") for p in paths):
@@ -373,6 +376,10 @@ class IsolatedDaemon(DaemonProcess):
         cmd += ["--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "LANG", "C.UTF-8",
                 "--setenv", "HOME", "/root", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--chdir", "/",
                 "--cap-drop", "ALL"]  # fmt: skip
+        if iso.rootfs is None:
+            # The daemon imports the shinken_sync this process runs (bound above), whatever put it
+            # on this process's path (an editable install, PYTHONPATH).
+            cmd += ["--setenv", "PYTHONPATH", os.path.dirname(_package_dir())]
         for cap in DAEMON_CAPS:
             cmd += ["--cap-add", cap]
         python = iso.python if iso.rootfs else sys.executable
