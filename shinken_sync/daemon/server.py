@@ -71,7 +71,7 @@ MIN_TOKEN_BYTES = 16
 TOKEN_ENV = "SHINKEND_TOKEN"
 
 # At most 4 digits (MAX_FLEET): a longer index is simply not a sandbox, and
-# never reaches int(), which refuses 4,300+ digits with an exception (issue 18).
+# never reaches int(), which refuses 4,300+ digits with an exception.
 _PATH = re.compile(r"/sb/(\d{1,4})")
 
 
