@@ -21,7 +21,7 @@ DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X s
                 "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.", version=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        _check_demo_options(parser._chosen_command(args), args)
+        _check_demo_options(parser.chosen_command(args), args)
     from shinken_sync.demo import DemoError, check_display, run
     from shinken_sync.errors import ShinkenError
 

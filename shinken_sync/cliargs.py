@@ -54,15 +54,15 @@ class Parser(argparse.ArgumentParser):
         # --help does not list them: the subcommand that was chosen reports them instead.
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
-            self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+            self.chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
-    def _chosen_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    def chosen_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
                 chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
                 if isinstance(chosen, Parser):
-                    return chosen._chosen_command(parsed)
+                    return chosen.chosen_command(parsed)
         return self
 
 

@@ -179,7 +179,8 @@ def test_ctrl_c_keeps_every_episodes_records_so_far(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["episodes_cut_short"] == 2
     # the table says so too (it said "episodes 2/2" as if the run were complete)
-    assert re.search(r"^episodes +2/2 finished, INTERRUPTED by Ctrl-C \(2 cut short\)$", log.read_text(), re.M)
+    assert re.search(r"^episodes +2/2 finished, INTERRUPTED by Ctrl-C \(2 cut short\)$", log.read_text(),
+                     re.MULTILINE)
 
 
 @pytest.mark.timeout(180)
