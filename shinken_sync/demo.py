@@ -97,6 +97,8 @@ class CtrlC:
     def _handle(self, _signum: int, _frame: FrameType | None) -> None:
         self.count += 1
         if self.raise_from is not None and self.count >= self.raise_from:
+            # Said before the stop runs (os.write: no buffered stream is re-entered from a handler).
+            os.write(sys.stderr.fileno(), b"\nshinken demo: interrupted; stopping now\n")
             raise KeyboardInterrupt
 
     def __enter__(self) -> Self:
