@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
-from shinken_sync.stats import percentile  # noqa: E402 (after the path fix, as every bench does)
-from tests.support import start_process  # noqa: E402
+from shinken_sync.stats import percentile
+from tests.support import start_process
 
 
 def _wait(log: Path, pattern: str, timeout: float) -> float:
