@@ -58,6 +58,7 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def chosen_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the (sub)command that ``parsed`` chose; this one when it has none."""
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
                 chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
