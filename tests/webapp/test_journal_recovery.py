@@ -14,6 +14,7 @@ mounted on a directory inside it and unmounted at teardown)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -204,8 +205,13 @@ def wait_for_restart(server, shard: int, shards: int, old_pid: int) -> None:
 
 
 def kill_server(server) -> None:
-    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space)."""
-    os.killpg(server.proc.pid, signal.SIGKILL)
+    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space).
+    Every process of it, not its process group: gunicorn and the reference backend run in
+    sessions of their own (a terminal's Ctrl-C reaches only the launcher)."""
+    tree = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
+    for proc in tree:
+        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
     server.proc.wait(30)
 
 
