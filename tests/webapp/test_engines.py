@@ -1,7 +1,8 @@
 """The engine dialects (``webapp.engines``): request mapping, reply mapping, and every malformed
 reply field as a typed error naming it. The vLLM replies are real ones, captured from vLLM
 0.32.0 (``vllm_replies/``); ``routed_experts`` follows vLLM's ``CompletionResponseChoice``
-(base64 of ``np.save`` bytes, ``(tokens - 1, layers, top_k)``, uint8/uint16/int32)."""
+(base64 of ``np.save`` bytes as ``vllm/utils/serial_utils.py:numpy2base64`` writes them,
+``(tokens - 1, layers, top_k)``, uint8/uint16/int32)."""
 
 from __future__ import annotations
 
