@@ -312,3 +312,12 @@ def _png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (28, 28), (200, 10, 10)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_the_session_core_names_no_engine_field():
+    import webapp.core
+
+    source = pathlib.Path(webapp.core.__file__).read_text()
+    for name in ("meta_info", "output_token_logprobs", "input_ids", "image_data", "return_routed_experts",
+                 "return_meta_info", "no_stop_trim", "prompt_token_ids", "/v1/completions"):
+        assert name not in source, name
