@@ -45,7 +45,7 @@ from webapp.errors import WebappError
 from webapp.filebody import file_response, has_spans
 from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images
+from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, no_route_message, wants_images
 from webapp.settings import Scope, embedded_replay_layers, scope_values, values_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
@@ -129,6 +129,8 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
         status, message = exc.code or 500, exc.description or exc.name
+        if status == 404 and request.url_rule is None:  # no route: say which there are
+            message = no_route_message(request.method, request.path, request.host_url)
         if is_openai_path(request.path):
             code = exc.name.lower().replace(" ", "_")
             return to_flask_response(openai_error_response(status, message, "invalid_request_error", code))

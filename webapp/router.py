@@ -41,6 +41,7 @@ from webapp.routes import (
     PROXY_HEADERS,
     PROXY_METHODS,
     is_openai_path,
+    no_route_message,
     openai_error_body,
     wants_images,
 )
@@ -247,6 +248,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
+        if exc.code == 404 and request.url_rule is None:  # no route: say which there are
+            return _error(404, no_route_message(request.method, request.path, request.host_url))
         response = _error(exc.code or 500, exc.description or exc.name)
         if exc.code == 405 and exc.valid_methods:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
