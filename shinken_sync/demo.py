@@ -603,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = environment_overrides()
     out = prepare_out(args.out)
 
-    kind = f"{config.type} {config.display}"
+    kind = config.display if config.type == "local" else f"{config.type} {config.display}"
     print(f"shinken demo: {plural(args.sandboxes, kind + ' sandbox', kind + ' sandboxes')} x "
           f"{plural(args.turns, 'turn')}, session server with {plural(args.workers, 'worker')} -> {out}/",
           file=sys.stderr)

@@ -121,3 +121,11 @@ def test_a_token_from_the_environment_leaves_no_trace_in_proc(tmp_path: Path) ->
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("url", ["ws+unix:///sb/0", "ws+unix://relative%2Fs/sb/0", "ws+unix://"])
+def test_a_malformed_unix_url_is_refused_before_any_dial(url: str) -> None:
+    from shinken_sync.errors import InvalidURL
+
+    with pytest.raises(InvalidURL):
+        asyncio.run(aconnect(url, "t" * 16))
