@@ -59,7 +59,7 @@ from shinken_sync.protocol import split_unix_url, unix_url
 
 from .base import Liveness, Provider
 from .cgroups import CgroupLimits, SandboxCgroup
-from .errors import IsolationUnavailable, ProviderError, UnknownHandle
+from .errors import IsolationUnavailable, ProviderError
 from .local import daemon_argv
 from .process import DEFAULT_START_TIMEOUT_S, TERMINATE_TIMEOUT_S, DaemonProcess, start_daemons
 
@@ -293,10 +293,11 @@ class IsolatedDaemon(DaemonProcess):
         if limits is not None:
             self.cgroup = SandboxCgroup.create(self.name, limits, iso.cgroup_parent)
         super()._prepare()  # the token pipe
-        block_r, self._fds["block"] = os.pipe()
-        self._fds["info"], info_w = os.pipe()
-        self._child_fds += [block_r, info_w]
-        self._fds["block_child"], self._fds["info_child"] = block_r, info_w
+        # bwrap's ends go to _child_fds only: closed once, right after the spawn (a second
+        # close could hit a descriptor another thread just opened under the same number).
+        self._block_child, self._fds["block"] = os.pipe()
+        self._fds["info"], self._info_child = os.pipe()
+        self._child_fds += [self._block_child, self._info_child]
         sources = [iso.rootfs] if iso.rootfs else ["/usr", "/etc", *_HOST_CACHES, *host_binds()]
         sources += list(iso.ro_binds)
         # bwrap runs as the daemon's host uid: what that uid cannot reach (this machine's Python
@@ -337,7 +338,7 @@ class IsolatedDaemon(DaemonProcess):
             self._bwrap,
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup", "--hostname", self.name[:64],
-            "--userns-block-fd", str(self._fds["block_child"]), "--info-fd", str(self._fds["info_child"]),
+            "--userns-block-fd", str(self._block_child), "--info-fd", str(self._info_child),
             "--die-with-parent", "--new-session",
         ]  # fmt: skip
         for source, dest in self._binds:
@@ -611,7 +612,3 @@ class IsolatedProvider(Provider[IsolatedSandbox]):
             self._sandboxes.clear()
         for handle in handles:
             handle.daemon.release()
-
-    def _own(self, handle: IsolatedSandbox) -> None:
-        if id(handle) not in self._sandboxes:
-            raise UnknownHandle(f"{handle!r} does not belong to this provider")
