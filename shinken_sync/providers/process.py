@@ -214,11 +214,15 @@ class DaemonProcess:
     def start_error(self, message: str) -> DaemonStartError:
         self.terminate()
         rc = self.process.returncode
+        tail = self.stderr_tail()
+        # The daemon's last words (a traceback's last line names the exception) on the first
+        # line too: what failed, without reading the whole tail.
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
         return DaemonStartError(
-            f"shinkend {self.name}: {message}",
+            f"shinkend {self.name}: {message}" + (f": {last[:300]}" if last else ""),
             exit_code=rc if rc is not None and rc >= 0 else None,
             signal=-rc if rc is not None and rc < 0 else None,
-            stderr_tail=self.stderr_tail(),
+            stderr_tail=tail,
         )
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:

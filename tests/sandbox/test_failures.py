@@ -101,7 +101,7 @@ def test_a_daemon_that_fails_to_start_quotes_its_log(state_dir: str,
     with pytest.raises(DaemonStartError) as err:
         provider.create()
     first = str(err.value).splitlines()[0]
-    assert "exited before it was ready" in first
+    assert "exited before it was ready" in first and "/no/such/program" in first  # what failed, at once
     assert err.value.stderr_tail  # the daemon's (the desktop's) own last words
     assert_nothing_left(provider, state_dir)
 
