@@ -5,11 +5,14 @@
 namespaces; docs/sandboxes.md is the reference (the isolation model, what an agent
 can and cannot reach, running it in production). Per sandbox:
 
-* **Users.** bwrap runs as an unprivileged host uid (``daemon_host_uid``); the
-  provider writes the new user namespace's map itself (``--userns-block-fd``):
-  inside uid 0 is that host uid (the daemon, keeping only ``DAEMON_CAPS`` inside
-  its namespace), inside ``agent_uid`` is ``agent_host_uid`` (every ``exec``
-  child, no capabilities). No uid of the sandbox is root on the host.
+* **Users.** Each sandbox holds a slot of two unprivileged host uids
+  (``host_uid_base + 2 * slot`` for the daemon, ``+ 1`` for the agent; a slot is a
+  lock file under ``state_dir`` the provider holds while the sandbox lives), so no
+  two sandboxes share a host uid. bwrap runs as the daemon's; the provider writes
+  the new user namespace's map itself (``--userns-block-fd``): inside uid 0 is the
+  daemon's host uid (keeping only ``DAEMON_CAPS`` inside its namespace), inside
+  ``agent_uid`` the agent's (every ``exec`` child, no capabilities). No uid of the
+  sandbox is root on the host.
 * **Filesystem.** Read-only: the given root filesystem, or the host's ``/usr`` and
   ``/etc`` plus this interpreter's prefixes and the ``shinken_sync`` package
   (opened by the provider and bound by descriptor, so no host path has to be
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -99,8 +103,9 @@ class Isolation:
     cpus: float | None = 1.0
     pids: int | None = 512
     tmpfs_mb: int = 512
-    daemon_host_uid: int = 1_900_000_000
-    agent_host_uid: int = 1_900_000_001
+    #: Host uids ``[host_uid_base, host_uid_base + 2 * host_uid_slots)`` belong to sandboxes.
+    host_uid_base: int = 1_900_000_000
+    host_uid_slots: int = 4096
     agent_uid: int = 1000
     state_dir: str | None = None
     ro_binds: tuple[str, ...] = ()
@@ -139,8 +144,10 @@ class Isolation:
                 "isolated sandboxes need root on the host (to map the sandbox's users and create its "
                 "cgroup); run as root, or use the local provider"
             )
-        if self.agent_uid < 1 or self.daemon_host_uid < 1 or self.agent_host_uid in (0, self.daemon_host_uid):
-            raise IsolationUnavailable("agent_uid, daemon_host_uid and agent_host_uid must be distinct and non-zero")
+        if self.agent_uid < 1 or self.host_uid_base < 1 or self.host_uid_slots < 1 \
+                or self.host_uid_base + 2 * self.host_uid_slots >= 2**32 - 1:
+            raise IsolationUnavailable("agent_uid and host_uid_base must be >= 1, host_uid_slots >= 1, and the "
+                                       "range below 2**32 - 1")
         return bwrap
 
 
@@ -263,7 +270,29 @@ class IsolatedDaemon(DaemonProcess):
         self._child_fds: list[int] = []  # the child's ends, closed in the parent after the spawn
         self._cleaned = False
         self._cleanup_lock = threading.Lock()
+        self._slot_fd: int | None = None
+        self.daemon_host_uid = self.agent_host_uid = -1
         super().__init__(argv, name)
+
+    def _claim_uid_slot(self, state_dir: str) -> tuple[int, int]:
+        """The first free slot's host uids, its lock held (``flock``: released by the kernel
+        if this process dies, when the sandbox dies with it) until :meth:`_cleanup`."""
+        iso = self.isolation
+        slots = os.path.join(state_dir, ".shinken-uid-slots")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(slots, 0o700)
+        for slot in range(iso.host_uid_slots):
+            fd = os.open(os.path.join(slots, str(slot)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._slot_fd = fd
+            base = iso.host_uid_base + 2 * slot
+            return base, base + 1
+        raise IsolationUnavailable(f"all {iso.host_uid_slots} host uid slots under {slots} are taken; "
+                                   f"raise host_uid_slots")
 
     # -- DaemonProcess hooks -------------------------------------------------------
 
@@ -272,10 +301,10 @@ class IsolatedDaemon(DaemonProcess):
         parent = iso.state_dir or tempfile.gettempdir()
         if not _others_can_read(parent, read=False):
             raise IsolationUnavailable(
-                f"state_dir {parent!r} cannot be traversed by the sandbox's uid (bwrap runs as "
-                f"{iso.daemon_host_uid} and binds its socket directory from there); chmod o+x it or pass "
-                f"another state_dir"
+                f"state_dir {parent!r} cannot be traversed by the sandbox's unprivileged uid (bwrap runs "
+                f"as it and binds its socket directory from there); chmod o+x it or pass another state_dir"
             )
+        self.daemon_host_uid, self.agent_host_uid = self._claim_uid_slot(parent)
         self.host_dir = tempfile.mkdtemp(prefix="shk-", dir=parent)  # 0700, root's
         sock_dir = os.path.join(self.host_dir, "sock")
         if len(os.path.join(sock_dir, "s")) > MAX_SOCKET_PATH:
@@ -284,7 +313,7 @@ class IsolatedDaemon(DaemonProcess):
                 f"allows ({MAX_SOCKET_PATH} bytes); pass a shorter state_dir"
             )
         os.mkdir(sock_dir, 0o700)
-        os.chown(sock_dir, iso.daemon_host_uid, iso.daemon_host_uid)  # inside: uid 0's, 0700
+        os.chown(sock_dir, self.daemon_host_uid, self.daemon_host_uid)  # inside: uid 0's, 0700
         # Who owns this directory and the sandbox's cgroup: a provider killed with SIGKILL
         # cleans nothing, the next one on the same state_dir does (sweep_stale).
         with open(os.path.join(self.host_dir, OWNER_FILE), "w") as f:
@@ -399,7 +428,7 @@ class IsolatedDaemon(DaemonProcess):
             pass_fds=[*self._pass_fds(), *self._child_fds],
             start_new_session=True,
             # One spawner thread (see .process); the preexec makes only system calls.
-            preexec_fn=functools.partial(launcher_preexec, self._staged, self.isolation.daemon_host_uid,  # noqa: PLW1509
+            preexec_fn=functools.partial(launcher_preexec, self._staged, self.daemon_host_uid,  # noqa: PLW1509
                                          os.getpid()),
         )
 
@@ -415,7 +444,7 @@ class IsolatedDaemon(DaemonProcess):
                 self.cgroup.add(self.process.pid)
                 self.cgroup.add(pid)  # still blocked: it has started nothing yet
             # Inside uid 0 = the daemon's host uid, agent_uid = the agent's; nothing else exists.
-            mapping = f"0 {iso.daemon_host_uid} 1\n{iso.agent_uid} {iso.agent_host_uid} 1\n"
+            mapping = f"0 {self.daemon_host_uid} 1\n{iso.agent_uid} {self.agent_host_uid} 1\n"
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(mapping)
@@ -522,6 +551,9 @@ class IsolatedDaemon(DaemonProcess):
         finally:
             if self.host_dir:
                 shutil.rmtree(self.host_dir, ignore_errors=True)
+            if self._slot_fd is not None:  # the uids are free again once nothing runs as them
+                os.close(self._slot_fd)
+                self._slot_fd = None
 
 
 class IsolatedProvider(Provider[IsolatedSandbox]):

@@ -21,4 +21,5 @@ def test_the_demo_runs_its_episodes_in_isolated_sandboxes(tmp_path: Path, state_
     assert all(line["sandbox"].startswith("ws+unix://") for line in lines)
     assert (out / "contact_sheet.png").stat().st_size > 0
     assert "2 isolated virtual sandboxes" in done.stderr
-    assert list(Path(state_dir).iterdir()) == []  # every sandbox's directory went with it
+    # every sandbox's directory went with it (the uid slots' lock files stay, unlocked)
+    assert [p.name for p in Path(state_dir).iterdir()] in ([], [".shinken-uid-slots"])

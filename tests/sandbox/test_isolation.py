@@ -76,10 +76,10 @@ def test_the_agent_is_an_unprivileged_user_inside_and_outside(provider: Isolated
         assert sh(sb, "whoami; getent passwd | cut -d: -f1 | tr '\\n' ' '").stdout == "agent\nroot agent "
         sh(sb, "sleep 30 & echo started")
         # On the host every process of the sandbox runs as one of its two unprivileged uids.
-        iso = provider.isolation
+        daemon = handle.daemon
         uids = {host_uid(pid) for pid in host_pids_in(handle) if pid != handle.pid}
-        assert uids <= {iso.daemon_host_uid, iso.agent_host_uid} and iso.agent_host_uid in uids, uids
-        assert 0 not in uids
+        assert uids <= {daemon.daemon_host_uid, daemon.agent_host_uid} and daemon.agent_host_uid in uids, uids
+        assert 0 not in uids and min(uids) >= provider.isolation.host_uid_base
 
 
 def test_the_host_filesystem_is_out_of_reach(make_provider: Callable[..., IsolatedProvider], tmp_path: Path) -> None:
@@ -172,6 +172,9 @@ def test_nothing_listens_on_a_host_address(provider: IsolatedProvider) -> None:
 
 def test_one_sandbox_cannot_see_another(provider: IsolatedProvider) -> None:
     a, b = provider.create_many(2)
+    # Apart on the host too: no host uid in common.
+    assert {a.daemon.daemon_host_uid, a.daemon.agent_host_uid}.isdisjoint(
+        {b.daemon.daemon_host_uid, b.daemon.agent_host_uid})
     marker = uuid.uuid4().hex
     with provider.connect(a) as sa, provider.connect(b) as sbb:
         sh(sa, f"echo {marker} > /tmp/{marker}; echo {marker} > /home/agent/{marker}; "
