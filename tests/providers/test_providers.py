@@ -67,7 +67,8 @@ def test_the_token_is_in_no_file_argument_or_environment():
         # it came through a pipe the daemon read to EOF and closed before binding
         for name in ("cmdline", "environ"):
             with open(f"/proc/{handle.pid}/{name}", "rb") as f:
-                assert handle.token not in f.read().decode(errors="replace")
+                text = f.read().decode(errors="replace")
+            assert handle.token not in text and "--token-file" not in text and "SHINKEND_TOKEN" not in text
         fds = [os.readlink(f"/proc/{handle.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{handle.pid}/fd")]
         assert len([fd for fd in fds if fd.startswith("pipe:")]) <= 1  # stdout only (stderr is a file)
         assert handle.daemon._token_fd is None
