@@ -123,6 +123,10 @@ class Shell:
             # Background processes the command left may outlive it in the group.
             if proc.returncode is not None and not _group_alive(proc.pid):
                 self._groups.discard(proc.pid)
+            # Our ends of its pipes: a background process may still hold the others, and the
+            # transport would stay open (and complain when collected after its loop closed).
+            if proc.returncode is not None:
+                _protocol(proc).close()
         rc = proc.returncode
         stdout, stdout_cut = _encode(out.data, p["encoding"])
         stderr, stderr_cut = _encode(err.data, p["encoding"])
@@ -153,10 +157,18 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
         super().__init__(limit=limit, loop=loop)
         self.exited: asyncio.Future[None] = loop.create_future()
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._process_transport = transport
+
     def process_exited(self) -> None:
         super().process_exited()
         if not self.exited.done():
             self.exited.set_result(None)
+
+    def close(self) -> None:
+        """Close the pipes (the process has exited: nothing else is done to it)."""
+        self._process_transport.close()
 
 
 async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
@@ -168,10 +180,15 @@ async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
     return asyncio.subprocess.Process(transport, protocol, loop)
 
 
+def _protocol(proc: asyncio.subprocess.Process) -> _ExitProtocol:
+    protocol = proc._protocol  # type: ignore[attr-defined]  # set by _start, ours
+    assert isinstance(protocol, _ExitProtocol)
+    return protocol
+
+
 async def _exited(proc: asyncio.subprocess.Process) -> None:
     """Until ``proc`` has exited (its pipes may stay open: see :class:`_ExitProtocol`)."""
-    protocol = proc._protocol  # type: ignore[attr-defined]
-    await asyncio.shield(protocol.exited)
+    await asyncio.shield(_protocol(proc).exited)
 
 
 class _Capture:
