@@ -41,7 +41,8 @@ class Browser:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         url = self._endpoint(timeout)
-        self._ws = connect(url, max_size=None, open_timeout=timeout)
+        # Entered as a context manager (websockets' supported form), left in close().
+        self._ws = connect(url, max_size=None, open_timeout=timeout).__enter__()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._replies: dict[int, dict[str, Any]] = {}
@@ -116,8 +117,8 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self._ws.close()
-        except Exception:
+            self._ws.__exit__(None, None, None)
+        except Exception:  # already closed by the browser
             pass
         if self.proc.poll() is None:
             self.proc.terminate()
