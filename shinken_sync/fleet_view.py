@@ -97,7 +97,7 @@ class FleetPublisher:
 
     def start(self) -> str:
         """Register the fleet and start forwarding; the fleet page's URL."""
-        body = {"name": self.name, "tiles": [{"tile_id": t.tile_id, "label": t.label} for t in self.tiles.values()]}
+        body: dict[str, Any] = {"name": self.name, "tiles": [{"tile_id": t.tile_id, "label": t.label} for t in self.tiles.values()]}
         try:
             reply = self._http.post(f"{self.server_url}/ui/api/fleets", json=body, timeout=HTTP_TIMEOUT)
         except requests.RequestException as exc:

@@ -10,6 +10,7 @@ message ``{"id", "method", "params", "sessionId"}``, answered by ``{"id", "resul
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 CHROMIUM = "/usr/bin/chromium"
@@ -81,7 +83,7 @@ class Browser:
                     else:
                         self.events.append(message)
                     self._cond.notify_all()
-        except Exception:  # the socket closed: waiters time out
+        except (ConnectionClosed, OSError):  # the socket closed: waiters time out
             with self._cond:
                 self._cond.notify_all()
 
@@ -116,10 +118,8 @@ class Browser:
         return page
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(ConnectionClosed, OSError):  # already closed by the browser
             self._ws.__exit__(None, None, None)
-        except Exception:  # already closed by the browser
-            pass
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

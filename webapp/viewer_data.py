@@ -131,6 +131,14 @@ def _load_record(turn: TurnRecord) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _token_text(tokenizer: ChatTokenizer, tid: int) -> str:
     try:
         return tokenizer.decode([tid])
@@ -204,12 +212,9 @@ class ViewerData:
         seen = 0  # messages of the previous turn's request, plus its reply
         for i, record in enumerate(records):
             parsed = _load_record(record)
-            request = parsed.get("request") if isinstance(parsed.get("request"), dict) else {}
-            response = parsed.get("response") if isinstance(parsed.get("response"), dict) else {}
-            messages = request.get("messages") if isinstance(request.get("messages"), list) else []
-            choices = response.get("choices") if isinstance(response.get("choices"), list) else []
-            reply = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
-            reply = reply if isinstance(reply, dict) else {}
+            request, response = _dict(parsed.get("request")), _dict(parsed.get("response"))
+            messages, choices = _list(request.get("messages")), _list(response.get("choices"))
+            reply = _dict(_dict(choices[0]).get("message")) if choices else {}
             finish = record.finish_reason
             turns.append({
                 "index": i,

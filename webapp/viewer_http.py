@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from flask import Flask, Response, redirect, request
+from flask import Flask, Response, request
 
 from webapp.viewer_fleet import FleetError, FleetHub
 from webapp.viewer_shape import UI_PREFIX, ViewerQueryError, is_viewer_path, page_of
@@ -41,8 +41,8 @@ STATIC_DIR = Path(__file__).with_name("viewer_static")
 STATIC_FILES = {"viewer.js": "text/javascript", "viewer.css": "text/css"}
 PAGES = ("sessions", "session", "fleets", "fleet", "notfound", "login")
 _SECURITY_HEADERS = (
-    ("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
-                                "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"),
+    ("Content-Security-Policy", ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
+                                 "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")),
     ("X-Content-Type-Options", "nosniff"),
     ("Referrer-Policy", "no-referrer"),
     ("X-Frame-Options", "DENY"),
@@ -65,6 +65,10 @@ class ViewerSource(Protocol):
 
 def _json(status: int, obj: Any) -> Response:
     return Response(json.dumps(obj, separators=(",", ":")), status=status, content_type="application/json")
+
+
+def redirect(location: str, status: int) -> Response:
+    return Response(b"", status=status, headers={"Location": location})
 
 
 def _safe_next(value: str | None) -> str:
