@@ -22,7 +22,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from webapp.core import Reply, Session, SessionCore, error_reply, error_response, json_response
+from webapp.offload import run_blocking
 from webapp.samples import TurnRecord, assemble_samples
 from webapp.session_errors import SampleAssemblyError, SessionError
 from webapp.tito import MAX_TRIM_TOKENS
@@ -106,28 +109,52 @@ def _message(m: Any) -> dict[str, Any]:
     return out
 
 
-def _load_record(turn: TurnRecord) -> dict[str, Any]:
-    """The record's JSON without its input ids and replay payloads (cut before parsing)."""
-    assert turn.record is not None, "a committed record is in the journal"
-    data = turn.record.read()
-    cuts = [(s, e) for s, e in turn.replay.values()]  # base64 text inside "...": left as ""
-    start = data.find(_INPUT_IDS)
-    if start >= 0:
-        start += len(_INPUT_IDS)
-        end = data.find(b"]", start)  # integers only: the first ']' closes the array
-        if end > start:
-            cuts.append((start, end))
-    pieces, at = [], 0
-    for s, e in sorted(cuts):
-        if s < at:
-            continue
-        pieces.append(data[at:s])
-        at = e
-    pieces.append(data[at:])
+def _ids_json_lengths(ids: Sequence[int]) -> np.ndarray:
+    """``out[p]``: the bytes of ``ids[:p]`` as the core's JSON writes them (``1,22,333``)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    digits = np.ones(len(arr), dtype=np.int64)
+    for power in range(1, 19):  # exact: no floating-point logarithm
+        digits += arr >= 10 ** power
+    out = np.zeros(len(arr) + 1, dtype=np.int64)
+    np.cumsum(digits + 1, out=out[1:])
+    out[1:] -= 1  # a comma between ids, none before the first
+    return out
+
+
+def _load_record(turn: TurnRecord, ids_bytes: int) -> dict[str, Any]:
+    """The record's JSON without its input ids and replay payloads, which are never read.
+
+    The ids are the one part that grows with the session (every record repeats the whole
+    prompt), so their bytes are skipped by length: ``ids_bytes``, computed from the session's
+    accumulated ids (the prompt is their prefix); the bytes before them (messages, tools) are
+    read until ``"input_ids":[`` shows, and those after them around the replay spans."""
+    span = turn.record
+    assert span is not None, "a committed record is in the journal"
+    head, want = b"", 64 << 10
+    at = -1
+    while at < 0 and len(head) < span.length:
+        head = span.read(0, min(span.length, want))
+        at = head.find(_INPUT_IDS)
+        want *= 4
+    if at < 0:  # a record without ids (never written by this core): parse what is there
+        return _parsed(head)
+    ids_end = at + len(_INPUT_IDS) + ids_bytes
+    pieces, pos = [head[:at + len(_INPUT_IDS)]], ids_end
+    for s, e in sorted(turn.replay.values()):  # base64 text inside "...": left as ""
+        if s >= pos:
+            pieces.append(span.read(pos, s))
+            pos = e
+    pieces.append(span.read(pos, span.length))
+    if not pieces[1].startswith(b"]"):  # not where the length says (an odd client field): read it all
+        return _parsed(span.read())
+    return _parsed(b"".join(pieces))
+
+
+def _parsed(data: bytes) -> dict[str, Any]:
     try:
-        parsed = json.loads(b"".join(pieces))
-    except ValueError:  # a cut in the wrong place (an odd client field): parse it whole
         parsed = json.loads(data)
+    except ValueError:
+        return {}
     return parsed if isinstance(parsed, dict) else {}
 
 
@@ -197,21 +224,27 @@ class ViewerData:
             if body is not None:
                 self._cache.move_to_end(key)
         if body is None:
-            body = json.dumps(self._build(session, records, state.token_ids, rollbacks),
-                              separators=(",", ":"), ensure_ascii=False).encode()
+            # Up to a second of CPU for a long session: in a thread, so the worker's other
+            # requests (chats) keep running meanwhile (webapp.offload).
+            body = run_blocking("viewer", self._encoded, session, records, state.token_ids, rollbacks)
             with self._lock:
                 self._cache[key] = body
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
         return Reply(200, body)
 
+    def _encoded(self, session: Session, records: Sequence[TurnRecord], ids: Sequence[int], rollbacks: int) -> bytes:
+        return json.dumps(self._build(session, records, ids, rollbacks), separators=(",", ":"),
+                          ensure_ascii=False).encode()
+
     def _build(self, session: Session, records: Sequence[TurnRecord], ids: Sequence[int],
                rollbacks: int) -> dict[str, Any]:
         tokenizer = self._core.tokenizer
         turns = []
         seen = 0  # messages of the previous turn's request, plus its reply
+        ids_bytes = _ids_json_lengths(ids)
         for i, record in enumerate(records):
-            parsed = _load_record(record)
+            parsed = _load_record(record, int(ids_bytes[min(record.prompt_len, len(ids))]))
             request, response = _dict(parsed.get("request")), _dict(parsed.get("response"))
             messages, choices = _list(request.get("messages")), _list(response.get("choices"))
             reply = _dict(_dict(choices[0]).get("message")) if choices else {}
@@ -238,18 +271,20 @@ class ViewerData:
                 "turns": turns, "images": images, **self._tokens(records, ids)}
 
     def _tokens(self, records: Sequence[TurnRecord], ids: Sequence[int]) -> dict[str, Any]:
-        """The final sequence for the token view, and what /samples trains on of it."""
+        """The final sequence for the token view, and what /samples trains on of it (numpy:
+        a long session has ~10^5-10^6 tokens, most of them image pads)."""
         tokenizer = self._core.tokenizer
-        n = len(ids)
-        kinds = bytearray(KIND_MASKED.encode() * n)
-        logprobs: list[float | None] = [None] * n
+        arr = np.asarray(ids, dtype=np.int64)
+        n = len(arr)
+        kinds = np.full(n, ord(KIND_MASKED), dtype=np.uint8)
+        logprobs = np.full(n, np.nan)
         for record in records:  # every model token of the current branch, with its logprob
-            for j, (tid, lp) in enumerate(zip(record.output_ids, record.logprobs)):
-                pos = record.prompt_len + j
-                if pos >= n or ids[pos] != tid:
-                    break
-                kinds[pos] = ord(KIND_UNTRAINED)
-                logprobs[pos] = round(float(lp), 4)
+            out = np.asarray(record.output_ids, dtype=np.int64)
+            seg = arr[record.prompt_len:record.prompt_len + len(out)]
+            differ = np.flatnonzero(seg != out[:len(seg)])
+            m = int(differ[0]) if len(differ) else len(seg)
+            kinds[record.prompt_len:record.prompt_len + m] = ord(KIND_UNTRAINED)
+            logprobs[record.prompt_len:record.prompt_len + m] = np.asarray(record.logprobs[:m], dtype=float)
         sample_info: dict[str, Any]
         try:
             samples, empty_reason = assemble_samples(records, ids, tokenizer, max_seq_len=None,
@@ -259,41 +294,29 @@ class ViewerData:
         if samples:
             sample = samples[0]
             prompt = len(sample.tokens) - sample.response_length
-            for j, mask in enumerate(sample.loss_mask):
-                if mask and prompt + j < n:
-                    kinds[prompt + j] = ord(KIND_TRAINED)
+            trained = prompt + np.flatnonzero(np.asarray(sample.loss_mask, dtype=bool))
+            kinds[trained[trained < n]] = ord(KIND_TRAINED)
             sample_info = {"status": sample.status, "tokens": len(sample.tokens), "prompt_length": prompt,
-                           "response_length": sample.response_length, "trained_tokens": sum(sample.loss_mask)}
+                           "response_length": sample.response_length, "trained_tokens": int(len(trained))}
         else:
             sample_info = {"status": None, "empty_reason": empty_reason, "tokens": 0, "trained_tokens": 0}
         # Image pad runs collapse to one entry each: -(k + 1) names image_runs[k]; the k-th run is
         # the k-th image of the last prompt (which holds every image of the branch, in order).
         vision = getattr(tokenizer, "vision", None)
         order = records[-1].images if records else ()
-        out_ids: list[int] = []
-        out_kinds = bytearray()
-        out_lp: list[float | None] = []
-        runs: list[dict[str, Any]] = []
-        i = 0
-        while i < n:
-            tid = ids[i]
-            if vision is not None and tid == vision.pad_id:
-                j = i
-                while j < n and ids[j] == tid:
-                    j += 1
-                k = len(runs)
-                runs.append({"start": i, "count": j - i, "sha256": order[k] if k < len(order) else None})
-                out_ids.append(-(k + 1))
-                out_kinds.append(kinds[i])
-                out_lp.append(None)
-                i = j
-                continue
-            out_ids.append(tid)
-            out_kinds.append(kinds[i])
-            out_lp.append(logprobs[i])
-            i += 1
-        vocab = {str(t): _token_text(tokenizer, t) for t in set(out_ids) if t >= 0}
-        turn_starts = [r.prompt_len for r in records]
-        return {"tokens": {"length": n, "ids": out_ids, "kinds": out_kinds.decode(), "logprobs": out_lp,
-                           "vocab": vocab, "image_runs": runs, "turn_starts": turn_starts},
+        is_pad = arr == vision.pad_id if vision is not None else np.zeros(n, dtype=bool)
+        run_start = is_pad & ~np.concatenate(([False], is_pad[:-1]))
+        run_end = is_pad & ~np.concatenate((is_pad[1:], [False]))
+        starts, ends = np.flatnonzero(run_start), np.flatnonzero(run_end) + 1
+        keep = ~is_pad | run_start
+        entries = arr.copy()
+        entries[starts] = -(np.arange(len(starts)) + 1)
+        runs = [{"start": int(a), "count": int(b - a), "sha256": order[k] if k < len(order) else None}
+                for k, (a, b) in enumerate(zip(starts, ends))]
+        out_ids = entries[keep]
+        out_lp = [None if x != x else x for x in np.round(logprobs[keep], 4).tolist()]
+        vocab = {str(t): _token_text(tokenizer, t) for t in np.unique(out_ids[out_ids >= 0]).tolist()}
+        return {"tokens": {"length": n, "ids": out_ids.tolist(), "kinds": kinds[keep].tobytes().decode(),
+                           "logprobs": out_lp, "vocab": vocab, "image_runs": runs,
+                           "turn_starts": [r.prompt_len for r in records]},
                 "sample": sample_info}
