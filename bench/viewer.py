@@ -29,12 +29,12 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.cdp, tests.viewer_rollout
-from scratch import scratch_state_home  # noqa: E402
+from scratch import scratch_state_home
 
-from shinken_sync.stats import percentile  # noqa: E402
-from tests.cdp import Browser  # noqa: E402
-from tests.viewer_rollout import drive  # noqa: E402
-from webapp.serve import start_session_server  # noqa: E402
+from shinken_sync.stats import percentile
+from tests.cdp import Browser
+from tests.viewer_rollout import drive
+from webapp.serve import start_session_server
 
 
 def _server(workers: int) -> Any:

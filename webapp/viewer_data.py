@@ -297,7 +297,7 @@ class ViewerData:
             trained = prompt + np.flatnonzero(np.asarray(sample.loss_mask, dtype=bool))
             kinds[trained[trained < n]] = ord(KIND_TRAINED)
             sample_info = {"status": sample.status, "tokens": len(sample.tokens), "prompt_length": prompt,
-                           "response_length": sample.response_length, "trained_tokens": int(len(trained))}
+                           "response_length": sample.response_length, "trained_tokens": len(trained)}
         else:
             sample_info = {"status": None, "empty_reason": empty_reason, "tokens": 0, "trained_tokens": 0}
         # Image pad runs collapse to one entry each: -(k + 1) names image_runs[k]; the k-th run is
@@ -314,7 +314,8 @@ class ViewerData:
         runs = [{"start": int(a), "count": int(b - a), "sha256": order[k] if k < len(order) else None}
                 for k, (a, b) in enumerate(zip(starts, ends))]
         out_ids = entries[keep]
-        out_lp = [None if x != x else x for x in np.round(logprobs[keep], 4).tolist()]
+        kept = np.round(logprobs[keep], 4)
+        out_lp = np.where(np.isnan(kept), None, kept).tolist()  # JSON null: no logprob (not a model token)
         vocab = {str(t): _token_text(tokenizer, t) for t in np.unique(out_ids[out_ids >= 0]).tolist()}
         return {"tokens": {"length": n, "ids": out_ids.tolist(), "kinds": kinds[keep].tobytes().decode(),
                            "logprobs": out_lp, "vocab": vocab, "image_runs": runs,
