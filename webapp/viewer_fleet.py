@@ -22,12 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FLEET_TTL", "FOCUS_TTL", "FRAME_TYPES", "MAX_FLEETS", "MAX_FRAME_BYTES", "MAX_TILES", "Fleet",
+__all__ = ["FLEET_TTL", "FOCUS_TTL", "FRAME_TYPES", "MAX_FLEETS", "MAX_FRAME_BYTES", "MAX_HUB_BYTES", "MAX_TILES", "Fleet",
            "FleetError", "FleetHub", "FleetNotFound", "FrameRefused"]
 
 MAX_FLEETS = 16
 MAX_TILES = 1024  # per fleet
 MAX_FRAME_BYTES = 8 << 20
+MAX_HUB_BYTES = 512 << 20  # every tile's newest frame together: what the hub may hold at most
 FLEET_TTL = 60.0
 FOCUS_TTL = 3.0
 MAX_WAIT = 10.0  # the longest long-poll
@@ -87,13 +88,21 @@ def _label(value: Any) -> str:
 
 
 class FleetHub:
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_HUB_BYTES) -> None:
         self._lock = threading.Lock()
         self._fleets: dict[str, Fleet] = {}
+        self.max_bytes = max_bytes
+        self.held = 0  # bytes of the frames held
 
     def _expire(self, now: float) -> None:
         for fid in [f for f, fleet in self._fleets.items() if now - fleet.pushed > FLEET_TTL]:
-            del self._fleets[fid]
+            self._drop(fid)
+
+    def _drop(self, fleet_id: str) -> Fleet | None:
+        fleet = self._fleets.pop(fleet_id, None)
+        if fleet is not None:
+            self.held -= sum(len(t.data) for t in fleet.tiles.values())
+        return fleet
 
     def register(self, name: Any, tiles: Any) -> dict[str, Any]:
         """A new fleet of ``tiles`` (``[{"tile_id", "label"}]``); its description."""
@@ -124,7 +133,7 @@ class FleetHub:
 
     def unregister(self, fleet_id: str) -> None:
         with self._lock:
-            if self._fleets.pop(fleet_id, None) is None:
+            if self._drop(fleet_id) is None:
                 raise FleetNotFound(f"no fleet {fleet_id[:40]!r}")
 
     def fleets(self) -> list[dict[str, Any]]:
@@ -143,10 +152,13 @@ class FleetHub:
             raise FrameRefused(f"a frame is 1..{MAX_FRAME_BYTES} bytes, got {len(data)}")
         fleet = self.get(fleet_id)
         now = time.monotonic()
-        with fleet.changed:
+        with self._lock, fleet.changed:
             tile = fleet.tiles.get(tile_id)
             if tile is None:
                 raise FleetNotFound(f"fleet {fleet_id} has no tile {tile_id[:40]!r}")
+            if self.held - len(tile.data) + len(data) > self.max_bytes:
+                raise FrameRefused(f"the viewer holds {self.held} bytes of frames (at most {self.max_bytes})")
+            self.held += len(data) - len(tile.data)
             tile.seq += 1
             tile.data, tile.mime, tile.width, tile.height, tile.ts = data, mime, width, height, time.time()
             fleet.pushed = now

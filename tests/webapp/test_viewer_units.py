@@ -1,0 +1,104 @@
+"""The viewer's pieces without a browser: the list's paging/sorting rules and the fleet hub's
+bounds (frame types and sizes, the hub's byte budget, focus, long polls, expiry)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from webapp import viewer_fleet
+from webapp.viewer_fleet import FleetHub, FleetNotFound, FrameRefused
+from webapp.viewer_shape import SUMMARY_FIELDS, ViewerQueryError, is_viewer_path, page_of
+
+
+def _rows() -> list[dict]:
+    return [{"session_id": f"s{i}", "turns": i % 3, "tokens": 10 * i, "images": 0, "rollbacks": 0,
+             "created": 100.0 + i, "last_turn": None if i == 0 else 200.0 - i, "status": "idle",
+             "instance": None} for i in range(7)]
+
+
+def test_rows_carry_exactly_the_declared_fields() -> None:
+    assert all(set(r) == set(SUMMARY_FIELDS) for r in _rows())
+
+
+def test_page_of_sorts_pages_and_filters() -> None:
+    page = page_of(_rows(), {"sort": "created", "order": "asc", "limit": "3", "offset": "2"})
+    assert [r["session_id"] for r in page["sessions"]] == ["s2", "s3", "s4"] and page["total"] == 7
+    by_turns = page_of(_rows(), {"sort": "turns"})["sessions"]
+    assert [r["turns"] for r in by_turns] == sorted((r["turns"] for r in _rows()), reverse=True)
+    # No turn yet sorts last in a descending list of last turns, first in an ascending one.
+    assert page_of(_rows(), {"sort": "last_turn"})["sessions"][-1]["session_id"] == "s0"
+    assert page_of(_rows(), {"sort": "last_turn", "order": "asc"})["sessions"][0]["session_id"] == "s0"
+    assert page_of(_rows(), {"prefix": "s6"})["total"] == 1
+
+
+@pytest.mark.parametrize("args", [{"sort": "password"}, {"order": "up"}, {"limit": "0"}, {"limit": "501"},
+                                  {"offset": "-1"}, {"offset": "x"}])
+def test_page_of_refuses_bad_queries(args: dict) -> None:
+    with pytest.raises(ViewerQueryError):
+        page_of(_rows(), args)
+
+
+def test_viewer_paths() -> None:
+    assert is_viewer_path("/ui") and is_viewer_path("/ui/sessions/x")
+    assert not is_viewer_path("/uix") and not is_viewer_path("/sessions/ui")
+
+
+def _fleet(hub: FleetHub, n: int = 2) -> str:
+    return hub.register("f", [{"tile_id": f"t{i}", "label": f"tile {i}"} for i in range(n)])["fleet_id"]
+
+
+def test_hub_takes_only_images_within_its_bounds() -> None:
+    hub = FleetHub(max_bytes=1000)
+    fid = _fleet(hub)
+    with pytest.raises(FrameRefused):
+        hub.push(fid, "t0", b"<script>", "text/html", 1, 1)
+    with pytest.raises(FrameRefused):
+        hub.push(fid, "t0", b"", "image/png", 1, 1)
+    with pytest.raises(FleetNotFound):
+        hub.push(fid, "nope", b"x", "image/png", 1, 1)
+    hub.push(fid, "t0", b"x" * 600, "image/png", 1, 1)
+    with pytest.raises(FrameRefused):  # the two tiles together would pass the budget
+        hub.push(fid, "t1", b"x" * 600, "image/png", 1, 1)
+    hub.push(fid, "t0", b"x" * 100, "image/png", 1, 1)  # a replaced frame frees its bytes
+    hub.push(fid, "t1", b"x" * 600, "image/png", 1, 1)
+    assert hub.held == 700
+    hub.unregister(fid)
+    assert hub.held == 0
+    with pytest.raises(FrameRefused):
+        hub.register("f", [])
+    with pytest.raises(FrameRefused):
+        hub.register("f", [{"tile_id": 3}])
+
+
+def test_focus_is_the_tile_watched_live_lately(monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = FleetHub()
+    fid = _fleet(hub)
+    assert hub.push(fid, "t0", b"a", "image/jpeg", 1, 1)["focus"] is None
+    hub.frame(fid, "t1", live=True)
+    assert hub.push(fid, "t0", b"b", "image/jpeg", 1, 1)["focus"] == "t1"
+    monkeypatch.setattr(viewer_fleet, "FOCUS_TTL", 0.0)
+    assert hub.heartbeat(fid)["focus"] is None
+
+
+def test_long_poll_wakes_on_the_next_frame() -> None:
+    hub = FleetHub()
+    fid = _fleet(hub)
+    hub.push(fid, "t0", b"1", "image/jpeg", 1, 1)
+    threading.Timer(0.2, hub.push, (fid, "t0", b"2", "image/jpeg", 1, 1)).start()
+    t0 = time.monotonic()
+    tile = hub.frame(fid, "t0", after=1, wait=5.0)
+    assert tile.seq == 2 and tile.data == b"2" and time.monotonic() - t0 < 2.0
+    assert hub.frame(fid, "t0", after=2, wait=0.05).seq == 2  # no newer frame: the current one
+
+
+def test_silent_fleets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = FleetHub()
+    fid = _fleet(hub)
+    hub.push(fid, "t0", b"abc", "image/jpeg", 1, 1)
+    monkeypatch.setattr(viewer_fleet, "FLEET_TTL", -1.0)
+    assert hub.fleets() == [] and hub.held == 0
+    with pytest.raises(FleetNotFound):
+        hub.get(fid)
