@@ -7,10 +7,11 @@
 2. ``chat``: tiny-chat latency p50/p99 on the same server (router, 2 workers) with no viewer,
    then with 4 Chromium tabs showing the viewer (2 on the 200-turn session page, which polls
    its summary, 2 on the session list, which polls the list), alternating rounds.
-3. ``grid``: 64 virtual sandboxes (one ``shinkend --fleet 64`` host) each stepping
-   ``step([click], observe=JPEG q80 @1280)`` from 64 threads; step p50/p99 without a viewer,
-   then with ``FleetPublisher`` forwarding every screen (1 fps @320 px) and a Chromium tab on
-   the live grid with one tile opened at full rate, alternating rounds.
+3. ``grid``: 64 virtual sandboxes (one ``shinkend --fleet 64`` host), rounds paced at 1 Hz, each
+   round every sandbox one ``step([click], observe=JPEG q80 @1280)`` from its own thread (the
+   shared click spots of bench/fleet.py); step p50/p99 without a viewer, then with
+   ``FleetPublisher`` forwarding every screen (1 fps @320 px) and a Chromium tab on the live
+   grid with one tile opened at full rate, alternating blocks of 15 rounds.
 
 ``python bench/viewer.py [open|chat|grid|all] [--quick]``; figures: docs/benchmarks.md.
 """
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import threading
@@ -133,7 +133,11 @@ def bench_chat(chats: int, rounds: int, viewers: int) -> None:
         server.close(timeout=15)
 
 
-def bench_grid(n: int, steps: int, rounds: int) -> None:
+GRID_VARIANTS = ("publish", "page", "focus")  # publisher only; + the grid page; + one tile opened
+
+
+def bench_grid(n: int, rounds: int, blocks: int, variant: str = "focus") -> None:
+    from fleet_measure import OBSERVE, ROUND_PERIOD_S, SHARED_CLICK_SPOTS
 
     from shinken_sync.fleet_view import FleetPublisher, Tile
     from shinken_sync.providers.local import LocalFleetProvider
@@ -141,51 +145,65 @@ def bench_grid(n: int, steps: int, rounds: int) -> None:
     server = _server(0)
     provider = LocalFleetProvider(n, screen=(1920, 1080))
     sandboxes = [provider.connect(provider.create()) for _ in range(n)]
-    rng = random.Random(7)
-    observe = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
+    counter = [0]
 
-    def steps_of(sb: Any, out: list[float]) -> None:
-        for _ in range(steps):
-            action = {"verb": "click", "x": rng.randrange(40, 1880), "y": rng.randrange(40, 1040)}
+    def one_round() -> list[float]:
+        # Every sandbox clicks the same spot (moving each round), as bench/fleet.py's shared
+        # clicks: the host renders each round's screen once, so the client side is measured.
+        x, y = SHARED_CLICK_SPOTS[counter[0] % len(SHARED_CLICK_SPOTS)]
+        counter[0] += 1
+        out: list[float] = []
+
+        def step(sb: Any) -> None:
             t0 = time.perf_counter()
-            sb.step([action], observe=observe)
+            sb.step([{"verb": "click", "x": x, "y": y}], observe=OBSERVE)
             out.append(time.perf_counter() - t0)
 
-    def round_of() -> list[float]:
-        out: list[float] = []
-        threads = [threading.Thread(target=steps_of, args=(sb, out)) for sb in sandboxes]
+        threads = [threading.Thread(target=step, args=(sb,)) for sb in sandboxes]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return out
 
+    def paced(k: int) -> list[float]:
+        out: list[float] = []
+        tick = time.monotonic()
+        for _ in range(k):
+            out += one_round()
+            tick += ROUND_PERIOD_S
+            time.sleep(max(0.0, tick - time.monotonic()))
+        return out
+
     browser = Browser()
     off: list[float] = []
     on: list[float] = []
     try:
-        round_of()  # warm-up
-        for r in range(rounds):
+        paced(2)  # warm-up
+        for b in range(blocks):
             for with_grid in (False, True):
                 publisher = page = None
                 if with_grid:
                     publisher = FleetPublisher(server.url, [Tile(f"sb{i}", f"sandbox {i}", sb)
                                                             for i, sb in enumerate(sandboxes)], name="bench")
                     fleet_url = publisher.start()
-                    page = browser.new_page(1600, 1000)
-                    page.navigate(fleet_url, timeout=60)
-                    page.evaluate("document.querySelector('.tile[data-tile=\"sb3\"]').click()")
+                    if variant != "publish":
+                        page = browser.new_page(1600, 1000)
+                        page.navigate(fleet_url, timeout=60)
+                    if variant == "focus":
+                        page.evaluate("document.querySelector('.tile[data-tile=\"sb3\"]').click()")
                     time.sleep(2.0)
-                got = round_of()
+                got = paced(rounds)
                 (on if with_grid else off).extend(got)
                 sent = f", {publisher.frames_sent} frames forwarded" if publisher else ""
-                print(f"grid round {r} {'with' if with_grid else 'without'} the live grid: {_ms(got)}{sent}")
+                print(f"grid block {b} {f'with the live grid ({variant})' if with_grid else 'without'}: {_ms(got)}{sent}")
                 if page is not None:
                     page.close()
                 if publisher is not None:
                     publisher.close()
         print(f"grid step without the viewer: {_ms(off)}; with: {_ms(on)}; "
-              f"ratio p50 x{percentile(on, 50) / percentile(off, 50):.2f}")
+              f"ratio p50 x{percentile(on, 50) / percentile(off, 50):.2f}, "
+              f"p99 x{percentile(on, 99) / percentile(off, 99):.2f}")
     finally:
         browser.close()
         for sb in sandboxes:
@@ -194,11 +212,13 @@ def bench_grid(n: int, steps: int, rounds: int) -> None:
         server.close(timeout=15)
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="all", choices=("open", "chat", "grid", "all"))
     parser.add_argument("--quick", action="store_true", help="fewer turns, chats and rounds (a smoke run)")
+    parser.add_argument("--grid-variant", choices=GRID_VARIANTS, default="focus",
+                        help="grid: what runs beside the agents (default: publisher, grid page, one tile open)")
+    parser.add_argument("--blocks", type=int, default=None, help="grid: blocks of rounds per side (default 3)")
     args = parser.parse_args()
     scratch_state_home()
     quick = args.quick
@@ -207,7 +227,8 @@ def main() -> None:
     if args.which in ("chat", "all"):
         bench_chat(chats=50 if quick else 200, rounds=1 if quick else 3, viewers=4)
     if args.which in ("grid", "all"):
-        bench_grid(n=16 if quick else 64, steps=5 if quick else 10, rounds=1 if quick else 3)
+        bench_grid(n=16 if quick else 64, rounds=5 if quick else 15,
+                   blocks=args.blocks or (1 if quick else 3), variant=args.grid_variant)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,15 @@ that loop's frame budget. Per sandbox, one low-rate stream for the grid (``grid_
 downscaled to ``grid_long_edge``; the daemon sends nothing while a screen is still); for the
 one tile a browser has open (the server answers every push with that *focus*), one more
 stream at ``focus_fps`` and ``focus_long_edge``, stopped when the tile is closed. Frames go
-to the server from one plain thread over HTTP (keep-alive), newest frame per tile only, so a
+to the server from one plain thread over HTTP (keep-alive), newest frame per tile only, the
+grid's batched into one request per ``flush_interval`` (``shinken_sync.fleet_wire``), so a
 slow viewer or server drops frames rather than queueing them, and never blocks the agents:
 the screencasts read the screen without touching it, and their frames are encoded by the
 daemon's screencast path, not in the agents' step calls.
 
 Wire (docs/viewer.md): ``POST /ui/api/fleets`` registers ``{name, tiles: [{tile_id, label}]}``;
-``POST /ui/api/fleets/<id>/tiles/<tile>/frame?width=&height=`` with the JPEG/PNG body; a
-heartbeat while screens are still; ``DELETE`` at the end. Bearer auth when the server has a key.
+``POST /ui/api/fleets/<id>/frames`` with a batch of the newest frames; a heartbeat while
+screens are still; ``DELETE`` at the end. Bearer auth when the server has a key.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import requests
 
 from shinken_sync.errors import ShinkenError
+from shinken_sync.fleet_wire import FrameItem, encode_batch
 
 __all__ = ["FleetPublisher", "FleetViewError", "Tile"]
 
@@ -67,7 +69,8 @@ class FleetPublisher:
 
     def __init__(self, server_url: str, tiles: Sequence[Tile], *, api_key: str | None = None,
                  name: str = "fleet", grid_fps: float = 1.0, grid_long_edge: int = 320, grid_quality: int = 60,
-                 focus_fps: float = 10.0, focus_long_edge: int | None = 1280, focus_quality: int = 80) -> None:
+                 focus_fps: float = 10.0, focus_long_edge: int | None = 1280, focus_quality: int = 80,
+                 flush_interval: float = 0.5) -> None:
         if not tiles:
             raise ValueError("a fleet needs at least one tile")
         self.server_url = server_url.rstrip("/")
@@ -88,7 +91,9 @@ class FleetPublisher:
         self._pump: Any = None
         self._thread: threading.Thread | None = None
         self.fleet_id = ""
+        self.flush_interval = flush_interval
         self.frames_sent = 0
+        self.batches_sent = 0
         self.frames_dropped = 0  # replaced by a newer frame of the same tile before they were sent
 
     @property
@@ -121,7 +126,8 @@ class FleetPublisher:
             if tile_id in self._pending:
                 self.frames_dropped += 1
             self._pending[tile_id] = _Pending(frame.data, f"image/{frame.format}", frame.width, frame.height)
-        self._wake.set()
+        if focus:
+            self._wake.set()
 
     async def _read(self, tile: Tile, params: dict[str, Any], focus: bool) -> None:
         stream = None
@@ -165,24 +171,30 @@ class FleetPublisher:
 
     def _post_loop(self) -> None:
         last_contact = time.monotonic()
+        url = f"{self.server_url}/ui/api/fleets/{self.fleet_id}/frames"
         while not self._stop.is_set():
-            self._wake.wait(1.0)
+            # Grid frames wait for the next flush (one request for all of them); a focus frame
+            # wakes the thread at once, so the opened tile keeps its full rate.
+            self._wake.wait(self.flush_interval)
             self._wake.clear()
             with self._lock:
                 pending, self._pending = self._pending, {}
-            for tile_id, frame in pending.items():
-                url = (f"{self.server_url}/ui/api/fleets/{self.fleet_id}/tiles/{tile_id}/frame"
-                       f"?width={frame.width}&height={frame.height}")
+            if pending:
+                batch = encode_batch([FrameItem(tile_id, f.mime, f.width, f.height, f.data)
+                                      for tile_id, f in pending.items()])
                 try:
-                    reply = self._http.post(url, data=frame.data, headers={"Content-Type": frame.mime},
+                    reply = self._http.post(url, data=batch, headers={"Content-Type": "application/octet-stream"},
                                             timeout=HTTP_TIMEOUT)
                 except requests.RequestException as exc:
-                    log.warning("fleet view: frame not delivered: %s", exc)
+                    log.warning("fleet view: %d frames not delivered: %s", len(pending), exc)
                     continue
                 if reply.status_code == 200:
-                    self.frames_sent += 1
+                    self.frames_sent += len(pending)
+                    self.batches_sent += 1
                     last_contact = time.monotonic()
                     self._apply_focus(reply.json().get("focus"))
+                else:
+                    log.warning("fleet view: frames refused: HTTP %d %s", reply.status_code, reply.text[:200])
             if time.monotonic() - last_contact > HEARTBEAT_INTERVAL:
                 # Still screens send nothing: keep the fleet registered, and learn of a newly opened tile.
                 with contextlib.suppress(requests.RequestException, ValueError):

@@ -9,6 +9,7 @@ message ``{"id", "method", "params", "sessionId"}``, answered by ``{"id", "resul
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import itertools
@@ -42,6 +43,8 @@ class Browser:
         self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={self._profile}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
+        self._closed = False
+        atexit.register(self.close)  # its own session ignores our Ctrl-C: never leave it behind
         url = self._endpoint(timeout)
         # Entered as a context manager (websockets' supported form), left in close().
         self._ws = connect(url, max_size=None, open_timeout=timeout).__enter__()
@@ -118,8 +121,12 @@ class Browser:
         return page
 
     def close(self) -> None:
-        with contextlib.suppress(ConnectionClosed, OSError):  # already closed by the browser
-            self._ws.__exit__(None, None, None)
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_ws"):
+            with contextlib.suppress(ConnectionClosed, OSError):  # already closed by the browser
+                self._ws.__exit__(None, None, None)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -145,25 +145,36 @@ class FleetHub:
                 for f in found]
 
     def push(self, fleet_id: str, tile_id: str, data: bytes, mime: str, width: int, height: int) -> dict[str, Any]:
-        """Store a tile's newest frame; answers the fleet's focus (the tile to stream at full rate)."""
-        if mime not in FRAME_TYPES:
-            raise FrameRefused(f"frame type must be one of {sorted(FRAME_TYPES)}, got {mime[:60]!r}")
-        if not data or len(data) > MAX_FRAME_BYTES:
-            raise FrameRefused(f"a frame is 1..{MAX_FRAME_BYTES} bytes, got {len(data)}")
+        """Store a tile's newest frame; answers its seq and the fleet's focus (the tile to stream
+        at full rate)."""
+        seqs = self.push_many(fleet_id, [(tile_id, data, mime, width, height)])
+        return {"seq": seqs[tile_id], "focus": self.get(fleet_id).focus(time.monotonic())}
+
+    def push_many(self, fleet_id: str, frames: list[tuple[str, bytes, str, int, int]]) -> dict[str, int]:
+        """Store several tiles' newest frames, all or none (each checked first); their seqs."""
+        for _tile_id, data, mime, _w, _h in frames:
+            if mime not in FRAME_TYPES:
+                raise FrameRefused(f"frame type must be one of {sorted(FRAME_TYPES)}, got {mime[:60]!r}")
+            if not data or len(data) > MAX_FRAME_BYTES:
+                raise FrameRefused(f"a frame is 1..{MAX_FRAME_BYTES} bytes, got {len(data)}")
         fleet = self.get(fleet_id)
-        now = time.monotonic()
+        latest = {f[0]: f for f in frames}  # a tile twice in one batch: its last frame
         with self._lock, fleet.changed:
-            tile = fleet.tiles.get(tile_id)
-            if tile is None:
-                raise FleetNotFound(f"fleet {fleet_id} has no tile {tile_id[:40]!r}")
-            if self.held - len(tile.data) + len(data) > self.max_bytes:
+            missing = [t for t in latest if t not in fleet.tiles]
+            if missing:
+                raise FleetNotFound(f"fleet {fleet_id} has no tile {missing[0][:40]!r}")
+            grow = sum(len(f[1]) - len(fleet.tiles[t].data) for t, f in latest.items())
+            if self.held + grow > self.max_bytes:
                 raise FrameRefused(f"the viewer holds {self.held} bytes of frames (at most {self.max_bytes})")
-            self.held += len(data) - len(tile.data)
-            tile.seq += 1
-            tile.data, tile.mime, tile.width, tile.height, tile.ts = data, mime, width, height, time.time()
+            self.held += grow
+            now, wall = time.monotonic(), time.time()
+            for tile_id, data, mime, width, height in latest.values():
+                tile = fleet.tiles[tile_id]
+                tile.seq += 1
+                tile.data, tile.mime, tile.width, tile.height, tile.ts = data, mime, width, height, wall
             fleet.pushed = now
             fleet.changed.notify_all()
-        return {"seq": tile.seq, "focus": fleet.focus(now)}
+            return {t: fleet.tiles[t].seq for t in latest}
 
     def heartbeat(self, fleet_id: str) -> dict[str, Any]:
         """Keep a fleet whose screens are still (no frames) registered; answers its focus."""

@@ -31,7 +31,8 @@ from typing import Any, Protocol
 
 from flask import Flask, Response, request
 
-from webapp.viewer_fleet import FleetError, FleetHub
+from shinken_sync.fleet_wire import BatchError, decode_batch
+from webapp.viewer_fleet import MAX_TILES, FleetError, FleetHub
 from webapp.viewer_shape import UI_PREFIX, ViewerQueryError, is_viewer_path, page_of
 
 __all__ = ["COOKIE_NAME", "STATIC_DIR", "ViewerSource", "install_viewer", "is_viewer_path"]
@@ -243,13 +244,15 @@ def install_viewer(app: Flask, source: ViewerSource, *, api_key: str | None, ins
     def api_heartbeat(fleet_id: str) -> Response:
         return _json(200, hub.heartbeat(fleet_id))
 
-    @route("/api/fleets/<fleet_id>/tiles/<tile_id>/frame", methods=("POST",))
-    def api_push(fleet_id: str, tile_id: str) -> Response:
-        mime = (request.content_type or "").split(";", 1)[0].strip().lower()
-        width = request.args.get("width", type=int) or 0
-        height = request.args.get("height", type=int) or 0
-        data = request.get_data(cache=False)
-        return _json(200, hub.push(fleet_id, tile_id, data, mime, width, height))
+    @route("/api/fleets/<fleet_id>/frames", methods=("POST",))
+    def api_push(fleet_id: str) -> Response:
+        """A batch of frames (``shinken_sync.fleet_wire``); answers each tile's seq and the focus."""
+        try:
+            frames = decode_batch(request.get_data(cache=False), MAX_TILES)
+        except BatchError as exc:
+            return _json(400, {"error": f"bad frame batch: {exc}"})
+        seqs = hub.push_many(fleet_id, [(f.tile_id, f.data, f.mime, f.width, f.height) for f in frames])
+        return _json(200, {"seqs": seqs, **hub.heartbeat(fleet_id)})
 
     @route("/api/fleets/<fleet_id>/tiles/<tile_id>/frame")
     def api_frame(fleet_id: str, tile_id: str) -> Response:

@@ -21,6 +21,7 @@ import requests
 import safetensors.numpy
 from PIL import Image
 
+from shinken_sync.fleet_wire import FrameItem, encode_batch
 from tests.cdp import CHROMIUM, Browser, Page
 from tests.viewer_rollout import HOSTILE_TEXT, Rollout, drive, screen_colour, screenshot_png
 
@@ -226,25 +227,24 @@ def test_live_fleet_grid_and_full_rate_tile(page: Page, served: Served) -> None:
         {"tile_id": f"sb{i}", "label": f"sandbox {i}"} for i in range(4)]}, headers=headers, timeout=10).json()
     fid = fleet["fleet_id"]
 
-    def push(i: int, colour_index: int) -> dict:
-        r = requests.post(f"{api}/{fid}/tiles/sb{i}/frame?width=64&height=48",
-                          data=screenshot_png(colour_index), headers={**headers, "Content-Type": "image/png"},
-                          timeout=10)
+    def push(frames: dict[int, int]) -> dict:
+        batch = encode_batch([FrameItem(f"sb{i}", "image/png", 64, 48, screenshot_png(c)) for i, c in frames.items()])
+        r = requests.post(f"{api}/{fid}/frames", data=batch, headers=headers, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()
 
-    for i in range(4):
-        push(i, 10 + i)
+    assert push({i: 10 + i for i in range(4)})["seqs"] == {f"sb{i}": 1 for i in range(4)}
     assert page.navigate(f"{served.url}/ui/fleet/{fid}") == 200
     assert "test fleet <b>x</b>" in page.evaluate("document.querySelector('h1').textContent")
     assert _pixel_of_image(page, '.tile[data-tile="sb2"] img') == list(screen_colour(12))
     page.evaluate("document.querySelector('.tile[data-tile=\"sb1\"]').click()")
     page.wait_for("window.__viewer.liveSeq === 1")
-    assert push(1, 20)["focus"] == "sb1"  # the opened tile is the one the publisher streams at full rate
+    assert push({1: 20})["focus"] == "sb1"  # the opened tile is the one the publisher streams at full rate
     page.wait_for("window.__viewer.liveSeq === 2")
     assert _pixel_of_image(page, "#live") == list(screen_colour(20))
     # HTML is not a frame type: the hub serves only images back.
-    bad = requests.post(f"{api}/{fid}/tiles/sb0/frame", data=b"<script>", headers={**headers, "Content-Type": "text/html"},
-                        timeout=10)
-    assert bad.status_code == 400
+    html = encode_batch([FrameItem("sb0", "text/html", 1, 1, b"<script>")])
+    assert requests.post(f"{api}/{fid}/frames", data=html, headers=headers, timeout=10).status_code == 400
+    assert requests.post(f"{api}/{fid}/frames", data=b"\x00\x00\x00\x09{}", headers=headers,
+                         timeout=10).status_code == 400  # a batch that does not parse
     assert page.navigate(f"{served.url}/ui/fleet/nope") == 404

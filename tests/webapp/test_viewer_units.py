@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from shinken_sync.fleet_wire import BatchError, FrameItem, decode_batch, encode_batch
 from webapp import viewer_fleet
 from webapp.viewer_fleet import FleetHub, FleetNotFound, FrameRefused
 from webapp.viewer_shape import SUMMARY_FIELDS, ViewerQueryError, is_viewer_path, page_of
@@ -62,6 +63,9 @@ def test_hub_takes_only_images_within_its_bounds() -> None:
     hub.push(fid, "t0", b"x" * 600, "image/png", 1, 1)
     with pytest.raises(FrameRefused):  # the two tiles together would pass the budget
         hub.push(fid, "t1", b"x" * 600, "image/png", 1, 1)
+    with pytest.raises(FrameRefused):  # all or none: the good frame of a bad batch is not taken
+        hub.push_many(fid, [("t1", b"y", "image/png", 1, 1), ("t0", b"<p>", "text/html", 1, 1)])
+    assert hub.frame(fid, "t1").seq == 0
     hub.push(fid, "t0", b"x" * 100, "image/png", 1, 1)  # a replaced frame frees its bytes
     hub.push(fid, "t1", b"x" * 600, "image/png", 1, 1)
     assert hub.held == 700
@@ -81,6 +85,17 @@ def test_focus_is_the_tile_watched_live_lately(monkeypatch: pytest.MonkeyPatch) 
     assert hub.push(fid, "t0", b"b", "image/jpeg", 1, 1)["focus"] == "t1"
     monkeypatch.setattr(viewer_fleet, "FOCUS_TTL", 0.0)
     assert hub.heartbeat(fid)["focus"] is None
+
+
+def test_frame_batches_round_trip_and_refuse_what_does_not_parse() -> None:
+    frames = [FrameItem("a", "image/png", 3, 4, b"\x89PNG..."), FrameItem("b", "image/jpeg", 0, 0, b"")]
+    assert decode_batch(encode_batch(frames), 4) == frames
+    body = encode_batch(frames)
+    for bad in (b"", body[:3], body[:-1], body + b"x", b"\x00\x00\x00\x02[]", b"\xff\xff\xff\xff"):
+        with pytest.raises(BatchError):
+            decode_batch(bad, 4)
+    with pytest.raises(BatchError):
+        decode_batch(body, 1)
 
 
 def test_long_poll_wakes_on_the_next_frame() -> None:
