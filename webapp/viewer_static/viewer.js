@@ -336,6 +336,14 @@ async function fleetPage() {
   app.replaceChildren(title, el("p", { class: "muted", text: "Low-rate frames; click a sandbox for its full-rate stream." }), grid);
   const tiles = new Map();
   let focused = null;
+  // Only tiles in view reload: a large fleet's off-screen screens cost no requests or decodes.
+  const inView = new Set();
+  const observer = new IntersectionObserver((entries) => {
+    for (const e of entries) {
+      const id = e.target.dataset.tile;
+      if (e.isIntersecting) inView.add(id); else inView.delete(id);
+    }
+  });
 
   async function openTile(tile) {
     const img = el("img", { alt: tile.label, id: "live" });
@@ -376,10 +384,11 @@ async function fleetPage() {
         const img = el("img", { alt: tile.label, width: "320", height: "180" });
         const node = el("div", { class: "tile", "data-tile": tile.tile_id, onclick: () => openTile(tile) }, img, el("div", { class: "label", text: tile.label }));
         grid.append(node);
+        observer.observe(node);
         entry = { img, seq: 0 };
         tiles.set(tile.tile_id, entry);
       }
-      if (tile.seq > entry.seq) {
+      if (tile.seq > entry.seq && (inView.has(tile.tile_id) || entry.seq === 0)) {
         entry.seq = tile.seq;
         entry.img.src = frameURL(fleetId, tile.tile_id) + "?seq=" + tile.seq;
       }
