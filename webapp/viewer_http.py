@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -231,8 +232,6 @@ def install_viewer(app: Flask, source: ViewerSource, *, api_key: str | None, ins
 
     @route("/api/fleets/<fleet_id>")
     def api_fleet(fleet_id: str) -> Response:
-        import time
-
         return _json(200, hub.get(fleet_id).describe(time.monotonic()))
 
     @route("/api/fleets/<fleet_id>", methods=("DELETE",))
