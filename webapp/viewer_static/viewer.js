@@ -388,7 +388,8 @@ async function fleetPage() {
         entry = { img, seq: 0 };
         tiles.set(tile.tile_id, entry);
       }
-      if (tile.seq > entry.seq && (inView.has(tile.tile_id) || entry.seq === 0)) {
+      // While a tile is open, its overlay covers the grid: the grid waits (no reloads, no repaints).
+      if (tile.seq > entry.seq && (entry.seq === 0 || (focused === null && inView.has(tile.tile_id)))) {
         entry.seq = tile.seq;
         entry.img.src = frameURL(fleetId, tile.tile_id) + "?seq=" + tile.seq;
       }
