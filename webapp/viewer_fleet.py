@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from webapp.errors import WebappError
+
 __all__ = ["FLEET_TTL", "FOCUS_TTL", "FRAME_TYPES", "MAX_FLEETS", "MAX_FRAME_BYTES", "MAX_HUB_BYTES", "MAX_TILES", "Fleet",
            "FleetError", "FleetHub", "FleetNotFound", "FrameRefused"]
 
@@ -36,11 +38,15 @@ FRAME_TYPES = frozenset({"image/jpeg", "image/png"})  # served back as such: nev
 _MAX_LABEL = 200
 
 
-class FleetError(Exception):
+class FleetError(WebappError):
+    """The live-fleet branch of the webapp error tree (webapp.errors)."""
+
     status = 400
 
 
 class FleetNotFound(FleetError):
+    """No such fleet (never registered, unregistered, or silent past FLEET_TTL) or tile."""
+
     status = 404
 
 

@@ -1,5 +1,5 @@
 """The viewer's data contract, declared once: the session summary's fields, the list's sort keys
-and paging, and the viewer's URL space. Imports nothing, so the router may use it.
+and paging, and the viewer's URL space. Imports nothing of the session core, so the router may use it.
 
 A *session summary* is what the session list shows of one session. The session core builds it
 (``webapp.viewer_data.session_summary``: every worker for its own shard, the single-process app
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from webapp.errors import WebappError
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "SORT_KEYS", "SUMMARY_FIELDS", "UI_PREFIX", "ViewerQueryError",
            "is_viewer_path", "page_of"]
@@ -33,7 +35,7 @@ DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
 
 
-class ViewerQueryError(ValueError):
+class ViewerQueryError(WebappError):
     """A list query the viewer cannot answer (bad sort key, order or paging); HTTP 400."""
 
     status = 400
