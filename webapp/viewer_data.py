@@ -315,7 +315,8 @@ class ViewerData:
                 for k, (a, b) in enumerate(zip(starts, ends))]
         out_ids = entries[keep]
         kept = np.round(logprobs[keep], 4)
-        out_lp = np.where(np.isnan(kept), None, kept).tolist()  # JSON null: no logprob (not a model token)
+        # JSON null: no logprob (not a model token)
+        out_lp = [None if missing else v for missing, v in zip(np.isnan(kept).tolist(), kept.tolist())]
         vocab = {str(t): _token_text(tokenizer, t) for t in np.unique(out_ids[out_ids >= 0]).tolist()}
         return {"tokens": {"length": n, "ids": out_ids.tolist(), "kinds": kinds[keep].tobytes().decode(),
                            "logprobs": out_lp, "vocab": vocab, "image_runs": runs,
