@@ -17,9 +17,11 @@ session's records: they grow with every turn). Built once per journal version (c
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,8 @@ __all__ = ["KIND_MASKED", "KIND_TRAINED", "KIND_UNTRAINED", "ViewerData", "parse
 KIND_MASKED = "0"  # prompt / observation: loss mask 0
 KIND_TRAINED = "1"  # a model token /samples trains on: loss mask 1
 KIND_UNTRAINED = "2"  # a model token the sample leaves out (after a truncated or cut turn)
+log = logging.getLogger(__name__)
+
 _CACHE_SIZE = 8  # timelines kept per core (each a few MiB at most)
 _INPUT_IDS = b'"input_ids":['
 
@@ -180,6 +184,7 @@ class ViewerData:
         self._core = core
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._building: dict[tuple[str, str], Future[bytes]] = {}  # builds in flight, by key
 
     def sessions(self, prefix: str = "") -> Reply:
         """``{"sessions": [summary...]}`` of every session whose id starts with ``prefix``."""
@@ -223,14 +228,31 @@ class ViewerData:
             body = self._cache.get(key)
             if body is not None:
                 self._cache.move_to_end(key)
-        if body is None:
+                return Reply(200, body)
+            building = self._building.get(key)
+            owner = building is None
+            if building is None:
+                building = self._building[key] = Future()
+        if not owner:  # another viewer asked first: wait for that build, never a second one
+            if building.exception() is not None:  # waits for it; the builder logged why
+                return error_response(500, "building the timeline failed (logged)")
+            return Reply(200, building.result())
+        try:
             # Up to a second of CPU for a long session: in a thread, so the worker's other
             # requests (chats) keep running meanwhile (webapp.offload).
             body = run_blocking("viewer", self._encoded, session, records, state.token_ids, rollbacks)
+        except Exception as exc:  # a bug here must cost this page only
+            log.exception("timeline of session %s failed", session_id)
+            building.set_exception(exc)
+            return error_response(500, "building the timeline failed (logged)")
+        finally:
             with self._lock:
-                self._cache[key] = body
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                del self._building[key]
+        with self._lock:
+            self._cache[key] = body
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        building.set_result(body)
         return Reply(200, body)
 
     def _encoded(self, session: Session, records: Sequence[TurnRecord], ids: Sequence[int], rollbacks: int) -> bytes:

@@ -248,3 +248,12 @@ def test_live_fleet_grid_and_full_rate_tile(page: Page, served: Served) -> None:
     assert requests.post(f"{api}/{fid}/frames", data=b"\x00\x00\x00\x09{}", headers=headers,
                          timeout=10).status_code == 400  # a batch that does not parse
     assert page.navigate(f"{served.url}/ui/fleet/nope") == 404
+
+
+def test_a_session_without_turns_opens_empty(page: Page, served: Served) -> None:
+    headers = {"Authorization": f"Bearer {served.key}"} if served.key else {}
+    sid = requests.post(f"{served.url}/sessions", headers=headers, timeout=10).json()["session_id"]
+    assert page.navigate(f"{served.url}/ui/sessions/{sid}") == 200
+    assert page.evaluate("document.getElementById('turn-count').textContent") == "0"
+    assert "no sample (no_records)" in page.evaluate("document.getElementById('sample').textContent")
+    requests.delete(f"{served.url}/sessions/{sid}", headers=headers, timeout=10)

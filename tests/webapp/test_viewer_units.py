@@ -3,6 +3,7 @@ bounds (frame types and sizes, the hub's byte budget, focus, long polls, expiry)
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -117,3 +118,73 @@ def test_silent_fleets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hub.fleets() == [] and hub.held == 0
     with pytest.raises(FleetNotFound):
         hub.get(fid)
+
+
+@pytest.fixture
+def core_with_a_session(backend, tmp_path):
+    from tests.viewer_rollout import image_part, screenshot_png
+    from webapp.core import CoreConfig, build_session_core
+
+    core = build_session_core(CoreConfig(backend.url, data_dir=str(tmp_path)))
+    sid = json.loads(core.create_session().read())["session_id"]
+    messages: list[dict] = [{"role": "system", "content": "s"}]
+    for i in range(3):
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"t{i}"},
+                                                     image_part(screenshot_png(i))]})
+        reply = json.loads(core.chat(sid, json.dumps({"messages": messages}).encode()).read())
+        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+    yield core, sid
+    core.close()
+
+
+def test_concurrent_viewers_share_one_timeline_build(core_with_a_session, monkeypatch) -> None:
+    from webapp.viewer_data import ViewerData
+
+    core, sid = core_with_a_session
+    data = ViewerData(core)
+    builds = []
+    real = data._encoded
+
+    def slow(*args):
+        builds.append(1)
+        time.sleep(0.3)  # long enough for every other viewer to arrive while it builds
+        return real(*args)
+
+    monkeypatch.setattr(data, "_encoded", slow)
+    bodies: list[bytes] = []
+    threads = [threading.Thread(target=lambda: bodies.append(data.timeline(sid).read())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(set(bodies)) == 1 and json.loads(bodies[0])["summary"]["turns"] == 3
+
+
+def test_a_failed_build_answers_500_and_is_not_cached(core_with_a_session, monkeypatch) -> None:
+    from webapp.viewer_data import ViewerData
+
+    core, sid = core_with_a_session
+    data = ViewerData(core)
+    real = data._build
+    monkeypatch.setattr(data, "_build", lambda *a: 1 / 0)
+    assert data.timeline(sid).status == 500
+    monkeypatch.setattr(data, "_build", real)
+    assert data.timeline(sid).status == 200
+
+
+def test_timeline_skips_the_ids_unread_and_matches_the_records(core_with_a_session, monkeypatch) -> None:
+    """The length-skipped parse gives the same messages as parsing each record whole."""
+    from webapp import viewer_data
+
+    core, sid = core_with_a_session
+    parsed: list[bytes] = []
+    real_parsed = viewer_data._parsed
+    monkeypatch.setattr(viewer_data, "_parsed", lambda data: (parsed.append(data), real_parsed(data))[1])
+    fast = json.loads(viewer_data.ViewerData(core).timeline(sid).read())
+    assert len(parsed) == 3 and all(b'"input_ids":[]' in d for d in parsed)  # the ids were cut, not parsed
+    monkeypatch.setattr(viewer_data, "_INPUT_IDS", b"\x00never")  # forces the whole-record parse
+    whole = json.loads(viewer_data.ViewerData(core).timeline(sid).read())
+    assert fast == whole and [len(t["messages"]) for t in fast["turns"]] == [2, 1, 1]
+    records = json.loads(core.get_session(sid).read())["records"]
+    assert [t["reply"]["parts"][0]["text"] for t in fast["turns"]] == [
+        r["response"]["choices"][0]["message"]["content"] for r in records]
