@@ -283,7 +283,6 @@ class ViewerData:
                 "timestamp": record.timestamp,
                 "prompt_tokens": record.prompt_len,
                 "output_tokens": len(record.output_ids),
-                "images": list(record.images),
             })
             seen = len(messages) + 1
         images = {sha: {"mime_type": im.mime_type, "width": im.width, "height": im.height}
