@@ -30,7 +30,9 @@ from typing import Any
 
 from shinken_sync.lifetime import die_with_parent
 from webapp.filebody import encode_layout, has_spans
+from webapp.inflight import InflightBudget
 from webapp.ipc import WORKER_BOOT_ERROR, Op
+from webapp.session_errors import SessionError
 
 __all__ = ["EXIT_BOOT_ERROR", "PROCESS_TITLE", "WorkerBootError", "run"]
 
@@ -168,6 +170,9 @@ class SessionOps:
         self._shards = shards
         self._shard_for = shard_for
         self._json_response = core_module.json_response
+        self._error_reply = core_module.error_reply
+        self._inflight = InflightBudget(config.max_inflight_bytes if config is not None
+                                        else core_module.CoreConfig("").max_inflight_bytes)
         self._error_response = core_module.error_response
         # The ops that name a session, each a method taking (session_id, meta, body).
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
@@ -217,7 +222,11 @@ class SessionOps:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not budget > 0):
             return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
-        return self._core.chat(session_id, bytes(body), budget)
+        try:
+            with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
+                return self._core.chat(session_id, bytes(body), budget)
+        except SessionError as exc:
+            return self._error_reply(exc, openai=True)
 
     def _proxy(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
         method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))
