@@ -37,7 +37,6 @@ from webapp.core import (
     Reply,
     SessionCore,
     build_session_core,
-    error_reply,
     error_response,
     json_response,
     openai_error_response,
@@ -45,11 +44,10 @@ from webapp.core import (
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.errors import WebappError
 from webapp.filebody import file_response, has_spans
-from webapp.http_limits import HttpLimits, read_body
-from webapp.inflight import InflightBudget
+from webapp.http_limits import HttpLimits, discard_body, read_body
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images
-from webapp.session_errors import SessionError
 from webapp.settings import BY_NAME, Scope, embedded_replay_layers, scope_values, values_from_env
 
 __all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
@@ -145,8 +143,12 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
             with inflight.hold(request.content_length):
                 return to_flask_response(handle(read_body(request.stream, http_limits.body_timeout,
                                                           request.content_length)))
-        except SessionError as exc:
-            return to_flask_response(error_reply(exc, openai=openai))
+        except InflightRefused as exc:
+            discard_body(request.stream, http_limits.body_timeout, request.content_length)
+            reply = (openai_error_response(exc.status, str(exc), "server_error", "overloaded") if openai
+                     else error_response(exc.status, str(exc)))
+            reply.headers = refusal_headers(exc)
+            return to_flask_response(reply)
 
     @app.errorhandler(WebappError)
     def webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body

@@ -169,12 +169,9 @@ def error_reply(exc: SessionError, *, openai: bool = False) -> Reply:
     """``exc`` as the reply every adapter sends; ``openai``: the route is an OpenAI one."""
     if isinstance(exc, UpstreamStatus):
         return Reply(exc.status, exc.body, exc.content_type)
-    reply = (openai_error_response(exc.status, str(exc), exc.openai_type, exc.code) if openai
-             else error_response(exc.status, str(exc)))
-    retry_after = getattr(exc, "retry_after", None)  # Overloaded: when to come back
-    if retry_after is not None:
-        reply.headers = (("Retry-After", str(retry_after)),)
-    return reply
+    if openai:
+        return openai_error_response(exc.status, str(exc), exc.openai_type, exc.code)
+    return error_response(exc.status, str(exc))
 
 
 @dataclass

@@ -18,13 +18,42 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from webapp.limits import LimitExceeded
-from webapp.session_errors import Overloaded
+from webapp.errors import WebappError
 from webapp.settings import MAX_BODY_BYTES
 
-__all__ = ["RETRY_AFTER", "InflightBudget"]
+__all__ = ["RETRY_AFTER", "BodyOverBudget", "InflightBudget", "InflightRefused", "Overloaded", "refusal_headers"]
 
 RETRY_AFTER = 1  # seconds: turns take about this long; a client polling faster only adds load
+
+
+class InflightRefused(WebappError):
+    """A request body refused by the bytes-in-flight budget ``limit`` (nothing was read)."""
+
+    def __init__(self, message: str, limit: str, allowed: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.allowed = allowed
+
+
+class Overloaded(InflightRefused):
+    """503: the body would take the bytes in flight past the limit; retry after ``retry_after`` s."""
+
+    status = 503
+
+    def __init__(self, limit: str, allowed: int, in_flight: int, wanted: int, retry_after: int = RETRY_AFTER) -> None:
+        super().__init__(f"{in_flight} request bytes in flight, this body of {wanted} would pass the limit "
+                         f"{limit}={allowed}; retry after {retry_after} s", limit, allowed)
+        self.retry_after = retry_after
+
+
+class BodyOverBudget(InflightRefused):
+    """413: the body alone is larger than the whole budget: it can never be admitted."""
+
+    status = 413
+
+
+def refusal_headers(exc: InflightRefused) -> tuple[tuple[str, str], ...]:
+    return (("Retry-After", str(exc.retry_after)),) if isinstance(exc, Overloaded) else ()
 
 
 class InflightBudget:
@@ -43,10 +72,11 @@ class InflightBudget:
     @contextmanager
     def hold(self, length: int | None) -> Iterator[int]:
         """Reserve ``length`` bytes (None: the body cap) while the body is handled. Raises
-        :class:`Overloaded` (503) or :class:`LimitExceeded` (413) without reserving."""
+        :class:`Overloaded` (503) or :class:`BodyOverBudget` (413) without reserving."""
         wanted = MAX_BODY_BYTES if length is None else max(0, length)
         if wanted > self.limit:
-            raise LimitExceeded(self.name, self.limit, wanted, "the request body in bytes")
+            raise BodyOverBudget(f"the request body of {wanted} bytes is over the limit {self.name}={self.limit}",
+                                 self.name, self.limit)
         with self._lock:
             if self.used + wanted > self.limit:
                 self.refused += 1

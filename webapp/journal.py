@@ -396,10 +396,16 @@ class Usage:
         """Under the lock: ``admit(sessions now)`` may refuse (raise); a growth past
         ``max_bytes`` raises :class:`StorageBudget`; then ``then()`` (its result returned) and,
         unless it raised, the counts are moved by ``sessions`` and ``nbytes``."""
-        lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+            try:
+                fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+            except (DataDirUnsafe, OSError) as exc:
+                raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
             try:
                 raw = os.pread(fd, self.RECORD.size, 0)
                 count, total = self.RECORD.unpack(raw) if len(raw) == self.RECORD.size else self._scan()

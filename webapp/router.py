@@ -33,11 +33,10 @@ from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
-from webapp.http_limits import HttpLimits, iter_body
-from webapp.inflight import InflightBudget
+from webapp.http_limits import HttpLimits, discard_body, iter_body
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
-from webapp.limits import LimitExceeded
 from webapp.routes import (
     IMAGES_QUERY,
     PROXY_HEADERS,
@@ -47,7 +46,6 @@ from webapp.routes import (
     wants_images,
 )
 from webapp.scaleout import check_instance_tag
-from webapp.session_errors import Overloaded
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
@@ -322,10 +320,10 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                 # Streamed on to the worker as it arrives: the router never holds a whole large body.
                 return call(session_id, Op.CHAT, body_stream=pieces, body_length=length,
                             timeout=config.chat_timeout, budget=config.chat_budget)
-        except (Overloaded, LimitExceeded) as exc:
+        except InflightRefused as exc:
+            discard_body(request.stream, http_limits.body_timeout, length)
             response = _error(exc.status, str(exc))
-            if isinstance(exc, Overloaded):
-                response.headers["Retry-After"] = str(exc.retry_after)
+            response.headers.extend(refusal_headers(exc))
             return response
 
     def _small_body() -> bytes:

@@ -28,7 +28,6 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── SessionNotFound               404  unknown, deleted or closing session
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
-    ├── Overloaded                    503  over the bytes-in-flight budget; ``Retry-After`` says when
     ├── InsufficientStorage           507  the journal could not be written; nothing stored
     │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
     ├── JournalDamaged                500  the journal changed under the server; not served
@@ -63,7 +62,6 @@ __all__ = [
     "InvalidField",
     "InvalidJSON",
     "JournalDamaged",
-    "Overloaded",
     "RemoteImageURL",
     "RollbackTooDeep",
     "SampleAssemblyError",
@@ -216,20 +214,6 @@ class JournalDamaged(SessionError):
     aside (docs/session-server-ops.md)."""
 
     status = 500
-
-
-class Overloaded(SessionError):
-    """503: the request body would take the bytes in flight past ``limit``; retry after
-    ``retry_after`` seconds (sent as ``Retry-After``)."""
-
-    status = 503
-
-    def __init__(self, limit: str, allowed: int, in_flight: int, wanted: int, retry_after: int = 1) -> None:
-        super().__init__(f"{in_flight} request bytes in flight, this body of {wanted} would pass the limit "
-                         f"{limit}={allowed}; retry after {retry_after} s")
-        self.limit = limit
-        self.allowed = allowed
-        self.retry_after = retry_after
 
 
 class TokenPrefixMismatch(SessionError):
