@@ -71,8 +71,40 @@ def _junk(rng: random.Random, n: int) -> bytes:
     return bytes(rng.randrange(256) for _ in range(n))
 
 
+def _json_value(rng: random.Random, depth: int = 0) -> object:
+    """Any JSON value: every type, nested a little."""
+    kinds = ["int", "float", "str", "bool", "null"] + (["list", "object"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "list":
+        return [_json_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "object":
+        keys = ["function", "name", "arguments", "id", "type", "text", "url", "x"]
+        return {rng.choice(keys): _json_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return {"int": lambda: rng.choice([0, 5, -1, 1 << 70]), "float": lambda: rng.choice([1.5, -0.0, 1e300]),
+            "str": lambda: rng.choice(["", "x", "user", "\u0000"]), "bool": lambda: rng.random() < 0.5,
+            "null": lambda: None}[kind]()
+
+
+MESSAGE_FIELDS = ("tool_calls", "content", "name", "role", "tool_call_id")
+
+
+def _typed_body(rng: random.Random) -> bytes:
+    """A chat whose message fields and top-level fields hold generated JSON of any type, plus
+    sometimes a field the server does not know (400 naming it, never stored)."""
+    message: dict = {"role": rng.choice(["user", "assistant", "tool"]), "content": "x"}
+    for _ in range(rng.randrange(1, 3)):
+        message[rng.choice(MESSAGE_FIELDS)] = _json_value(rng)
+    body: dict = {"messages": [{"role": "user", "content": "q"}, message]}
+    if rng.random() < 0.5:
+        body[rng.choice(["padding", "input_ids", "image_data", "tools", "stop", "top_k", "zz" * 30])] = \
+            _json_value(rng)
+    return json.dumps(body).encode()
+
+
 def _chat_body(rng: random.Random) -> bytes:
     shapes = [
+        lambda: _typed_body(rng),
+        lambda: _typed_body(rng),
         lambda: b'{"messages": [{"role": "user", "content": "hi"}]}',
         lambda: b'{"messages": ' + b"[" * rng.randrange(50, 5000) + b"]" * rng.randrange(0, 50) + b"}",
         lambda: b'{"messages": [{"role": "user", "content": "x"}], "temperature": '
