@@ -44,7 +44,7 @@ from webapp.core import (
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.errors import WebappError
 from webapp.filebody import file_response, has_spans
-from webapp.http_limits import HttpLimits, discard_body, read_body
+from webapp.http_limits import HttpLimits, discard_body, iter_body
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, wants_images
@@ -140,9 +140,10 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
     def admitted(handle: Callable[[bytes], Reply], openai: bool = False) -> Response:
         # The body counts against the process's bytes in flight until its reply is built.
         try:
-            with inflight.hold(request.content_length):
-                return to_flask_response(handle(read_body(request.stream, http_limits.body_timeout,
-                                                          request.content_length)))
+            with inflight.admit(request.content_length) as grant:
+                body = b"".join(grant.metered(iter_body(request.stream, http_limits.body_timeout,
+                                                        length=request.content_length)))
+                return to_flask_response(handle(body))
         except InflightRefused as exc:
             discard_body(request.stream, http_limits.body_timeout, request.content_length)
             reply = (openai_error_response(exc.status, str(exc), "server_error", "overloaded") if openai

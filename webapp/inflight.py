@@ -15,13 +15,12 @@ Imports nothing of the core; used by the router, the app and the worker.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from webapp.errors import WebappError
-from webapp.settings import MAX_BODY_BYTES
 
-__all__ = ["RETRY_AFTER", "BodyOverBudget", "InflightBudget", "InflightRefused", "Overloaded", "refusal_headers"]
+__all__ = ["RETRY_AFTER", "BodyOverBudget", "Grant", "InflightBudget", "InflightRefused", "Overloaded", "refusal_headers"]
 
 RETRY_AFTER = 1  # seconds: turns take about this long; a client polling faster only adds load
 
@@ -70,21 +69,73 @@ class InflightBudget:
         self._lock = threading.Lock()
 
     @contextmanager
-    def hold(self, length: int | None) -> Iterator[int]:
-        """Reserve ``length`` bytes (None: the body cap) while the body is handled. Raises
+    def hold(self, length: int | None) -> Iterator[Grant]:
+        """Reserve ``length`` bytes while a received body is handled (the worker). Raises
         :class:`Overloaded` (503) or :class:`BodyOverBudget` (413) without reserving."""
-        wanted = MAX_BODY_BYTES if length is None else max(0, length)
-        if wanted > self.limit:
-            raise BodyOverBudget(f"the request body of {wanted} bytes is over the limit {self.name}={self.limit}",
-                                 self.name, self.limit)
-        with self._lock:
-            if self.used + wanted > self.limit:
-                self.refused += 1
-                raise Overloaded(self.name, self.limit, self.used, wanted, RETRY_AFTER)
-            self.used += wanted
-            self.peak = max(self.peak, self.used)
+        grant = self.grant(length)
         try:
-            yield wanted
+            grant.take(length or 0)
+            yield grant
         finally:
-            with self._lock:
-                self.used -= wanted
+            grant.release()
+
+    @contextmanager
+    def admit(self, length: int | None) -> Iterator[Grant]:
+        """The reservation of one request body, released at the end: its ``Content-Length``
+        at once (an admitted body always completes: metering it would let concurrent big
+        bodies each take a part and all fail), or, chunked, as its pieces arrive
+        (:meth:`Grant.metered`). A length larger than the whole budget raises
+        :class:`BodyOverBudget`; one that does not fit now, :class:`Overloaded`."""
+        grant = self.grant(length)
+        try:
+            grant.take(length or 0)
+            grant.prepaid = length or 0
+            yield grant
+        finally:
+            grant.release()
+
+    def grant(self, length: int | None) -> Grant:
+        if length is not None and length > self.limit:
+            raise BodyOverBudget(f"the request body of {length} bytes is over the limit {self.name}={self.limit}",
+                                 self.name, self.limit)
+        return Grant(self)
+
+    def _take(self, n: int) -> None:
+        with self._lock:
+            if self.used + n > self.limit:
+                self.refused += 1
+                raise Overloaded(self.name, self.limit, self.used, n, RETRY_AFTER)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def _give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+class Grant:
+    """Bytes of one request's body held against an :class:`InflightBudget`."""
+
+    def __init__(self, budget: InflightBudget) -> None:
+        self._budget = budget
+        self.held = 0
+        self.prepaid = 0  # taken up front (the Content-Length): metered pieces come out of it first
+        self._seen = 0
+
+    def take(self, n: int) -> None:
+        """Hold ``n`` more bytes; raises :class:`Overloaded` (holding nothing more)."""
+        if n > 0:
+            self._budget._take(n)
+            self.held += n
+
+    def metered(self, pieces: Iterable[bytes]) -> Iterator[bytes]:
+        """``pieces`` (a body as it arrives), each held before it is passed on."""
+        for piece in pieces:
+            before, self._seen = self._seen, self._seen + len(piece)
+            self.take(self._seen - max(before, self.prepaid) if self._seen > self.prepaid else 0)
+            yield piece
+
+    def release(self) -> None:
+        held, self.held = self.held, 0
+        if held:
+            self._budget._give(held)

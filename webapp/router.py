@@ -312,8 +312,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     def chat(session_id: str) -> Response:
         length = request.content_length
         try:  # the server's bodies in flight, across its workers (webapp.inflight)
-            with inflight.hold(length):
-                pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
+            with inflight.admit(length) as grant:
+                pieces = grant.metered(iter_body(request.stream, http_limits.body_timeout, length=length))
                 if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
                     return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
                                 budget=config.chat_budget)

@@ -122,6 +122,15 @@ def _sidecars(data_dir: Path) -> list[Path]:
     return sorted((data_dir / "sessions").glob("*.journal.damaged.*"))
 
 
+def _served_session(factory, backend_url: str, data: Path, mode: str, turns: int):
+    """A server on ``data`` and a session with ``turns`` answered turns on it."""
+    server = serve(factory, backend_url, data, MODES[mode])
+    conv = Conversation(create(server.url), f"{turns} turns")
+    for _ in range(turns):
+        conv.turn(server.url)
+    return server, conv
+
+
 def _health(base: str) -> dict:
     resp = requests.get(f"{base}/health", timeout=30)
     assert resp.status_code == 200, resp.text
@@ -133,10 +142,7 @@ def _health(base: str) -> dict:
 def test_mid_file_damage_is_refused_while_running_and_set_aside_at_restart(mode, backend, session_server_factory,
                                                                          tmp_path) -> None:
     data = tmp_path / "data"
-    server = serve(session_server_factory, backend.url, data, MODES[mode])
-    conv = Conversation(create(server.url), "damage")
-    for _ in range(6):
-        conv.turn(server.url)
+    server, conv = _served_session(session_server_factory, backend.url, data, mode, 6)
     path = journal_path(data, conv.sid)
     entries = read_journal(path)
     assert len(entries) == 7  # CREATE + 6 turns
@@ -172,10 +178,7 @@ def test_mid_file_damage_is_refused_while_running_and_set_aside_at_restart(mode,
 def test_a_damaged_create_entry_keeps_the_file_and_every_turn(mode, backend, session_server_factory,
                                                               tmp_path) -> None:
     data = tmp_path / "data"
-    server = serve(session_server_factory, backend.url, data, MODES[mode])
-    conv = Conversation(create(server.url), "create")
-    for _ in range(3):
-        conv.turn(server.url)
+    server, conv = _served_session(session_server_factory, backend.url, data, mode, 3)
     before = records(server.url, conv.sid)
     server.close()
     path = journal_path(data, conv.sid)
@@ -482,3 +485,24 @@ def test_a_message_field_of_any_json_type_is_answered_never_500(plain, field) ->
                                                     "unknown_field"), resp.text
     assert statuses[json.dumps(5)] == 400, statuses
     http("DELETE", f"{plain}/sessions/{sid}")
+
+
+def test_inflight_budget_admits_lengths_up_front_and_meters_chunked_bodies() -> None:
+    from webapp.inflight import BodyOverBudget, InflightBudget, Overloaded
+
+    budget = InflightBudget(100)
+    with budget.admit(60) as grant:
+        assert budget.used == 60 and list(grant.metered([b"x" * 30, b"y" * 30])) and budget.used == 60
+        with pytest.raises(Overloaded) as refused:
+            with budget.admit(50):
+                pass
+        assert refused.value.retry_after == 1 and budget.used == 60
+        with budget.admit(None) as chunked:
+            list(chunked.metered([b"z" * 20]))
+            assert budget.used == 80
+            with pytest.raises(Overloaded):
+                list(chunked.metered([b"z" * 30]))
+    assert budget.used == 0
+    with pytest.raises(BodyOverBudget):
+        with budget.admit(101):
+            pass
