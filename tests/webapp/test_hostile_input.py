@@ -493,9 +493,8 @@ def test_inflight_budget_admits_lengths_up_front_and_meters_chunked_bodies() -> 
     budget = InflightBudget(100)
     with budget.admit(60) as grant:
         assert budget.used == 60 and list(grant.metered([b"x" * 30, b"y" * 30])) and budget.used == 60
-        with pytest.raises(Overloaded) as refused:
-            with budget.admit(50):
-                pass
+        with pytest.raises(Overloaded) as refused, budget.admit(50):
+            pass
         assert refused.value.retry_after == 1 and budget.used == 60
         with budget.admit(None) as chunked:
             list(chunked.metered([b"z" * 20]))
@@ -503,6 +502,5 @@ def test_inflight_budget_admits_lengths_up_front_and_meters_chunked_bodies() -> 
             with pytest.raises(Overloaded):
                 list(chunked.metered([b"z" * 30]))
     assert budget.used == 0
-    with pytest.raises(BodyOverBudget):
-        with budget.admit(101):
-            pass
+    with pytest.raises(BodyOverBudget), budget.admit(101):
+        pass
