@@ -19,7 +19,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
-    package_data={"webapp": ["gunicorn.conf.py"]},
+    package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"]},
     install_requires=[
         "websockets>=14,<18",
         "gevent>=24.2",

@@ -14,7 +14,7 @@ import sys
 
 # program -> Debian package that provides it
 # bwrap: the isolated sandboxes (tests/sandbox); choom comes with util-linux.
-PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm", "bwrap": "bubblewrap"}
+PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm", "chromium": "chromium", "bwrap": "bubblewrap"}
 
 
 def main() -> int:
