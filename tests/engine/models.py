@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tests.webapp.conftest import QWEN2_VL_TEMPLATE  # Qwen2-VL's own template (image parts)
 
@@ -93,9 +93,15 @@ VL_PREPROCESSOR = {"min_pixels": 3136, "max_pixels": 200704, "patch_size": 14, "
 _WORDS = ["the", "agent", "clicks", "button", "screen", "types", "hello", "world", "open", "file", "terminal", "browser", "page", "search", "result", "scroll", "down", "up", "left", "right", "window", "close", "save", "edit", "copy", "paste", "select", "text", "input", "field", "submit", "form", "wait", "load", "image", "screenshot", "mouse", "keyboard", "press", "enter", "tab", "shift", "control", "move", "drag", "drop", "menu", "item", "settings", "list", "table", "row", "column", "cell", "value", "name", "arguments", "function", "call", "tool", "response", "error", "success", "true", "false", "null", "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "x", "y", "width", "height", "click_at", "type_text", "get_weather", "city", "weather", "sunny", "cloudy", "rain", "degrees"]
 
 
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+
+
 def _corpus(seed_words: tuple[str, ...] | list[str], lines: int = 400) -> list[str]:
-    """A fixed, varied text (sentences, JSON tool calls, numbers) so BPE learns ~1000 merges."""
-    out = []
+    """A fixed, varied text (sentences, JSON tool calls, numbers, made-up words) so BPE learns
+    enough merges for a ~1000-id vocabulary."""
+    n_syl = len(_SYLLABLES)
+    out = [" ".join(_SYLLABLES[(i * 7 + j * 13) % n_syl] + _SYLLABLES[(i * 3 + j) % n_syl] for j in range(12))
+           for i in range(lines)]
     n = len(seed_words)
     for i in range(lines):
         a, b, c, d = (seed_words[(i * k + k) % n] for k in (1, 3, 7, 11))
@@ -105,9 +111,21 @@ def _corpus(seed_words: tuple[str, ...] | list[str], lines: int = 400) -> list[s
     return out
 
 
+# Qwen2's split (transformers/models/qwen2/tokenization_qwen2.py). The pipeline must be Qwen2's
+# own: transformers 5 (and so vLLM) builds Qwen2Tokenizer's normalizer and pre-tokenizer itself
+# and keeps only the vocabulary and merges of tokenizer.json, while our adapter runs the
+# tokenizer.json as written: another pre-tokenizer there (GPT-2's, which keeps digit runs
+# together) makes the two tokenize alike text differently.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
 def _train(corpus: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_TOKENS), special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
