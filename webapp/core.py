@@ -44,17 +44,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from webapp.backend import BackendClient, BackendReply
+import requests
+
+from webapp.backend import BackendClient
 from webapp.datadir import default_data_dir, instance_id
+from webapp.engines import Dialect, EngineTurn, ReplayRequest, dialect_for
+from webapp.engines.probe import EngineCheckFailed, identify_engine
 from webapp.filebody import Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGES,
     DecodedImage,
     ImageLimits,
-    RequestImages,
     extract_images,
-    wire_messages,
 )
 from webapp.journal import JournalStore, RestoredSession, SessionJournal, StoredImage
 from webapp.limits import (
@@ -67,9 +69,8 @@ from webapp.limits import (
     loads_strict,
 )
 from webapp.routes import PROXY_HEADERS, openai_error_body
-from webapp.samples import SAMPLE_META_KEYS, TurnRecord, assemble_samples, encode_samples
+from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
-    BackendMalformed,
     BodyTooLarge,
     InvalidField,
     InvalidJSON,
@@ -87,7 +88,6 @@ from webapp.tito import (
     TitoState,
     TurnPlan,
     commit_turn,
-    normalize_message,
     plan_turn,
     session_mismatch,
 )
@@ -113,17 +113,8 @@ log = logging.getLogger(__name__)
 MAX_CHAT_BODY_BYTES = MAX_BODY_BYTES  # webapp.settings: the one body cap of every HTTP entry
 TURN_WAIT_MARGIN = 30.0  # see CoreConfig.turn_wait
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# Fields the core sets on every backend request, whatever the client sent (as miles forces
-# them: token accounting needs the logprobs and meta_info; ``no_stop_trim: false`` keeps the
-# stop text out of the assistant content, which miles' own rollout would otherwise turn on).
-FORCED_BACKEND_FIELDS: dict[str, Any] = {"stream": False, "logprobs": True, "return_meta_info": True,
-                                         "no_stop_trim": False}
-# Replay payloads the training path reads from the records; never sent to the client.
-CLIENT_STRIPPED_META_KEYS = ("routed_experts", "indexer_topk")
 CHAT_PATH = "/v1/chat/completions"
 SAMPLES_CONTENT_TYPE = "application/octet-stream"
-# Client fields that only concern the client-facing transport.
-CLIENT_ONLY_FIELDS = ("stream", "stream_options")
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
@@ -187,6 +178,9 @@ class CoreConfig:
     # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
     routing_replay_layers: int = default("routing_replay_layers")
     indexer_replay: bool = default("indexer_replay")  # miles' --use-rollout-indexer-replay
+    # The engine's dialect (webapp.engines): "auto" asks the engine at build time (webapp.engines.probe).
+    backend_kind: str = default("backend_kind")
+    tool_call_parser: str = default("tool_call_parser")  # for engines that answer text (vllm)
     # Work and session bounds; see webapp.limits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
@@ -339,65 +333,6 @@ def _parse_chat_body(body: bytes) -> dict[str, Any]:
     return request
 
 
-@dataclass
-class _Turn:
-    """What a backend reply yields for the record and the session state."""
-
-    assistant_message: dict[str, Any]
-    output_ids: list[int]
-    logprobs: list[Any]
-    finish_reason: Any
-    meta: dict[str, Any]  # the small meta_info fields samples read
-
-
-def _parse_turn(parsed: dict[str, Any]) -> _Turn:
-    choices = parsed.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise BackendMalformed("backend reply must have exactly one choice")
-    choice = choices[0]
-    meta = choice.get("meta_info")
-    if not isinstance(meta, dict):
-        raise BackendMalformed("backend choice has no meta_info object")
-    pairs = meta.get("output_token_logprobs")
-    if not isinstance(pairs, list):
-        raise BackendMalformed("meta_info.output_token_logprobs must be a list")
-    try:
-        output_ids = [p[1] for p in pairs]
-        logprobs = [p[0] for p in pairs]
-    except (TypeError, IndexError, KeyError) as exc:
-        raise BackendMalformed("output_token_logprobs entries must be [logprob, token_id]") from exc
-    if not all(type(t) is int for t in output_ids):
-        raise BackendMalformed("output token ids must be integers")
-    if not all(lp is None or type(lp) in (int, float) for lp in logprobs):
-        raise BackendMalformed("output logprobs must be numbers")
-    completion_tokens = meta.get("completion_tokens")
-    if completion_tokens is not None and completion_tokens != len(output_ids):
-        raise BackendMalformed(
-            f"completion_tokens={completion_tokens!r} but {len(output_ids)} output_token_logprobs")
-    raw_message = choice.get("message")
-    if isinstance(raw_message, dict) and raw_message.get("content", "") is None:
-        # miles refuses it too: a tool-call parser failure must come back as "" content.
-        raise BackendMalformed(
-            "assistant message content is None, when tool call parser failed SGLang should still return "
-            "an empty content rather than None")
-    try:
-        message = normalize_message(raw_message, "choices[0].message")
-    except InvalidField as exc:
-        raise BackendMalformed(f"backend reply: {exc}") from exc
-    if message["role"] != "assistant":
-        raise BackendMalformed("backend reply message role is not 'assistant'")
-    small_meta = {k: meta[k] for k in SAMPLE_META_KEYS if k in meta}
-    return _Turn(message, output_ids, logprobs, choice.get("finish_reason"), small_meta)
-
-
-def _strip_replay_payloads(parsed: dict[str, Any]) -> None:
-    metas = [choice.get("meta_info") for choice in parsed.get("choices") or ()] + [parsed.get("meta_info")]
-    for meta in metas:
-        if isinstance(meta, dict):
-            for key in CLIENT_STRIPPED_META_KEYS:
-                meta.pop(key, None)
-
-
 def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dict[str, Any]:
     try:
         text = tokenizer.decode([token_id])
@@ -407,16 +342,14 @@ def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dic
     return {"token": text, "logprob": logprob, "bytes": raw}
 
 
-def _openai_logprobs(tokenizer: ChatTokenizer, meta: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``choices[i].logprobs`` from SGLang's ``meta_info`` (``output_token_logprobs``
-    ``[[logprob, id], ...]`` and, when asked for, ``output_top_logprobs`` per position)."""
-    tops = meta.get("output_top_logprobs")
+def _openai_logprobs(tokenizer: ChatTokenizer, turn: EngineTurn) -> dict[str, Any]:
+    """OpenAI's ``choices[i].logprobs`` from the turn's output ids, logprobs and (when the engine
+    gave them) top alternatives."""
     content = []
-    for i, (logprob, token_id, *_rest) in enumerate(meta.get("output_token_logprobs") or ()):
+    for i, (token_id, logprob) in enumerate(zip(turn.output_ids, turn.logprobs)):
         entry = _token_logprob(tokenizer, token_id, logprob)
-        alternatives = tops[i] if isinstance(tops, list) and i < len(tops) and isinstance(tops[i], list) else []
-        entry["top_logprobs"] = [_token_logprob(tokenizer, alt[1], alt[0]) for alt in alternatives
-                                 if isinstance(alt, list) and len(alt) >= 2]
+        alternatives = turn.top_logprobs[i] if turn.top_logprobs is not None and i < len(turn.top_logprobs) else []
+        entry["top_logprobs"] = [_token_logprob(tokenizer, alt_id, alt_lp) for alt_lp, alt_id in alternatives]
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -452,9 +385,10 @@ class SessionCore:
                  routing_replay_layers: int = 0, indexer_replay: bool = False,
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None, dialect: Dialect | None = None) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
-        :meth:`close` (tests, embedding); a server passes its data directory's."""
+        :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
+        engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here."""
         self.tokenizer = tokenizer
         self.backend = backend
         self._private_dir = None
@@ -470,11 +404,8 @@ class SessionCore:
         # build_session_core passes the configured one.
         self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
         self.routing_replay_layers = routing_replay_layers
-        self.forced_fields = dict(FORCED_BACKEND_FIELDS)
-        if routing_replay_layers > 0:
-            self.forced_fields["return_routed_experts"] = True
-        if indexer_replay:
-            self.forced_fields["return_indexer_topk"] = True
+        self.dialect = dialect if dialect is not None else dialect_for(
+            "sglang", ReplayRequest(routed_experts=routing_replay_layers > 0, indexer_topk=indexer_replay))
         # miles' session_server_instance_id: the data directory's, so it changes exactly when
         # the sessions a client holds are gone (another directory), not on a restart.
         self.instance_id = instance_id(registry.store.data_dir)
@@ -619,10 +550,10 @@ class SessionCore:
             plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
-            payload, recorded = self._backend_payload(request, plan, images)
-            reply = self.backend.chat_completions(payload, deadline=deadline)
-            turn = _parse_turn(reply.parsed)
-            summary, record = self._record(recorded, plan, turn, reply, request_timestamp,
+            engine_request = self.dialect.build_request(request, plan.prompt_ids, images)
+            reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
+            turn = self.dialect.parse_reply(reply, engine_request)
+            summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
@@ -631,58 +562,39 @@ class SessionCore:
             session.commit(new_state, plan, summary, record, images.new)
         finally:
             session.turn_lock.release()
-        return self._client_reply(reply.parsed, request)
-
-    def _backend_payload(self, request: dict[str, Any], plan: TurnPlan,
-                         images: RequestImages) -> tuple[bytes, bytes]:
-        """The body for the backend, and the same body as recorded (``image_data`` entries
-        replaced by their ``sha256:`` references); one serialization, the images spliced in."""
-        payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
-        payload.update(self.forced_fields)
-        payload["input_ids"] = plan.prompt_ids
-        if not images.images:
-            encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-            return encoded, encoded
-        payload["messages"] = wire_messages(images.messages)
-        payload["image_data"] = [_IMAGE_MARK] * len(images.images)
-        pieces = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode().split(_IMAGE_MARK_JSON)
-        sent, recorded = [pieces[0]], [pieces[0]]
-        for (image, url), piece in zip(images.images, pieces[1:]):
-            sent += (b'"', url.encode("ascii"), b'"', piece)  # checked: the base64 alphabet needs no escape
-            recorded += (b'"', image.ref.encode("ascii"), b'"', piece)
-        return b"".join(sent), b"".join(recorded)
+        return self._client_reply(turn, request)
 
     @staticmethod
-    def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
+    def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
                 request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, list[bytes]]:
         """The record's summary and its bytes, as pieces (the reply is not copied)."""
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
                           separators=(",", ":"))
-        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}"]
+        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', turn.record_response, b"}"]
         at = len(chunks[0]) + len(payload) + len(chunks[2])  # the reply's offset in the record
         replay: dict[str, tuple[int, int]] = {}
-        for key, start, end in reply.replay_spans:
+        for key, start, end in turn.replay_spans:
             replay.setdefault(key, (at + start, at + end))
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
                              timestamp=timestamp, request_timestamp=request_timestamp, replay=replay, images=images)
         return summary, chunks
 
-    def _client_reply(self, parsed: dict[str, Any], request: dict[str, Any]) -> Reply:
-        _strip_replay_payloads(parsed)
+    def _client_reply(self, turn: EngineTurn, request: dict[str, Any]) -> Reply:
+        completion = turn.completion
         wants_logprobs = bool(request.get("logprobs"))
-        for choice in parsed.get("choices") or ():
+        for choice in completion.get("choices") or ():
             if not wants_logprobs:
                 choice["logprobs"] = None  # forced on for the records, not asked for by the client
-            elif choice.get("logprobs") is None and isinstance(choice.get("meta_info"), dict):
-                choice["logprobs"] = _openai_logprobs(self.tokenizer, choice["meta_info"])
+            elif choice.get("logprobs") is None:
+                choice["logprobs"] = _openai_logprobs(self.tokenizer, turn)
         if request.get("stream"):
             options = request.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return Reply(200, _sse_chunks(parsed, include_usage), content_type=SSE_CONTENT_TYPE)
-        return json_response(200, parsed)
+            return Reply(200, _sse_chunks(completion, include_usage), content_type=SSE_CONTENT_TYPE)
+        return json_response(200, completion)
 
     def restore_shard(self, shard: int, shards: int, pause: Callable[[], object] = lambda: None) -> int:
         """Load the sessions of ``shard`` of ``shards`` from the journals; how many."""
@@ -696,10 +608,6 @@ class SessionCore:
         self.backend.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
-
-
-_IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, spliced after encoding
-_IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
 
 
 def _session_images(session: Session) -> list[StoredImage]:
@@ -731,6 +639,20 @@ def _parse_samples_body(body: bytes) -> int | None:
     return value
 
 
+def _auto_kind(url: str) -> str:
+    """``auto`` without the launcher: what the engine says, else sglang (the core must build while
+    the engine is down; the turns then answer 502 until it is up)."""
+    try:
+        found = identify_engine(url).kind
+    except (EngineCheckFailed, requests.RequestException) as exc:
+        log.warning("backend kind auto: %s; speaking sglang", exc)
+        return "sglang"
+    if found is None:
+        log.warning("backend kind auto: %s is neither SGLang nor vLLM; speaking sglang", url)
+    log.info("backend kind auto: %s speaks %s", url, found or "sglang")
+    return found or "sglang"
+
+
 def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 1) -> SessionCore:
     """The one builder every adapter uses, so single- and multi-process modes cannot drift.
 
@@ -739,9 +661,15 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
     ``shard=None``: not now, the caller calls :meth:`SessionCore.restore_shard` itself."""
     tokenizer = load_tokenizer(config.tokenizer)
     registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync))
+    replay = ReplayRequest(routed_experts=config.routing_replay_layers > 0, indexer_topk=bool(config.indexer_replay))
+    kind = config.backend_kind
+    if kind == "auto":  # the launcher resolves it once (and fails clearly); this is an app built without it
+        kind = _auto_kind(config.backend_url)
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
-                            read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
+                            read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize,
+                            name=f"{kind} engine")
     core = SessionCore(tokenizer, backend, registry=registry, turn_wait_timeout=config.turn_wait(),
+                       dialect=dialect_for(kind, replay, tool_call_parser=config.tool_call_parser),
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),

@@ -33,6 +33,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   ├── BackendUnreachable        502  connect/transport error
     │   │   └── BackendTimeout        502  connect or read timeout
     │   └── BackendMalformed          502  reply is not the backend contract
+    │       └── MalformedReplyField   502  one named reply field is missing or wrong (``field``)
     └── UpstreamStatus                the backend's own non-200, passed through unrecorded
 """
 
@@ -57,6 +58,7 @@ __all__ = [
     "InsufficientStorage",
     "InvalidField",
     "InvalidJSON",
+    "MalformedReplyField",
     "RemoteImageURL",
     "RollbackTooDeep",
     "SampleAssemblyError",
@@ -212,6 +214,20 @@ class BackendTimeout(BackendUnreachable):
 
 class BackendMalformed(BackendError):
     pass
+
+
+class MalformedReplyField(BackendMalformed):
+    """A reply field breaks the engine dialect's contract: ``field`` names it (e.g.
+    ``choices[0].token_ids``), the message says what is wrong. Its OpenAI ``code`` stays
+    ``backend_malformed`` (one code for a client to branch on; Python callers have ``field``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def code(self) -> str:
+        return "backend_malformed"
 
 
 class UpstreamStatus(SessionError):

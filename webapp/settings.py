@@ -103,8 +103,17 @@ SETTINGS: tuple[Setting, ...] = (
        "token (0: none; ignored with a backend URL); routing replay follows it unless set", minimum=0),
     _S("reference_r3_topk", int, 8, _L, "routed experts per layer and token of the embedded reference backend",
        minimum=1),
+    _S("backend_wait", float, 600.0, _L, "seconds start-up waits for an engine that accepts connections but "
+       "does not answer yet (vLLM opens its port before it loads the model); a refused one fails at once",
+       minimum=0),
     # -- core: every session core (single-process app, each router worker) ----------------------
     _S("backend_url", str, None, _C, "inference backend base URL (unset: start the embedded reference backend)"),
+    _S("backend_kind", str, "auto", _C, "the engine's dialect: sglang (miles' wire, the embedded backend's), vllm "
+       "(its completions API with token ids), or auto (ask the engine at start-up)",
+       choices=("sglang", "vllm", "auto")),
+    _S("tool_call_parser", str, "hermes", _C, "how tool calls are read from the text of an engine that answers "
+       "text (vllm): hermes (`<tool_call>` JSON blocks: Qwen and Hermes templates) or none",
+       choices=("hermes", "none")),
     _S("tokenizer", str, None, _C, "dir with tokenizer.json + chat template (unset: the byte tokenizer)"),
     _S("connect_timeout", float, 5.0, _C, "backend connect timeout per turn, seconds", minimum=0),
     _S("read_timeout", float, 600.0, _C, "backend read timeout per turn, seconds", minimum=0),
