@@ -124,7 +124,7 @@ def test_tito_stays_append_only_over_20_turns_with_transformers_rendering(engine
     end_of_turn = hf.convert_tokens_to_ids("<|im_end|>")
     sid = new_session(server)
     msgs = list(HISTORY)
-    previous: tuple[list[int], list[int], str] | None = None  # prompt, output, full text through the reply
+    previous: tuple[list[int], list[int], str] | None = None  # prompt, output, the text through the reply's turn
     for turn in range(20):
         text = hf.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
         assert ours.render(msgs, add_generation_prompt=True, tools=TOOLS) == text
@@ -139,12 +139,13 @@ def test_tito_stays_append_only_over_20_turns_with_transformers_rendering(engine
             head = last_prompt + last_output
             assert prompt[:len(head)] == head  # append-only: nothing earlier re-tokenized
             assert text.startswith(through_reply)
+            # After the output: what the template writes after the reply's text (its end-of-turn
+            # token, unless the model emitted it, and a newline), then the new messages.
             closer = "\n" if last_output and last_output[-1] == end_of_turn else "<|im_end|>\n"
             added = hf(closer + text[len(through_reply):], add_special_tokens=False)["input_ids"]
             assert prompt[len(head):] == added
         msgs.append(reply["choices"][0]["message"])
-        full = hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
-        previous = (prompt, output, full[:-len("<|im_end|>\n")])
+        previous = (prompt, output, hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False))
         msgs.append({"role": "tool", "tool_call_id": "c0", "content": f"screen after step {turn}"} if turn % 2
                     else {"role": "user", "content": f"next, step {turn}"})
     session = records(server, sid)
@@ -153,22 +154,27 @@ def test_tito_stays_append_only_over_20_turns_with_transformers_rendering(engine
     assert session["metadata"]["accumulated_token_ids"] == last["request"]["input_ids"] + output_ids(last)
 
 
-def test_miles_consumer_reads_the_vllm_records_and_samples(engine, server):
+def test_miles_consumer_reads_the_vllm_records_and_samples(engine, server, hf):
     """Four turns with a rolled-back step: the records validate as miles' models, and
-    ``/samples`` decodes to exactly what miles' consumer rebuilds from them."""
+    ``/samples`` decodes to exactly what miles' consumer rebuilds from them. The first turns
+    end by a stop token (every id is one: the engine's "stop"), so miles merges them into one
+    sample covering the session; the last is cut by length."""
     tok = HFChatTokenizer(str(engine.model_dir))
+    stop = {"stop_token_ids": list(range(len(hf)))}
     sid = new_session(server)
     msgs = list(HISTORY)
-    a1 = chat(server, sid, msgs, tools=TOOLS, seed=1, max_tokens=8)["choices"][0]["message"]
+    a1 = chat(server, sid, msgs, tools=TOOLS, seed=1, **stop)["choices"][0]["message"]
     msgs += [a1, {"role": "tool", "tool_call_id": "c0", "content": "clicked"}]
-    chat(server, sid, msgs, tools=TOOLS, seed=2, max_tokens=8)
+    chat(server, sid, msgs, tools=TOOLS, seed=2, **stop)
     msgs[-1] = {"role": "tool", "tool_call_id": "c0", "content": "clicked twice"}  # the agent retries the step
-    a2 = chat(server, sid, msgs, tools=TOOLS, seed=3, max_tokens=8)["choices"][0]["message"]
+    a2 = chat(server, sid, msgs, tools=TOOLS, seed=3, **stop)["choices"][0]["message"]
     msgs += [a2, {"role": "user", "content": "and now?"}]
-    chat(server, sid, msgs, seed=4, max_tokens=5)  # tools absent this time
+    last = chat(server, sid, msgs, seed=4, max_tokens=5)  # tools absent this time
+    assert last["choices"][0]["finish_reason"] == "length"
     body = records(server, sid)
     session = GetSessionResponse.model_validate(body)
     assert len(session.records) == 3 and body["metadata"]["num_rollbacks"] == 1
+    assert [r["response"]["choices"][0]["finish_reason"] for r in body["records"]][:2] == ["stop", "stop"]
     for rec in body["records"]:
         assert rec["request"]["engine"]["kind"] == "vllm"
     resp = requests.post(f"{server}/sessions/{sid}/samples", json={"max_seq_len": None}, timeout=60)
@@ -179,10 +185,13 @@ def test_miles_consumer_reads_the_vllm_records_and_samples(engine, server):
     assert_same_samples(ours, consumer_samples(body, layers=0, max_seq_len=None, tok=tok))
     (sample,) = ours
     assert sample["tokens"] == body["metadata"]["accumulated_token_ids"]
+    assert sample["status"] == "truncated" and len(sample["metadata"]["lifecycle"]) == 3
+    assert set(sample["loss_mask"]) == {0, 1}
     assert sample["rollout_routed_experts"] is None  # R3 off: vLLM's CPU build cannot return it
 
 
 def test_the_catch_all_proxy_reaches_the_engine(engine, server):
-    models = requests.get(f"{server}/v1/models", timeout=30)
+    sid = new_session(server)
+    models = requests.get(f"{server}/sessions/{sid}/v1/models", timeout=30)
     assert models.status_code == 200
     assert [m["id"] for m in models.json()["data"]] == [engine.model]
