@@ -1,7 +1,7 @@
 """Session-server overhead on a real engine: through the server vs straight to the engine.
 
     PYTHONPATH=. python bench/engine_overhead.py [--sessions 16] [--turns 20] [--max-tokens 8]
-        [--workers 2] [--rounds 2] [--engine-url URL --model DIR]
+        [--workers 2] [--rounds 2] [--pin] [--engine-url URL --model DIR]
 
 Without ``--engine-url`` it builds the tiny Qwen2 of the real-engine tier (tests/engine/models.py)
 in a temporary directory and starts vLLM's CPU build on loopback with random weights
@@ -15,6 +15,10 @@ Each round runs, back to back on the same engine:
 2. **direct**: the same clients send the very token-id requests the server sent (each record's
    prompt ids and sampling fields) straight to the engine's ``POST /v1/completions``.
 
+``--pin`` puts the engine's processes on CPU 0 and the session server's (and the clients') on
+CPU 1, so the two stop taking each other's core: on a 2-core machine the server's turn work
+otherwise runs on the core vLLM computes on (see docs/benchmarks.md for what that costs).
+
 Reported per side: turns/s (all turns / wall time of the phase), per-turn p50 and p99; then the
 ratio of turns/s and the p50 and p99 the server adds. Rounds alternate the two sides so a drift
 of the shared machine hits both. The server's own records make the direct side the same work:
@@ -24,6 +28,8 @@ same prompts, same output lengths (a fixed seed; checked, the bench fails otherw
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -105,6 +111,30 @@ def direct(engine_url: str, per_session: list[list[dict[str, Any]]]) -> tuple[fl
     return wall, latencies, lengths
 
 
+def _pin(pid: int, cpus: list[int]) -> None:
+    """``pid`` and all its descendants onto ``cpus`` (threads included: psutil sets each task)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        for thread in proc.threads():
+            with contextlib.suppress(psutil.Error, OSError):
+                os.sched_setaffinity(thread.id, cpus)
+
+
+def _cpu_seconds(pid: int, tree: bool = True) -> float:
+    """User + system CPU seconds of ``pid`` and (``tree``) its live descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *(root.children(recursive=True) if tree else ())]:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def _row(name: str, turns: int, wall: float, lat: list[float]) -> str:
     ms = sorted(x * 1e3 for x in lat)
     return (f"{name:<8} {turns / wall:8.2f} turns/s  p50 {percentile(ms, 50):8.2f} ms  "
@@ -118,6 +148,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pin", action="store_true", help="engine on CPU 0, server and clients on CPU 1")
     ap.add_argument("--engine-url", help="a running vLLM (default: start one on the tiny model)")
     ap.add_argument("--model", help="its model directory (tokenizer.json + chat template); with --engine-url")
     args = ap.parse_args()
@@ -142,19 +173,43 @@ def main() -> int:
     try:
         with start_session_server(args.workers, engine_url, "127.0.0.1:0", "--tokenizer", str(model_dir),
                                   "--backend-kind", "vllm") as server:
+            if args.pin:
+                if engine is None:
+                    ap.error("--pin needs the engine this bench starts")
+                assert engine.proc is not None
+                _pin(engine.proc.pid, [0])
+                _pin(server.pid, [1])
+                _pin(os.getpid(), [1])
             through(server.url, 2, 2, args.max_tokens)  # warm-up: connections, first compiles
+            # CPU per turn of each party: the server's tree (router + workers), the engine's, and
+            # this process alone (the client threads; the engine and server are its children).
+            pids = {"server": server.pid, "clients": os.getpid()}
+            if engine is not None and engine.proc is not None:
+                pids["engine"] = engine.proc.pid
+
+            def cpu() -> dict[str, float]:
+                return {k: _cpu_seconds(p, tree=k != "clients") for k, p in pids.items()}
+
             for rnd in range(args.rounds):
+                before = cpu()
                 wall, lat, sids = through(server.url, args.sessions, args.turns, args.max_tokens)
+                mid = cpu()
                 results["through"].append((wall, lat))
                 recorded = [recorded_requests(server.url, sid) for sid in sids]
+                start_d = cpu()
                 wall_d, lat_d, lengths = direct(engine_url, [bodies for bodies, _ in recorded])
+                after = cpu()
                 results["direct"].append((wall_d, lat_d))
+                cpu_lines = ["  CPU ms per turn: " + ", ".join(
+                    f"{k} {1e3 * (b[k] - a[k]) / n:.2f}" for k in pids) + f"  ({side})"
+                    for side, a, b in (("through", before, mid), ("direct", start_d, after))]
                 if sorted(lengths) != sorted(x for _, ls in recorded for x in ls):
                     print("direct replay produced other output lengths than the server's turns", file=sys.stderr)
                     return 1
                 print(f"round {rnd + 1}:")
                 print("  " + _row("through", n, wall, lat))
-                print("  " + _row("direct", n, wall_d, lat_d), flush=True)
+                print("  " + _row("direct", n, wall_d, lat_d))
+                print("\n".join(cpu_lines), flush=True)
     finally:
         if engine is not None:
             engine.stop()
@@ -162,7 +217,7 @@ def main() -> int:
     lats = {k: [x for _, lat in v for x in lat] for k, v in results.items()}
     total = n * args.rounds
     print(f"\nall rounds ({args.sessions} sessions x {args.turns} turns x {args.rounds} rounds, max_tokens "
-          f"{args.max_tokens}, --workers {args.workers}):")
+          f"{args.max_tokens}, --workers {args.workers}{', pinned' if args.pin else ''}):")
     for k in ("through", "direct"):
         print("  " + _row(k, total, walls[k], lats[k]))
     ratio = (total / walls["through"]) / (total / walls["direct"])
