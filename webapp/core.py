@@ -7,9 +7,13 @@ drift. Concurrency: ``chat`` runs in many greenlets or threads at once. Each ses
 sessions) and a *state lock* (held only to swap the committed state or snapshot it), so a
 records GET never waits for a turn in flight and no lock serializes two sessions.
 
+The engine is reached through its dialect (``webapp.engines``): it builds the engine request
+from the turn and maps the reply to the turn's pieces; this module names no engine field.
+
 Each committed record is miles' ``SessionRecord`` (``timestamp``, ``request_timestamp``,
-``method``, ``path``, ``request`` = the JSON body as sent to the backend, ``response`` = the
-backend's reply verbatim, R3 included, ``status_code``; plus ``rollback``), serialized once and
+``method``, ``path``, ``request`` and ``response`` as the dialect gives them — for SGLang the
+body sent and the reply verbatim, R3 included; for any engine miles' shape —, ``status_code``;
+plus ``rollback``), serialized once and
 appended to the session's journal (``webapp.journal``) before the reply goes out; the worker
 keeps only what the next turn needs (the TITO state) and, per record, a small
 :class:`webapp.samples.TurnRecord` (token counts, output ids, logprobs, where its bytes are),
@@ -18,10 +22,8 @@ JSON pieces (``webapp.filebody``): never loaded, re-encoded or joined. A session
 cannot be written gets 507 and keeps its state (nothing of the turn is stored anywhere).
 
 Images (``webapp.images``): each image part is checked, hashed and decoded once per session
-(the session keeps each image once, by sha256, at commit); the engine gets ``input_ids`` plus
-``image_data`` (the data URLs in order of appearance, SGLang's field) and messages whose image
-parts carry the reference ``sha256:<hex>``; the record holds the same request with each
-``image_data`` entry replaced by that reference (the one place a record is not the bytes sent).
+(the session keeps each image once, by sha256, at commit); the dialect sends them in its
+engine's form and records each as its reference ``sha256:<hex>`` (``webapp.engines.sglang``).
 ``GET /sessions/{id}?images=1`` adds ``"images": {sha256: {mime_type, width, height, data}}``.
 
 Errors answer ``{"error": "<text>"}`` on the session-management routes (miles' shape) and
@@ -175,7 +177,7 @@ class CoreConfig:
     pool_maxsize: int = default("pool_maxsize")
     turn_wait_timeout: float | None = default("turn_wait_timeout")  # None: see turn_wait()
     # Routing replay (miles' --use-rollout-routing-replay): > 0 asks the backend for R3
-    # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
+    # (through the dialect: ReplayRequest) and is the model's layer count /samples shapes it with.
     routing_replay_layers: int = default("routing_replay_layers")
     indexer_replay: bool = default("indexer_replay")  # miles' --use-rollout-indexer-replay
     # The engine's dialect (webapp.engines): "auto" asks the engine at build time (webapp.engines.probe).

@@ -1,7 +1,8 @@
 """The engine dialects (``webapp.engines``): request mapping, reply mapping, and every malformed
 reply field as a typed error naming it. The vLLM replies are real ones, captured from vLLM
 0.32.0 (``vllm_replies/``); ``routed_experts`` follows vLLM's ``CompletionResponseChoice``
-(base64 of ``np.save`` bytes, ``(tokens - 1, layers, top_k)``, uint8/uint16/int32)."""
+(base64 of ``np.save`` bytes as ``vllm/utils/serial_utils.py:numpy2base64`` writes them,
+``(tokens - 1, layers, top_k)``, uint8/uint16/int32)."""
 
 from __future__ import annotations
 
@@ -311,3 +312,12 @@ def _png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (28, 28), (200, 10, 10)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def test_the_session_core_names_no_engine_field():
+    import webapp.core
+
+    source = pathlib.Path(webapp.core.__file__).read_text()
+    for name in ("meta_info", "output_token_logprobs", "input_ids", "image_data", "return_routed_experts",
+                 "return_meta_info", "no_stop_trim", "prompt_token_ids", "/v1/completions"):
+        assert name not in source, name

@@ -126,7 +126,7 @@ def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_
     assert result["statuses"] == [200, 200, 200]
     assert "webapp.router" in result["modules"] and "webapp.worker" in result["modules"]
     # (jinja2 is not on the list: Flask itself imports it)
-    forbidden = {"webapp.core", "webapp.tito", "webapp.tokenizers", "webapp.backend", "webapp.app",
+    forbidden = {"webapp.core", "webapp.tito", "webapp.tokenizers", "webapp.backend", "webapp.engines", "webapp.app",
                  "webapp.reference_backend", "webapp.session_errors", "tokenizers"}
     assert forbidden.isdisjoint(result["modules"])
 

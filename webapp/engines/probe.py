@@ -15,6 +15,7 @@ tokenizer is its tokenizer. Each failure is one typed error whose message is one
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,11 +126,10 @@ def identify_engine(url: str, timeout: float = PROBE_TIMEOUT) -> EngineIdentity:
 
 
 def _reason(exc: BaseException) -> str:
-    """The innermost cause's text (requests nests urllib3's errors several deep)."""
-    while exc.__context__ is not None and not isinstance(exc, (ConnectionRefusedError, OSError)):
-        exc = exc.__context__
+    """The OS error inside requests' nested wrappers (``[Errno 111] Connection refused``), else its text."""
     text = str(exc)
-    return text.rsplit(": ", 1)[-1] if "Errno" in text else text
+    found = re.search(r"\[Errno -?\d+\][^'\")\]]*", text)
+    return found.group(0).strip() if found else text
 
 
 def wait_for_engine(url: str, budget: float, say: Callable[[str], None], *,

@@ -29,8 +29,9 @@ sent, ``usage.completion_tokens`` must equal the output length, the assistant me
 ``text`` through the tool-call parser (:mod:`webapp.engines.toolcalls`, ``hermes`` by default),
 and ``finish_reason`` is the engine's, ``tool_calls`` when calls were parsed from a ``stop``.
 ``routed_experts`` (vLLM: base64 of ``.npy`` bytes, shape ``(tokens - 1, layers, top_k)``,
-uint8/uint16/int32, see vLLM's ``CompletionResponseChoice``) is checked against that shape and
-re-encoded as miles' R3: base64 of little-endian int32, same shape.
+uint8/uint16/int32: vLLM's ``CompletionResponseChoice``, encoded by
+``vllm/utils/serial_utils.py:numpy2base64``, ``np.save(allow_pickle=False)`` then base64) is
+checked against that shape and re-encoded as miles' R3: base64 of little-endian int32, same shape.
 
 Record (miles' shape, so miles' consumer reads it unchanged): ``request`` = the client's fields
 plus ``input_ids`` and ``engine: {"kind": "vllm", "path": ..., "body": <the body sent, without
