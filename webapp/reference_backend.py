@@ -350,7 +350,9 @@ def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0,
             "--r3-layers", str(r3_layers), "--r3-topk", str(r3_topk)]
     if tokenizer is not None:
         argv += ["--tokenizer", tokenizer]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # Its own session: a terminal's Ctrl-C reaches its launcher only, which stops it (a SIGINT'd
+    # backend exits 0 and a supervisor would restart it, saying so, on every Ctrl-C).
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     line = b""
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)

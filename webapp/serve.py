@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     """``--bind``, ``--api-key-file`` and one option per setting of :data:`webapp.settings.SETTINGS`."""
     parser = Parser(prog="shinken-session-server",
                     description="Run the Shinken session server (router + session workers) under gunicorn. "
-                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.")
+                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.",
+                    version=True)
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on; port 0 picks a free one (default: 127.0.0.1:8000)")
     parser.add_argument("--api-key-file", default=None, type=Path,
@@ -418,7 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--workers", "1", app_uri]
     # gunicorn dies with this process however it dies (SIGTERM: a graceful stop of its worker, which
     # stops the session workers); this process is single-threaded here, see shinken_sync.lifetime.
+    # Its own session: a terminal's Ctrl-C reaches only this process, which forwards a graceful
+    # SIGTERM (gunicorn's own SIGINT is a quick exit, whose gevent worker prints a traceback).
     gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
+                                start_new_session=True,
                                 preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509
     listener.close()
 

@@ -121,9 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _S("turn_wait_timeout", float, None, _C, "seconds a turn waits for the session's previous turn "
        "(unset: connect + read timeouts + 30)", minimum=0),
-    _S("routing_replay_layers", int, 0, _C, "routing replay (R3): ask the backend for routed_experts; the "
-       "model's MoE layer count /samples shapes R3 with (0: off; with the embedded backend: "
-       "reference_r3_layers)", minimum=0),
+    _S("routing_replay_layers", int, 0, _C, "routing replay (R3): the model's MoE layer count; above 0 every "
+       "turn asks the backend for routed_experts, and /samples shapes them into rows of this many layers "
+       "(0: off; with the embedded backend it follows --reference-r3-layers)", minimum=0),
     _S("indexer_replay", bool, False, _C, "indexer replay: ask the backend for indexer_topk"),
     _S("max_message_bytes", int, 8 << 20, _C, "413 for a message whose text is over this many UTF-8 bytes",
        minimum=1),

@@ -1,4 +1,4 @@
-"""Fuzz the session server's HTTP side (issue 18): generated malformed requests over raw
+"""Fuzz the session server's HTTP side: generated malformed requests over raw
 sockets against a real ``shinken-session-server`` (real gunicorn, router and single-process
 modes, embedded reference backend).
 
