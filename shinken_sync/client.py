@@ -565,6 +565,16 @@ class AsyncSandbox:
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
         return cast(ExecResult, await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout))
 
+    async def launch(
+        self, app: str, args: list[str] | None = None, timeout_ms: int | None = None, *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Open a desktop app (``browser``, ``terminal``, ``editor``: shinkend ``--desktop``)
+        with extra arguments (URLs, files) and wait for its window, which gets the focus.
+        Returns ``{"app", "pid", "window"}``; ``ActionError`` (with the app's log tail) if
+        it exits first, ``ActionTimeout`` if no window shows within ``timeout_ms``."""
+        return cast("dict[str, Any]", await self._act(build.launch(app, args, timeout_ms), timeout))
+
     async def read_file(
         self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None
     ) -> bytes:
