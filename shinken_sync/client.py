@@ -196,7 +196,9 @@ async def aconnect(
     Args:
         url: ``ws://`` or ``wss://`` endpoint. TLS is dialed by the SDK itself
             (no proxy is consulted); ``ssl`` is an ``ssl.SSLContext`` for
-            ``wss://`` (None = the system defaults).
+            ``wss://`` (None = the system defaults). ``ws+unix://<percent-encoded
+            socket path>/<path>`` dials a unix socket (an isolated sandbox's;
+            always with the websockets transport: picows dials TCP only).
         token: the bearer token, sent in the ``Authorization`` header.
         ping_jitter: the keepalive interval is ``20 + uniform(0, ping_jitter)``
             seconds, drawn once here, so a fleet dialed together does not ping
@@ -228,10 +230,19 @@ async def aconnect(
     ping_interval = DEFAULT_PING_INTERVAL + (random.uniform(0.0, ping_jitter) if ping_jitter else 0.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + open_timeout
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {
+        "additional_headers": {"Authorization": f"Bearer {token}"} if token else None,
+        "compression": None,  # images do not compress; deflate costs ~12x the CPU
+        "max_size": protocol.MAX_MESSAGE_SIZE,
+        "open_timeout": open_timeout,
+        "ping_interval": ping_interval,
+        "close_timeout": close_timeout,
+    }
     if ssl is not None:
         options["ssl"] = ssl
-    transport = transports.choose()
+    unix = protocol.split_unix_url(url)  # an isolated sandbox's socket: ws+unix://
+    transport = transports.choose(unix=unix is not None)
+    options["user_agent_header"] = f"shinken-sync ({transport.name})"
     # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
     dial_errors: tuple[type[BaseException], ...] = (
         asyncio.TimeoutError,
@@ -239,22 +250,13 @@ async def aconnect(
         *transport.handshake_errors,
     )
     try:
+        if unix is None:
+            dial = transport.connect(url, proxy=None, **options)
+        else:
+            assert transport.connect_unix is not None  # choose(unix=True) answers a transport that has it
+            dial = transport.connect_unix(unix[0], unix[1], **options)
         # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
-        ws = await asyncio.wait_for(
-            transport.connect(
-                url,
-                additional_headers={"Authorization": f"Bearer {token}"} if token else None,
-                compression=None,  # images do not compress; deflate costs ~12x the CPU
-                max_size=protocol.MAX_MESSAGE_SIZE,
-                open_timeout=open_timeout,
-                ping_interval=ping_interval,
-                close_timeout=close_timeout,
-                proxy=None,
-                user_agent_header=f"shinken-sync ({transport.name})",
-                **options,
-            ),
-            open_timeout,
-        )
+        ws = await asyncio.wait_for(dial, open_timeout)
     except transport.invalid_status as exc:
         status = exc.response.status_code  # type: ignore[attr-defined]
         if status == 401:

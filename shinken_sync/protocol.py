@@ -174,6 +174,37 @@ MAX_QUOTE_CHARS = 80
 
 
 # ---------------------------------------------------------------------------
+# Endpoints
+
+#: A daemon on a unix socket: ``ws+unix://<the socket's path, percent-encoded>/sb/0`` (the
+#: ``http+unix`` convention of requests-unixsocket: the authority is the socket, the rest the
+#: WebSocket path). Isolated sandboxes listen only there: no address on any network.
+UNIX_SCHEME = "ws+unix"
+
+
+def unix_url(socket_path: str, path: str = "/") -> str:
+    """The URL of WebSocket ``path`` served on the unix socket ``socket_path``."""
+    from urllib.parse import quote as percent
+
+    return f"{UNIX_SCHEME}://{percent(socket_path, safe='')}{path}"
+
+
+def split_unix_url(url: str) -> tuple[str, str] | None:
+    """``(socket_path, ws_uri)`` for a :func:`unix_url`, None for any other URL. The URI
+    (``ws://localhost/<path>``) is what the handshake names; the socket is what is dialed."""
+    from urllib.parse import unquote
+
+    prefix = f"{UNIX_SCHEME}://"
+    if not url.startswith(prefix):
+        return None
+    authority, slash, path = url[len(prefix):].partition("/")
+    socket_path = unquote(authority)
+    if not socket_path:
+        raise ValueError(f"{url!r} names no socket: write {UNIX_SCHEME}://<percent-encoded path>/<ws path>")
+    return socket_path, f"ws://localhost/{path}" if slash else "ws://localhost/"
+
+
+# ---------------------------------------------------------------------------
 # Helpers
 
 

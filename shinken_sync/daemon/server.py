@@ -39,11 +39,12 @@ import stat
 import sys
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.http11 import Request, Response
 
-from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote
+from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote, unix_url
 
+from . import identity
 from .connection import serve_connection
 from .display import DisplayError, make_display
 from .display.desktop import DESKTOPS
@@ -127,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
     p.add_argument("--token-file", default=None,
                    help=f"file holding the bearer token, mode 0600 or stricter (default: ${TOKEN_ENV})")
+    p.add_argument("--token-fd", type=int, default=None, metavar="FD",
+                   help="read the bearer token from this inherited descriptor (a pipe) up to EOF, then close "
+                        "it: no path, no environment variable (default: off)")
+    p.add_argument("--unix", default=None, metavar="PATH",
+                   help="listen on this unix socket instead of --host/--port (its directory should be "
+                        "private: mode 0700); the ready line's url is ws+unix://... (default: off)")
+    p.add_argument("--exec-user", default=None, metavar="UID[:GID]",
+                   help="run exec children (and programs launched for the agent) as this uid/gid, apart from "
+                        "the daemon, which also makes itself the first OOM victim (isolated sandboxes; "
+                        "see daemon/identity.py) (default: as the daemon)")
+    p.add_argument("--exec-home", default="/home/agent", metavar="DIR",
+                   help="with --exec-user: the agent's home, created if missing and its default cwd")
     p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual",
                    help="virtual: a drawn desktop in this process; xvfb: a real X server with xdotool input "
                         "(needs Xvfb, xdotool and the [xvfb] extra) (default: virtual)")
@@ -153,41 +166,57 @@ class TokenError(Exception):
     """The bearer token cannot be used; the daemon exits with :data:`EXIT_USAGE`."""
 
 
-def _read_token(path: str | None) -> str:
+def _read_token(path: str | None, fd: int | None = None) -> str:
     # Popped whether used or not: exec children inherit os.environ and must
     # never see a token.
     from_env = os.environ.pop(TOKEN_ENV, "").strip()
-    if path is None:
-        token = from_env
+    if fd is not None:
+        where = f"token descriptor {fd}"
+        raw = _read_token_fd(fd, where)
+    elif path is None:
         where = f"${TOKEN_ENV}"
-        if not token:
-            raise TokenError(f"no token: pass --token-file PATH or set {where}")
+        if not from_env:
+            raise TokenError(f"no token: pass --token-file PATH, --token-fd FD or set {where}")
+        raw = from_env.encode("utf-8", "surrogateescape")
     else:
         where = f"token file {path}"
-        try:
-            # O_NONBLOCK: a FIFO planted at the path must not hang the start.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise TokenError(f"{where} is not a regular file")
-            if info.st_mode & 0o077:
-                raise TokenError(
-                    f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
-                    f"chmod 600 it"
-                )
-            raw = f.read(64 * 2**10)
-        try:
-            token = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise TokenError(f"{where} is not UTF-8 text") from None
+        raw = _read_token_file(path, where)
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise TokenError(f"{where} is not UTF-8 text") from None
     if not token:
         raise TokenError(f"{where} is empty")
     if len(token.encode()) < MIN_TOKEN_BYTES:
         raise TokenError(f"the token in {where} is shorter than {MIN_TOKEN_BYTES} bytes")
     return token
+
+
+def _read_token_fd(fd: int, where: str) -> bytes:
+    # Read to EOF and closed: nothing of the token stays reachable through this descriptor.
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(64 * 2**10)
+    except OSError as exc:
+        raise TokenError(f"cannot read {where}: {exc.strerror or exc}") from None
+
+
+def _read_token_file(path: str, where: str) -> bytes:
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TokenError(f"{where} is not a regular file")
+        if info.st_mode & 0o077:
+            raise TokenError(
+                f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
+                f"chmod 600 it"
+            )
+        return f.read(64 * 2**10)
 
 
 async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
@@ -239,24 +268,30 @@ async def run(args: argparse.Namespace, token: str) -> int:
     daemon = Daemon(sandboxes, token, args.rtt_ms)
     server: Server | None = None
     try:
+        options: dict[str, Any] = {
+            "process_request": daemon.process_request,
+            "compression": None,
+            "max_size": MAX_MESSAGE_SIZE,
+            "max_queue": WS_MAX_QUEUE,
+            "close_timeout": CLOSE_TIMEOUT_S,
+            "logger": logging.getLogger("shinkend.ws"),
+        }
+        where = args.unix or f"{args.host}:{args.port}"
         try:
-            server = await serve(
-                daemon.handle,
-                args.host,
-                args.port,
-                process_request=daemon.process_request,
-                compression=None,
-                max_size=MAX_MESSAGE_SIZE,
-                max_queue=WS_MAX_QUEUE,
-                close_timeout=CLOSE_TIMEOUT_S,
-                logger=logging.getLogger("shinkend.ws"),
-            )
+            if args.unix:
+                server = await unix_serve(daemon.handle, args.unix, **options)
+            else:
+                server = await serve(daemon.handle, args.host, args.port, **options)
         except OSError as exc:
-            log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+            log.error("cannot listen on %s: %s", where, exc)
             return EXIT_BOOT_ERROR
-        port = server.sockets[0].getsockname()[1]
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]
+        if args.unix:
+            port = None
+            urls = [unix_url(args.unix, sandbox_path(i)) for i in range(len(sandboxes))]
+        else:
+            port = server.sockets[0].getsockname()[1]
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]
         display = sandboxes[0].display
         ready: dict[str, Any] = {
             "event": "ready",
@@ -329,10 +364,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stream-grace must be a finite number >= 0")
     _raise_fd_limit()
     try:
-        token = _read_token(args.token_file)
+        token = _read_token(args.token_file, args.token_fd)
     except TokenError as exc:
         log.error("refusing to start: %s", exc)
         return EXIT_USAGE
+    # The token is in this process's memory now: no other uid may read it.
+    identity.harden_daemon(oom_first=args.exec_user is not None)
+    if args.exec_user is not None:
+        try:
+            uid, gid = identity.parse_exec_user(args.exec_user)
+        except ValueError as exc:
+            parser.error(str(exc))
+        user = identity.AgentUser(uid, gid, args.exec_home)
+        try:
+            identity.prepare_home(user)
+        except OSError as exc:
+            log.error("cannot prepare the agent's home %s: %s", user.home, exc)
+            return EXIT_BOOT_ERROR
+        identity.set_agent(user)
     return asyncio.run(run(args, token))
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from shinken_sync.protocol import ERR_FAILED, ERR_NOT_FOUND
 
+from . import identity
 from .deadline import within
 from .errors import VerbError, VerbTimeout
 
@@ -53,18 +54,26 @@ class Shell:
         self._groups: set[int] = set()
 
     async def exec(self, p: dict[str, Any]) -> dict[str, Any]:
+        user = identity.agent()
+        argv = ["/bin/sh", "-c", p["cmd"]]
         env = None if p["env"] is None else {**os.environ, **p["env"]}
+        options: dict[str, Any] = {}
+        cwd = p["cwd"]
+        if user is not None:  # an isolated sandbox: the command runs as the agent, never as the daemon
+            argv = user.argv(argv)
+            env = {**os.environ, **user.environment(), **(p["env"] or {})}
+            options = user.popen_options()
+            cwd = cwd or user.home
         started = time.monotonic()
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            p["cmd"],
+            *argv,
             stdin=asyncio.subprocess.PIPE if p["stdin"] is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            cwd=p["cwd"],
+            cwd=cwd,
             env=env,
             start_new_session=True,
+            **options,
         ))
         try:
             proc = await asyncio.shield(spawn)
@@ -236,12 +245,15 @@ def write_file(p: dict[str, Any]) -> dict[str, Any]:
     path = p["path"]
     try:
         if p["make_dirs"]:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _make_dirs(os.path.dirname(os.path.abspath(path)))
         with contextlib.suppress(FileNotFoundError):  # refused before O_TRUNC can touch it
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise VerbError(f"{path} is not a regular file (the file verbs refuse FIFOs, sockets and devices)")
+        existed = os.path.lexists(path)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if p["append"] else os.O_TRUNC)
         with open(_open_regular(path, flags), "ab" if p["append"] else "wb") as f:
+            if not existed:  # created by this call: the agent's file
+                identity.chown_to_agent(f.fileno())
             f.write(p["data"])
             if p["mode"] is not None:
                 os.fchmod(f.fileno(), p["mode"])
@@ -250,3 +262,15 @@ def write_file(p: dict[str, Any]) -> dict[str, Any]:
     except OSError as exc:
         raise VerbError(f"cannot write {path}: {exc.strerror or exc}", ERR_FAILED) from None
     return {"path": os.path.abspath(path), "bytes_written": len(p["data"])}
+
+
+def _make_dirs(path: str) -> None:
+    """``os.makedirs``, each directory it creates given to the agent (if any)."""
+    missing = []
+    while path and not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+            identity.chown_to_agent(directory)

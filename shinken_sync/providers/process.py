@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import IO, Any
 
 from shinken_sync.lifetime import parent_death_preexec
@@ -105,28 +106,41 @@ def _spawn_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class DaemonProcess:
-    """One shinkend child: its process, token and ready line."""
+    """One shinkend child: its process, token and ready line.
+
+    Subclasses change how the daemon is launched through the hooks
+    :meth:`_prepare` (before the spawn), :meth:`_command`, :meth:`_popen` (in
+    the spawner thread), :meth:`_spawned` (right after) and :meth:`_abandon`
+    (a failed start); :mod:`.isolated` runs it inside a bubblewrap sandbox.
+    """
 
     def __init__(self, argv: list[str], name: str):
         self.name = name
         self.token = secrets.token_urlsafe(32)
-        fd, self._token_path = tempfile.mkstemp(prefix=f"shinkend-{name}-", suffix=".token")  # mode 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(self.token)
+        self._token_path: str | None = None
         self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
         self.ready: dict[str, Any] = {}
         self._buffer = bytearray()
-        cmd = [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
+        self._oom_counter: str | None = None
+        self._oom_kills_at_start: int | None = None
         try:
+            self._prepare()
+            cmd = self._command(argv)
             self.process: subprocess.Popen[bytes] = _spawn_thread().submit(self._popen, cmd).result()
+            self._spawned()
         except BaseException:
-            self._forget_token()
-            self._stderr.close()
+            self._abandon()
             raise
-        # The kernel counts OOM kills per memory cgroup; the child starts in ours.
-        self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
-        self._oom_kills_at_start = read_oom_kills(self._oom_counter)
         _live.add(self)
+
+    def _prepare(self) -> None:
+        fd, self._token_path = tempfile.mkstemp(prefix=f"shinkend-{self.name}-", suffix=".token")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+
+    def _command(self, argv: list[str]) -> list[str]:
+        assert self._token_path is not None
+        return [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
 
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -138,6 +152,22 @@ class DaemonProcess:
             start_new_session=True,
             preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
+
+    def _spawned(self) -> None:
+        # The kernel counts OOM kills per memory cgroup; the child starts in ours.
+        self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
+        self._oom_kills_at_start = read_oom_kills(self._oom_counter)
+
+    def _abandon(self) -> None:
+        """Undo a start that failed before the daemon was tracked."""
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(TERMINATE_TIMEOUT_S)
+        if process is not None and process.stdout is not None:
+            process.stdout.close()
+        self._forget_token()
+        self._stderr.close()
 
     @property
     def pid(self) -> int:
@@ -240,8 +270,9 @@ class DaemonProcess:
         self._stderr.close()
 
     def _forget_token(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._token_path)
+        if self._token_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._token_path)
 
 
 def start_daemons(
@@ -250,6 +281,7 @@ def start_daemons(
     *,
     parallelism: int = 8,
     timeout: float = DEFAULT_START_TIMEOUT_S,
+    spawn: Callable[[list[str], str], DaemonProcess] = DaemonProcess,
 ) -> list[DaemonProcess]:
     """Start one daemon per argv, at most ``parallelism`` starting at once.
 
@@ -268,7 +300,7 @@ def start_daemons(
             while todo or deadlines:
                 while todo and len(deadlines) < parallelism:
                     argv, name = todo.pop()
-                    daemon = DaemonProcess(argv, name)
+                    daemon = spawn(argv, name)
                     started.append(daemon)
                     deadlines[daemon] = time.monotonic() + timeout
                     sel.register(daemon.process.stdout, selectors.EVENT_READ, daemon)
