@@ -3,8 +3,10 @@ through both SDK faces, the way an agent would: find things on screenshots, clic
 press combos, scroll, and read back what the apps did (the page's own reports, files the
 apps wrote), never what the test sent.
 
-One desktop per module (Chromium's start dominates): every test opens its own window, so
-they do not depend on each other's order. The page and its recording server run INSIDE
+One desktop per module and provider (Chromium's start dominates): a plain shinkend
+(LocalProvider) and one inside the isolated provider (its own namespaces, read-only /usr,
+the agent's exec as an unprivileged user); every test opens its own window, so they do
+not depend on each other's order. The page and its recording server run INSIDE
 the sandbox (tests/desktop/page_server.py, started with exec on the sandbox's loopback);
 every file goes to a directory made with mktemp -d inside the sandbox and removed after.
 """
@@ -26,6 +28,8 @@ from PIL import Image, ImageChops
 from shinken_sync.daemon.display.desktop import DESKTOPS
 from shinken_sync.errors import ActionError
 from shinken_sync.providers import LocalProvider
+from shinken_sync.providers.errors import IsolationUnavailable
+from shinken_sync.providers.isolated import IsolatedProvider
 from shinken_sync.sync import Sandbox
 
 MISSING = sorted(p for p in {*DESKTOPS["full"].programs, "Xvfb", "xdotool"} if shutil.which(p) is None)
@@ -71,9 +75,16 @@ def _read(sb: Sandbox, path: str) -> bytes | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def desk() -> Iterator[Desk]:
-    provider = LocalProvider(display="xvfb", screen=SCREEN, extra_args=["--desktop", "full"], start_timeout=SLOW_S)
+PROVIDERS = {"local": LocalProvider, "isolated": IsolatedProvider}
+
+
+@pytest.fixture(scope="module", params=list(PROVIDERS))
+def desk(request: pytest.FixtureRequest) -> Iterator[Desk]:
+    try:
+        provider = PROVIDERS[request.param](display="xvfb", screen=SCREEN, extra_args=["--desktop", "full"],
+                                            start_timeout=SLOW_S)  # fmt: skip
+    except IsolationUnavailable as exc:
+        pytest.skip(f"no isolated sandbox on this host: {exc}")
     with provider:
         handle = provider.create()
         sb = provider.connect(handle, rpc_timeout=SLOW_S)
