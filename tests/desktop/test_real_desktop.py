@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import pytest
 from PIL import Image, ImageChops
 
@@ -237,3 +238,38 @@ def test_the_terminal_runs_what_is_typed_and_alt_f4_closes_it(desk: Desk) -> Non
 def test_launch_refuses_an_unknown_app_by_name(desk: Desk) -> None:
     with pytest.raises(ActionError, match="unknown app 'spreadsheet'.*browser, terminal, editor"):
         desk.sb.launch("spreadsheet")
+
+
+def test_a_killed_window_manager_is_restarted(desk: Desk) -> None:
+    if not isinstance(desk.provider, LocalProvider):
+        pytest.skip("finds openbox by host pid: the local provider's desktop")
+    daemon = psutil.Process(desk.handle.pid)
+
+    def managers() -> list[psutil.Process]:
+        return [p for p in daemon.children(recursive=True)
+                if p.name() == "openbox" and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+
+    (old,) = managers()
+    old.kill()
+    _wait_for(lambda: [p for p in managers() if p.pid != old.pid], "the daemon to start openbox again", 15)
+    # ... and the new one manages the screen: alt+F4 closes a window again.
+    sb = desk.sb
+    window = str(sb.launch("terminal")["window"])
+
+    def closed() -> bool:
+        return window not in sb.exec("xdotool search --onlyvisible --class XTerm").stdout.split()
+
+    for _ in range(10):  # the new openbox may still be grabbing its keys: press until it acts
+        sb.key("alt+F4")
+        if _wait_for_quietly(closed, 1.0):
+            return
+    raise AssertionError("alt+F4 did not close the terminal after the window manager restarted")
+
+
+def _wait_for_quietly(probe: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

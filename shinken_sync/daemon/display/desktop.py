@@ -149,6 +149,7 @@ DESKTOPS: dict[str, Desktop] = {
     for d in (
         Desktop("full", ("terminal", "editor", "browser"),
                 "openbox with a terminal, the editor and Chromium open (Chromium in front)"),
+        Desktop("browser", ("browser",), "openbox with Chromium open; the terminal and the editor come with launch"),
         Desktop("wm", (), "openbox and no app open; apps come with launch"),
     )
 }  # fmt: skip
