@@ -221,8 +221,12 @@ def test_the_terminal_runs_what_is_typed_and_alt_f4_closes_it(desk: Desk) -> Non
     sb = desk.sb
     opened = sb.launch("terminal")
     out = f"{desk.tmp}/term.txt"
-    sb.type(f"echo terminal-$((6*7)) > {out}\n")
-    _wait_for(lambda: _read(sb, out) == b"terminal-42\n", "the shell in xterm to write the file", 20)
+    sb.type(f"echo terminal-$((6*7)) $(id -u) > {out}\n")
+    # The terminal's shell is the agent's, like exec's commands (in the isolated provider
+    # an unprivileged uid, never the daemon's).
+    uid = sb.exec("id -u").stdout.strip()
+    expected = f"terminal-42 {uid}\n".encode()
+    _wait_for(lambda: _read(sb, out) == expected, "the shell in xterm to write the file", 20)
     # alt+F4 goes to the window manager (without one xterm printed it as ESC[1;3S).
     window = str(opened["window"])
 

@@ -30,6 +30,7 @@ from typing import IO, Any
 
 from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED
 
+from ..identity import AgentUser
 from .base import DisplayError
 from .procs import exit_status, signal_group
 
@@ -188,16 +189,24 @@ class DesktopSession:
     """
 
     def __init__(self, desktop: Desktop, display_name: str, width: int, height: int, spawn: Spawner,
-                 forget: Forgetter):
+                 forget: Forgetter, agent: AgentUser | None = None):
         self.desktop = desktop
         self._spawn = spawn
         self._forget = forget
+        #: In an isolated sandbox the apps run as the agent (daemon/identity.py), like exec's
+        #: commands: a shell in the terminal must not hold the daemon's uid and capabilities.
+        self.agent = agent
         self.home = tempfile.mkdtemp(prefix=f"shinken-desktop-{desktop.name}-")
         os.chmod(self.home, 0o700)
         dirs = {name: os.path.join(self.home, name) for name in ("config", "cache", "run")}
         for path in dirs.values():
             os.mkdir(path, 0o700)
+        if agent is not None:  # the apps write their profiles and caches below it
+            for path in (self.home, *dirs.values()):
+                os.chown(path, agent.uid, agent.gid)
         env = {k: v for k, v in os.environ.items() if not k.startswith("DBUS_")}
+        if agent is not None:
+            env.update(agent.environment())
         # GTK apps talk to dconf through D-Bus; there is no session bus here.
         self.env = {**env, "DISPLAY": display_name, "XDG_CONFIG_HOME": dirs["config"],
                     "XDG_CACHE_HOME": dirs["cache"], "XDG_RUNTIME_DIR": dirs["run"],
@@ -254,10 +263,14 @@ class DesktopSession:
         path = self._paths.get(app.program)
         if path is None:
             raise DisplayError(f"{app.program} is not on PATH (apt-get install {app.package})", ERR_FAILED)
+        argv = app.argv(path, self.context, extra)
+        options: dict[str, Any] = {}
+        if self.agent is not None:
+            argv = self.agent.argv(argv)
+            options = {**self.agent.popen_options(), "cwd": self.agent.home}
         with self._open_log(name) as log:
             try:
-                proc = self._spawn(app.argv(path, self.context, extra), env={**self.env, **app.env},
-                                   stdout=log, stderr=log)
+                proc = self._spawn(argv, env={**self.env, **app.env}, stdout=log, stderr=log, **options)
             except OSError as exc:
                 raise DisplayError(f"cannot start {app.program}: {exc}", ERR_FAILED) from None
         running = Running(name, proc, self.log_path(name))

@@ -47,7 +47,7 @@ from PIL import Image
 
 from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT, ERR_UNSUPPORTED
 
-from .. import imaging
+from .. import identity, imaging
 from . import desktop as desktops
 from .base import Display, DisplayError, EncodedImage
 from .errors import DisplayUnavailable
@@ -351,7 +351,7 @@ class XvfbDisplay(Display):
     async def _start_desktop(self, name: str) -> None:
         assert self.display_name is not None
         session = desktops.DesktopSession(desktops.DESKTOPS[name], self.display_name, self.width, self.height,
-                                          self._spawn, self._forget)  # fmt: skip
+                                          self._spawn, self._forget, identity.agent())  # fmt: skip
         self._session = session
         deadline = asyncio.get_running_loop().time() + self.start_timeout
         await self._run(session.start_window_manager)
