@@ -14,7 +14,8 @@ namespaces, the product's default here; ``local``: plain shinkend processes), at
    (Chromium, xterm, Mousepad).
 3. **screenshot**: the round trip of one ``screenshot`` of the full desktop, after a
    1-pixel pointer move (the pointer is composited in, so every sample is a new frame):
-   JPEG q80 and PNG at full size, and unchanged.
+   JPEG q80 and PNG at full size; after alt+Tab (another maximized window: the whole
+   screen changed); and unchanged.
 4. **density** (``--density 8,16,24,32,...``; ``--density ''`` skips it): full desktops
    are added level by level; at each level every desktop runs 1 Hz rounds of observe
    (JPEG q80 screenshot) + click for ``--round-seconds``. A round misses when it takes
@@ -141,13 +142,17 @@ async def screenshots(kind: str, shots: int) -> dict[str, Any]:
         sb = await provider.aconnect(handle, rpc_timeout=RPC_TIMEOUT_S)
         await browser_painted(sb, time.monotonic() + 60)
         await asyncio.sleep(2)
-        for label, fmt, change in (("jpeg q80 1280x800, pointer moved", "jpeg", True),
-                                   ("png 1280x800, pointer moved", "png", True),
-                                   ("jpeg q80 1280x800, unchanged", "jpeg", False)):  # fmt: skip
+        for label, fmt, change in (("jpeg q80 1280x800, pointer moved", "jpeg", "pointer"),
+                                   ("png 1280x800, pointer moved", "png", "pointer"),
+                                   ("jpeg q80 1280x800, other window", "jpeg", "window"),
+                                   ("jpeg q80 1280x800, unchanged", "jpeg", "")):  # fmt: skip
             times, sizes = [], []
             for i in range(shots + 3):
-                if change:
+                if change == "pointer":
                     await sb.move(600 + i % 2, 400)
+                elif change == "window":  # alt+Tab: the editor or the browser fills the screen
+                    await sb.key("alt+Tab")
+                    await sb.wait_stable(stable_ms=150, timeout_ms=5000)
                 t = time.perf_counter()
                 shot = await sb.screenshot(format=fmt, quality=80)
                 if i >= 3:  # warm-up
@@ -265,6 +270,8 @@ async def main() -> int:
     report: dict[str, Any] = {"provider": args.provider, "screen": SCREEN, "cpus": os.cpu_count(),
                               "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)}  # fmt: skip
 
+    print(f"machine  {os.cpu_count()} cores, {report['mem_total_gib']} GiB, load average at start "
+          f"{os.getloadavg()[0]:.1f} (shared with other work)")  # fmt: skip
     with make_provider(args.provider, "full") as provider:
         ready, painted = [], []
         for _ in range(args.samples):
@@ -291,6 +298,7 @@ async def main() -> int:
     if levels:
         report["density"] = await density(args.provider, levels, args.round_seconds, args.miss_budget,
                                           args.min_free_gib)  # fmt: skip
+    print(f"machine  load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

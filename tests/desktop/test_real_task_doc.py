@@ -24,7 +24,7 @@ pytestmark = [
 
 
 def test_the_walkthrough_runs_and_the_task_is_done(tmp_path: pathlib.Path) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert len(blocks) == 1, "the walkthrough is one script"
     script = tmp_path / "real_task.py"
     script.write_text(blocks[0])
