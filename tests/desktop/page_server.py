@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.server
 import os
 import sys
+import threading
 
 PAGE = b"""<!doctype html><meta charset="utf-8"><title>shinken desktop test page</title>
 <style>
@@ -25,7 +26,11 @@ body { margin: 0; height: 6000px; font: 20px sans-serif; background: #fff; }
 </style>
 <input id="q" autocomplete="off" spellcheck="false">
 <script>
-const send = (path, value) => fetch(path, {method: "POST", body: value});
+// Numbered per page: the requests run concurrently and may arrive out of order; the
+// server keeps the latest one's value.
+const page = Math.floor(Math.random() * 1e9);
+let seq = 0;
+const send = (path, value) => fetch(path, {method: "POST", body: page + " " + ++seq + "\\n" + value});
 const q = document.getElementById("q");
 q.addEventListener("input", () => send("/typed", q.value));
 document.addEventListener("keydown", (e) => {
@@ -40,6 +45,8 @@ REPORTS = ("typed", "keys", "scroll")
 
 def main() -> None:
     out = sys.argv[1]
+    lock = threading.Lock()
+    latest: dict[tuple[str, bytes], int] = {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -50,17 +57,20 @@ def main() -> None:
             self.wfile.write(PAGE)
 
         def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            head, _, body = self.rfile.read(int(self.headers.get("Content-Length", "0"))).partition(b"\n")
+            page, _, number = head.partition(b" ")
             name = self.path.strip("/")
             if name in REPORTS:
                 path = os.path.join(out, name)
-                if name == "keys":
-                    with open(path, "ab") as f:
-                        f.write(body + b"\n")
-                else:  # the latest value, replaced whole: a reader never sees half of one
-                    with open(path + ".tmp", "wb") as f:
-                        f.write(body)
-                    os.replace(path + ".tmp", path)
+                with lock:
+                    if name == "keys":
+                        with open(path, "ab") as f:
+                            f.write(body + b"\n")
+                    elif int(number) > latest.get((name, page), 0):  # replaced whole: never half a value
+                        latest[name, page] = int(number)
+                        with open(path + ".tmp", "wb") as f:
+                            f.write(body)
+                        os.replace(path + ".tmp", path)
             self.send_response(204)
             self.end_headers()
 

@@ -68,3 +68,11 @@ def test_the_image_runs_shinkend_with_a_declared_desktop_as_a_user() -> None:
 def test_the_daemon_offers_exactly_the_declared_desktops() -> None:
     (action,) = [a for a in server.build_parser()._actions if a.dest == "desktop"]
     assert tuple(action.choices) == tuple(desktop.DESKTOPS)
+
+
+def test_the_docs_tables_list_every_app_and_desktop() -> None:
+    text = (ROOT / "docs" / "desktop.md").read_text()
+    for app in desktop.APPS.values():
+        assert f"| `{app.name}` | `{app.program}` | `{app.package}` | `{app.window_class}` |" in text, app.name
+    for name in desktop.DESKTOPS:
+        assert f"| `{name}` |" in text, name

@@ -117,10 +117,20 @@ def _bbox_of(image: Image.Image, colour: tuple[int, int, int]) -> tuple[int, int
     return mask.getbbox()
 
 
+PAGE_TITLE = "shinken desktop test page"
+ACTIVE_TITLE = "xdotool getactivewindow getwindowname"
+
+
 def _open_page(sb: Sandbox, url: str) -> tuple[int, int, int, int]:
-    """Open the test page in a new browser window; the input's box on the screen once painted."""
+    """Open the test page in a new browser window; the input's box on the screen once painted.
+
+    The new window shows the page only once it loaded (its title says so): until then the
+    screen may still show an earlier window's page under it (X keeps the old pixels of an
+    unpainted window), whose input a click would hit while the keys went to the new one.
+    """
     opened = sb.launch("browser", [url])
     assert opened["app"] == "browser" and opened["window"] > 0 and opened["pid"] > 0, opened
+    _wait_for(lambda: sb.exec(ACTIVE_TITLE).stdout.startswith(PAGE_TITLE), "the new window to load the page")
     return _wait_for(lambda: _bbox_of(_screen(sb), MAGENTA), "the page's magenta input on the screen")
 
 
@@ -130,8 +140,12 @@ def _type_into_page(sb: Sandbox, desk: Desk, text: str) -> None:
     x, y = (box[0] + box[2]) // 2, (box[1] + box[3]) // 2
     sb.click(x, y)
     sb.type(text)
-    typed = _wait_for(lambda: _read(sb, f"{desk.tmp}/typed") == text.encode(), f"the page to report {text!r}", 20)
-    assert typed
+    try:
+        _wait_for(lambda: _read(sb, f"{desk.tmp}/typed") == text.encode(), f"the page to report {text!r}", 30)
+    except AssertionError as exc:
+        got = _read(sb, f"{desk.tmp}/typed")
+        active = sb.exec("xdotool getactivewindow getwindowname").stdout.strip()
+        raise AssertionError(f"{exc}; the page reported {got!r}; the active window: {active!r}") from None
     after = _screen(sb)
     # The typed characters show inside the input (the pixels changed there) ...
     inside = ImageChops.difference(before.crop(box), after.crop(box)).getbbox()
@@ -158,6 +172,9 @@ def test_async_face_does_the_same_in_another_window(desk: Desk) -> None:
             opened = await sb.launch("browser", [desk.url])
             assert opened["app"] == "browser", opened
             deadline = time.monotonic() + SLOW_S
+            while not (await sb.exec(ACTIVE_TITLE)).stdout.startswith(PAGE_TITLE):  # see _open_page
+                assert time.monotonic() < deadline, "the new window never loaded the page"
+                await asyncio.sleep(0.1)
             box = None
             while box is None:
                 assert time.monotonic() < deadline, "the page never showed its input"

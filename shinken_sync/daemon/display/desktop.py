@@ -175,6 +175,8 @@ class Running:
     log_path: str
     #: The X window it opened (None until it showed one).
     window: str | None = None
+    #: A launch is waiting for its window: reap() leaves it to that launch.
+    pending: bool = True
 
 
 Spawner = Callable[..., subprocess.Popen]
@@ -284,7 +286,7 @@ class DesktopSession:
         first one and exits, and the window then comes from that one.
         """
         status = exit_status(running.proc)
-        if status is None or status == "exit 0":
+        if status in (None, "exit 0", "exited"):  # "exited": reaped, status unknown: keep waiting
             return None
         return f"{APPS[running.app].program} exited ({status}) before showing a window: {log_tail(running.log_path)}"
 
@@ -292,7 +294,7 @@ class DesktopSession:
         """Forget apps that exited (closed by the agent, alt+F4): their stragglers are killed."""
         alive = []
         for running in self.apps:
-            if exit_status(running.proc) is None:
+            if running.pending or exit_status(running.proc) is None:
                 alive.append(running)
             else:
                 self._bury(running.proc)

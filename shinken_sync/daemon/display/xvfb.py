@@ -391,6 +391,14 @@ class XvfbDisplay(Display):
         assert self._session is not None
         app = desktops.APPS[running.app]
         deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            return await self._poll_window(running, app, before, deadline, timeout)
+        finally:
+            running.pending = False
+
+    async def _poll_window(self, running: desktops.Running, app: desktops.App, before: set[str], deadline: float,
+                           timeout: float) -> str:  # fmt: skip
+        assert self._session is not None
         while True:
             new = [w for w in await self._run(self._windows_of, app.window_class) if w not in before]
             if new:
