@@ -3,18 +3,23 @@
 Each runtime dependency is chosen for a stated reason; see docs/dependencies.md.
 """
 
+import re
+
 from setuptools import find_packages, setup
+
+# The one version: shinken_sync.__version__ (every CLI's --version prints it); read, not imported.
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("shinken_sync/__init__.py", encoding="utf-8").read(), re.M)[1]
 
 setup(
     name="shinken",
-    version="0.1.0",
+    version=VERSION,
     description="Rollout infrastructure for computer-use agents: a sync-first sandbox SDK "
     "and a token-exact session server.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
-    package_data={"webapp": ["gunicorn.conf.py"], "shinken_sync.daemon.display": ["openbox-rc.xml"]},
+    package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"], "shinken_sync.daemon.display": ["openbox-rc.xml"]},
     install_requires=[
         "websockets>=14,<18",
         "gevent>=24.2",

@@ -2,7 +2,7 @@
 
     python bench/dataplane.py [--quick] [--json OUT]
 
-Prints four figures against the issue's targets (speed targets live here, never in tests):
+Prints four figures against its targets (speed targets live here, never in tests):
 
 1. turns/s with workers=1 vs workers=2 on a parse-heavy shape (long, growing histories)
    -> target ratio >= 1.7

@@ -23,13 +23,13 @@ from typing import Any
 KB = 1024
 MB = 1024 * 1024
 
-# Gate targets (seed section 7, issue #15)
+# Gate targets (seed section 7)
 GATE_ROUND_RTT_FACTOR = 2.0
 GATE_MARGINAL_RSS_BYTES = 1 << 20
-GOAL_MARGINAL_RSS_BYTES = 100 << 10  # issue #15: below a thread-per-connection client, <= 100 KiB
+GOAL_MARGINAL_RSS_BYTES = 100 << 10  # below a thread-per-connection client, <= 100 KiB
 #: Loop-lag p99 targets at N=1024: one action + observe per step, and more (the seed's 50 ms).
 GATE_LOOP_LAG_P99_S = {1: 0.020, "more": 0.050}
-#: CPU per step at N=1024, by transport (issue #15).
+#: CPU per step at N=1024, by transport.
 GATE_CPU_PER_STEP_S = {"websockets": 150e-6, "fast": 100e-6}
 GATE_STORM_CONVERGENCE_S = 60.0
 #: A drill leaves the others "unaffected" when their round p50 stays within

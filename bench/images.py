@@ -1,4 +1,4 @@
-"""Screenshot turns benchmark: image chats through the session server (issue 16).
+"""Screenshot turns benchmark: image chats through the session server.
 
     python bench/images.py [--sessions 32] [--turns 20] [--workers 1 2] [--json OUT]
 

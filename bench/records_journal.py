@@ -1,9 +1,9 @@
-"""Records journal benchmark (issue 14): records GET by sendfile, chats under a GET, worker memory
+"""Records journal benchmark: records GET by sendfile, chats under a GET, worker memory
 on a production-shaped run, and what a journaled turn costs.
 
     PYTHONPATH=. python bench/records_journal.py [--quick] [--only get,load,prod,commit] [--json OUT]
 
-Prints, against the issue's targets (speed targets live here, never in tests):
+Prints, against its targets (speed targets live here, never in tests):
 
 1. ``get``: ``GET /sessions/{id}`` of a ~4 GiB session (``--size-gib``, ``--turn-mib`` per turn)
    from ``shinken-session-server --workers 2 --data-dir DIR``, read on loopback by a client that

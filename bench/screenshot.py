@@ -158,7 +158,7 @@ async def measure(url: str, token: str, change: Change, shot: dict, samples: int
 
 
 async def _prepare_xterm(url: str, token: str) -> None:
-    """Fill the terminal with text, like the issue's text-heavy reference screen."""
+    """Fill the terminal with text, like a text-heavy reference screen."""
     headers = {"Authorization": f"Bearer {token}"}
     async with connect(url, additional_headers=headers, compression=None, max_size=protocol.MAX_MESSAGE_SIZE) as ws:
         protocol.decode_server_message(await ws.recv())

@@ -148,7 +148,7 @@ class FixedBackend:
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
 
-    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         return BackendReply.from_raw(self.raw)
 
     def close(self) -> None:

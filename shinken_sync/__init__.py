@@ -38,6 +38,7 @@ _EXPORTS = {
     "loop_frame_budget": "shinken_sync.client",
     "ShinkenError": "shinken_sync.errors",
     "ConnectError": "shinken_sync.errors",
+    "InvalidURL": "shinken_sync.errors",
     "AuthRefused": "shinken_sync.errors",
     "ProtocolMismatch": "shinken_sync.errors",
     "ConnectionLost": "shinken_sync.errors",

@@ -14,12 +14,15 @@ import time
 from shinken_sync.cliargs import EXIT_USAGE, Parser, non_negative_int, port, positive_int
 
 DISPLAYS = ("virtual", "xvfb")
+DEMO_WORKERS = 2
+# Options of Ray mode only: without --ray they would change nothing, so they are refused.
+RAY_ONLY = ("--drivers", "--session-server", "--node-ip")
 DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X server per sandbox with a "
                 "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.")
+def build_parser() -> Parser:
+    parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.", version=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="run sandboxes + session server + a rollout loop, end to end",
@@ -27,11 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
                                       "write trajectories, a contact sheet and a summary (docs/demo.md).")
     demo.add_argument("--sandboxes", type=positive_int, default=16, help="episodes run at once")
     demo.add_argument("--turns", type=positive_int, default=10, help="model turns per episode")
-    demo.add_argument("--workers", type=non_negative_int, default=2,
-                      help="session-server worker processes; 0 = single process")
+    # --workers and --port default to None ("not given") so that Ray mode with --session-server,
+    # where the demo starts no session server, can refuse them; _check_demo_options fills them in.
+    demo.add_argument("--workers", type=non_negative_int, default=None,
+                      help=f"worker processes of the session server the demo starts; 0 = single process "
+                           f"(default: {DEMO_WORKERS})")
     demo.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
-    demo.add_argument("--port", type=port, default=0, help="session server port on 127.0.0.1; 0 = any free port")
-    demo.add_argument("--out", default="shinken-demo-out", help="output folder, created if missing")
+    demo.add_argument("--port", type=port, default=None,
+                      help="port of the session server the demo starts (on 127.0.0.1, in Ray mode on this "
+                           "node's cluster address); 0 = any free port (default: 0)")
+    demo.add_argument("--out", default="shinken-demo-out",
+                      help="output folder: created if missing; a previous demo's outputs in it are replaced, "
+                           "a folder holding anything else is refused")
+    demo.add_argument("--view", action="store_true",
+                      help="print the session server's viewer URL, show the sandboxes live on it, and keep "
+                           "everything up after the episodes until Ctrl-C (docs/viewer.md; default: off)")
     ray = demo.add_argument_group("Ray mode (docs/scale-out.md; needs the [ray] extra)")
     ray.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                      help="run the rollout on a Ray cluster: sandboxes placed by RayProvider, episodes run by "
@@ -69,8 +82,30 @@ def _sandboxes(args: argparse.Namespace) -> int:
             return 0
 
 
+def _check_demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every demo option applies to the run, or is refused saying why (never silently ignored)."""
+    if not args.ray:
+        given = [flag for flag in RAY_ONLY if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            parser.error(f"{', '.join(given)} {verb} in Ray mode only; add --ray auto|ADDRESS, or drop "
+                         f"{'it' if len(given) == 1 else 'them'} (without --ray the demo starts its own "
+                         f"session server and drives every episode from this process)")
+    elif args.session_server is not None:
+        given = [flag for flag in ("--workers", "--port") if getattr(args, flag[2:]) is not None]
+        if given:
+            verb = "configures" if len(given) == 1 else "configure"
+            parser.error(f"{', '.join(given)} {verb} the session server the demo starts; with "
+                         f"--session-server it starts none: drop {', '.join(given)} or --session-server")
+    args.workers = DEMO_WORKERS if args.workers is None else args.workers
+    args.port = 0 if args.port is None else args.port
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        _check_demo_options(parser.chosen_command(args), args)
     from shinken_sync.demo import DemoError, check_display, run
     from shinken_sync.errors import ShinkenError
 

@@ -1,7 +1,9 @@
 """Command-line conventions shared by ``shinken`` and ``shinken-session-server``.
 
 * :class:`Parser`: a usage error is ONE line on stderr naming the cause and where the
-  fix is documented, exit code 2 (argparse's default prints the whole usage first);
+  fix is documented, exit code 2 (argparse's default prints the whole usage first); an
+  unknown option after a subcommand points at that subcommand's ``--help``; ``--version``
+  prints the package's one version (``shinken_sync.__version__``);
 * :class:`HelpFormatter`: every option's help shows its default;
 * typed converters whose errors say what is wanted (argparse's own message for a
   failing ``type=`` names the function: ``invalid _positive value``).
@@ -10,7 +12,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from shinken_sync import __version__
 
 __all__ = ["EXIT_USAGE", "HelpFormatter", "Parser", "non_negative_int", "port", "positive_int"]
 
@@ -29,14 +34,37 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` with :class:`HelpFormatter` and one-line usage errors."""
+    """An ``ArgumentParser`` with :class:`HelpFormatter` and one-line usage errors.
 
-    def __init__(self, *args, **kwargs) -> None:
+    ``version=True`` (a command's top-level parser) adds ``--version``."""
+
+    def __init__(self, *args: Any, version: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        if version:
+            self.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                              help="print the version and exit")
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        # argparse reports options unknown to a subcommand from the top-level parser, whose
+        # --help does not list them: the subcommand that was chosen reports them instead.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def chosen_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the (sub)command that ``parsed`` chose; this one when it has none."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
+                if isinstance(chosen, Parser):
+                    return chosen.chosen_command(parsed)
+        return self
 
 
 def _int(text: str, wanted: str) -> int:

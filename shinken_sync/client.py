@@ -47,6 +47,7 @@ import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from . import actions as build
 from . import protocol
@@ -76,6 +77,7 @@ from .errors import (
     ConnectError,
     ConnectionLost,
     FrameTimeout,
+    InvalidURL,
     ProtocolViolation,
     SandboxClosed,
     ShinkenError,
@@ -218,9 +220,11 @@ async def aconnect(
             :data:`GLOBAL_FRAME_BUDGET_BYTES` if this is its first connection.
 
     Raises:
+        InvalidURL: ``url`` is no ``ws://``/``wss://`` endpoint; nothing was dialed.
         AuthRefused: the daemon answered HTTP 401.
         ConnectError: anything else that kept the connection from opening.
     """
+    check_url(url)
     if ping_jitter < 0:
         raise ValueError(f"ping_jitter must be >= 0, not {ping_jitter}")
     if max_queue_frames < 1:
@@ -283,6 +287,34 @@ async def aconnect(
         gateway=gateway,
         max_queue_frames=max_queue_frames,
     )
+
+
+# Where a newcomer gets a real URL (README, SDK).
+_URL_HINT = "a sandbox URL looks like ws://127.0.0.1:PORT/sb/0 (`shinken sandboxes` prints them; a handle has .url, .token)"
+
+
+def check_url(url: object) -> None:
+    """:class:`InvalidURL` unless ``url`` is a ``ws://`` or ``wss://`` URL with a host and, if
+    given, a numeric port in range (urllib's own errors here are bare ``ValueError`` s, and the
+    WebSocket libraries' are handshake errors: one typed error, before any dial)."""
+    if not isinstance(url, str):
+        raise InvalidURL(f"{url!r} is not a URL string; {_URL_HINT}", str(url))
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (urllib checks the port only when it is read)
+    except ValueError as exc:
+        raise InvalidURL(f"{url!r} is not a valid URL ({exc}); {_URL_HINT}", url) from exc
+    if parts.scheme == protocol.UNIX_SCHEME:  # an isolated sandbox's socket (protocol.unix_url)
+        if not parts.netloc or "/" in parts.netloc:
+            raise InvalidURL(f"{url!r} names no percent-encoded socket path; {_URL_HINT}", url)
+        return
+    if parts.scheme not in ("ws", "wss"):
+        got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise InvalidURL(f"{url!r} has {got}, not ws:// or wss://; {_URL_HINT}", url)
+    if not parts.hostname:
+        raise InvalidURL(f"{url!r} names no host; {_URL_HINT}", url)
+    if any(c.isspace() for c in url):
+        raise InvalidURL(f"{url!r} contains whitespace; {_URL_HINT}", url)
 
 
 def _tune_transport(ws: Any) -> None:

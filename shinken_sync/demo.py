@@ -14,19 +14,26 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import copy
+import fcntl
 import hashlib
 import io
 import json
 import math
+import os
 import shlex
+import shutil
+import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import requests
 from tabulate import tabulate
@@ -35,6 +42,10 @@ from tqdm import tqdm
 from shinken_sync.errors import SandboxDied, ShinkenError
 from shinken_sync.stats import percentile
 from shinken_sync.trajectory_file import compact_records
+from shinken_sync.transport import TRANSPORT_ENV
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
 
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
 SCREEN = (1920, 1080)  # what SYSTEM_PROMPT tells the model, and the reference backend's action range
@@ -58,6 +69,78 @@ HTTP_TIMEOUT = (5.0, 120.0)  # (connect, read) for every call to the session ser
 
 class DemoError(Exception):
     """The demo could not start or run; the message says what to do."""
+
+
+def plural(count: int, one: str, many: str = "") -> str:
+    """``1 sandbox``, ``2 sandboxes``."""
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+class CtrlC:
+    """Ctrl-C (SIGINT) as a count that the caller's wait loop polls, instead of a
+    KeyboardInterrupt raised at whatever bytecode runs: a stop must still close every sandbox,
+    stop the session server and write the outputs. From the ``raise_from``-th Ctrl-C on it
+    raises KeyboardInterrupt after all (1: Python's own behaviour, for start-up, where there is
+    nothing to keep; None: never); the attribute may change while it is installed. Outside
+    the main thread (no signal handlers there) it counts nothing.
+
+    Ray mode: an exception raised inside Ray's client calls (a lock held, a reply half-read)
+    may leave the driver unable to make its next Ray call, the ``stop`` it must send; Ray
+    defers SIGINT around such regions itself (``ray._private.utils.DeferSigint``).
+    """
+
+    def __init__(self, raise_from: int | None = None) -> None:
+        self.count = 0
+        self.raise_from = raise_from
+        self._previous: Any = None
+
+    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        if self.raise_from is not None and self.count >= self.raise_from:
+            # Said before the stop runs (os.write: no buffered stream is re-entered from a handler).
+            os.write(sys.stderr.fileno(), b"\nshinken demo: interrupted; stopping now\n")
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# The session server's settings the demo passes as flags: their SHINKEN_<NAME> changes nothing.
+_SERVER_FLAGS = ("workers", "data_dir")
+_SECRET_SETTINGS = ("api_key",)
+
+
+def environment_overrides(environ: Mapping[str, str] | None = None, *, starts_server: bool = True) -> list[str]:
+    """``NAME=value`` of each environment variable that changes this run (the session server's
+    ``SHINKEN_<NAME>`` settings when the demo starts it, the SDK's transport), secrets masked.
+    Raises :class:`DemoError` for a setting that does not parse (the server would refuse it)."""
+    env = os.environ if environ is None else environ
+    shown = []
+    if starts_server:
+        from webapp.settings import SETTINGS, values_from_env
+
+        try:
+            values_from_env(env)
+        except ValueError as exc:
+            raise DemoError(f"{exc} (the demo's session server reads it): fix or unset it") from None
+        for setting in SETTINGS:
+            name = setting.env_var
+            if name is not None and name in env and setting.name not in _SERVER_FLAGS:
+                shown.append(f"{name}={'***' if setting.name in _SECRET_SETTINGS else env[name]}")
+    if TRANSPORT_ENV in env:
+        shown.append(f"{TRANSPORT_ENV}={env[TRANSPORT_ENV]}")
+    return shown
+
+
+def report_environment(overrides: list[str]) -> None:
+    if overrides:
+        print(f"shinken demo: the environment changes this run: {', '.join(overrides)}", file=sys.stderr)
 
 
 @dataclass
@@ -105,7 +188,7 @@ def start_session_server(workers: int, port: int, log_path: Path, host: str = "1
     """
     from webapp.serve import start_session_server as launch
 
-    return launch(workers, None, f"{host}:{port}", "--data-dir", str(log_path.parent / "session-data"),
+    return launch(workers, None, f"{host}:{port}", "--data-dir", str(log_path.parent / SESSION_DATA),
                   log_path=log_path, own_session=True, wait=False)
 
 
@@ -419,19 +502,58 @@ def check_display(display: str) -> None:
         raise DemoError(f"--display xvfb: {problem}; or use --display virtual")
 
 
+_held_out: dict[Path, int] = {}  # output folder -> the fd holding its lock, for this process's life
+
+
 def prepare_out(path: str) -> Path:
-    """The output folder, created (with its parents) if missing; never a file."""
+    """The output folder, created (with its parents) if missing; never a file.
+
+    It is locked (``flock`` on the folder itself, held for this process's life), so a second
+    demo on the same folder is refused at once. A previous demo's outputs in it (only the names
+    in :data:`DEMO_OUTPUTS`) are removed, so runs never mix (old images, old sessions restored
+    into this run); a folder holding anything else is refused: the demo never deletes what it
+    did not write.
+    """
     out = Path(path)
     if out.exists() and not out.is_dir():
-        raise DemoError(f"--out {path} is a file, not a folder; pass --out with a folder (new or existing)")
+        raise DemoError(f"--out {path} is a file, not a folder; pass --out with a folder (new, empty, "
+                        f"or a previous demo's)")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".shinken-demo-write-test"
-        probe.touch()
-        probe.unlink()
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise DemoError(f"cannot write to --out {path}: {exc.strerror or exc}; pass --out with a writable folder") \
             from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise DemoError(f"--out {path} is in use by another shinken demo; pass --out with another folder") from None
+    try:
+        foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in DEMO_OUTPUTS)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise DemoError(f"--out {path} holds files no demo wrote ({shown}); pass --out with a new or empty "
+                            f"folder (a previous demo's outputs are replaced, nothing else is deleted)")
+        probe = out / ".shinken-demo-write-test"
+        probe.touch()
+        probe.unlink()
+        previous = [entry for entry in out.iterdir() if entry.name in DEMO_OUTPUTS]
+        for entry in previous:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError as exc:
+        os.close(fd)
+        raise DemoError(f"cannot write to --out {path}: {exc.strerror or exc}; pass --out with a writable folder") \
+            from None
+    except DemoError:
+        os.close(fd)
+        raise
+    if previous:
+        print(f"shinken demo: --out {path}: replaced a previous run's outputs", file=sys.stderr)
+    _held_out[out.resolve()] = fd
     return out
 
 
@@ -441,62 +563,105 @@ def run(args: argparse.Namespace) -> int:
 
         return demo_ray.run(args)
     from shinken_sync.providers.local import LocalProvider
+    from webapp.settings import BY_NAME
 
     # Every check before anything is created or started.
     check_display(args.display)
     if args.port:
         _check_port_free("127.0.0.1", args.port)
+    overrides = environment_overrides()
     out = prepare_out(args.out)
 
-    print(f"shinken demo: {args.sandboxes} {args.display} sandboxes x {args.turns} turns, "
-          f"session server with {args.workers} workers -> {out}/", file=sys.stderr)
-    server = start_session_server(args.workers, args.port, out / "session-server.log")
-    provider = None
+    print(f"shinken demo: {plural(args.sandboxes, args.display + ' sandbox', args.display + ' sandboxes')} x "
+          f"{plural(args.turns, 'turn')}, session server with {plural(args.workers, 'worker')} -> {out}/",
+          file=sys.stderr)
+    report_environment(overrides)
+    ctrl_c = CtrlC(raise_from=1)  # start-up: Ctrl-C aborts at once (nothing to keep yet)
     stop = threading.Event()
+    aborted = False
     episodes: list[Episode] = []
     progress = Progress(args.sandboxes * args.turns)
-    sandboxes: list[Any] = []
-    try:
-        provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
-        handles = provider.create_many(args.sandboxes)
-        url = wait_ready(server)
-        for i, handle in enumerate(handles):
-            sandboxes.append(provider.connect(handle))
-            episodes.append(Episode(index=i, sandbox_id=str(provider.endpoint(handle)[0])))
+    with ctrl_c:
+        server = start_session_server(args.workers, args.port, out / SERVER_LOG)
+        provider = None
+        sandboxes: list[Any] = []
+        viewer = None  # shinken_sync.fleet_view.FleetPublisher with --view
         http = requests.Session()
-        http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, args.sandboxes)))
-
-        def worker(ep: Episode, sb: Any) -> None:
-            try:
-                run_episode(ep, sb, url, args.turns, http, stop, progress)
-            except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
-                ep.error = f"{type(exc).__name__}: {exc}"
-
-        progress.start()
-        pool = ThreadPoolExecutor(max_workers=args.sandboxes, thread_name_prefix="episode")
-        futures = [pool.submit(worker, ep, sb) for ep, sb in zip(episodes, sandboxes)]
         try:
+            provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
+            handles = provider.create_many(args.sandboxes)
+            url = wait_ready(server)
+            for i, handle in enumerate(handles):
+                sandboxes.append(provider.connect(handle))
+                episodes.append(Episode(index=i, sandbox_id=str(provider.endpoint(handle)[0])))
+            http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max(10, args.sandboxes)))
+            if key := os.environ.get(BY_NAME["api_key"].env_var or ""):  # the session server then requires it
+                http.headers["Authorization"] = f"Bearer {key}"
+
+            def worker(ep: Episode, sb: Any) -> None:
+                try:
+                    run_episode(ep, sb, url, args.turns, http, stop, progress)
+                except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
+                    if not aborted:  # after a second Ctrl-C calls fail because everything stops
+                        ep.error = f"{type(exc).__name__}: {exc}"
+
+            if getattr(args, "view", False):  # the live fleet on the server's viewer (docs/viewer.md)
+                from shinken_sync import demo_view
+
+                viewer = demo_view.start(url, sandboxes, [f"episode {ep.index} · {ep.sandbox_id}" for ep in episodes],
+                                         api_key=key or None)
+            ctrl_c.raise_from = None  # from here on a Ctrl-C stops the rollout and the outputs are written
+            progress.start()
+            pool = ThreadPoolExecutor(max_workers=args.sandboxes, thread_name_prefix="episode")
+            futures = [pool.submit(worker, ep, sb) for ep, sb in zip(episodes, sandboxes)]
             while not all(f.done() for f in futures):
-                time.sleep(0.1)
-        except KeyboardInterrupt:
-            stop.set()
-            print("\nshinken demo: interrupted; finishing the turns in flight and keeping every episode's "
-                  "records so far", file=sys.stderr)
-        pool.shutdown(wait=True)
-        progress.finish()
-    finally:
-        for sb in sandboxes:
-            with contextlib.suppress(ShinkenError):  # a dead sandbox is already closed
-                sb.close()
-        if provider is not None:
-            provider.close()
-        server.close(timeout=15)
-    return write_outputs(out, episodes, progress, interrupted=stop.is_set())
+                if ctrl_c.count >= 2:
+                    aborted = True
+                    # What is finished now is what gets written; the rest stops with the processes.
+                    episodes = [copy.copy(ep) if ep.finished else _cut_short(ep) for ep in episodes]
+                    print("\nshinken demo: stopping now; writing the episodes finished so far (the others' "
+                          f"records stay in {out / SESSION_DATA}/)", file=sys.stderr)
+                    break
+                if ctrl_c.count == 1 and not stop.is_set():
+                    stop.set()
+                    print("\nshinken demo: interrupted; finishing the turns in flight and fetching every "
+                          "episode's records so far (Ctrl-C again: stop now)", file=sys.stderr)
+                time.sleep(0.05)
+            pool.shutdown(wait=not aborted, cancel_futures=True)
+            progress.finish()
+            if viewer is not None and not (stop.is_set() or aborted):
+                demo_view.hold(viewer, lambda: ctrl_c.count > 0)
+        finally:
+            ctrl_c.raise_from = None  # stopping and writing are never cut short
+            if viewer is not None:
+                viewer.close()
+            # Its keep-alive connections first: gunicorn's graceful stop waits for them (keepalive, 5 s).
+            http.close()
+            for sb in sandboxes:
+                with contextlib.suppress(ShinkenError):  # a dead sandbox is already closed
+                    sb.close()
+            if provider is not None:
+                provider.close()
+            server.close(timeout=5 if aborted else 15)
+        return write_outputs(out, episodes, progress, interrupted=stop.is_set() or aborted)
+
+
+def _cut_short(ep: Episode) -> Episode:
+    """An unfinished episode as the second Ctrl-C found it: its steps so far, no records."""
+    return Episode(index=ep.index, sandbox_id=ep.sandbox_id, session_id=ep.session_id, steps=list(ep.steps),
+                   first_observation=ep.first_observation, error=ep.error, interrupted=True)
 
 
 TRAJECTORIES = "trajectories.jsonl"
 ROUTED_EXPERTS = "routed_experts.bin"
 IMAGES_DIR = "images"  # each screenshot the model got, once: images/<sha256>.jpg
+CONTACT_SHEET = "contact_sheet.png"
+SUMMARY = "summary.json"
+SERVER_LOG = "session-server.log"
+SESSION_DATA = "session-data"  # the session server's data directory: every session's journal
+#: Everything a demo writes into ``--out``; a later run replaces exactly these.
+DEMO_OUTPUTS = frozenset({TRAJECTORIES, ROUTED_EXPERTS, IMAGES_DIR, CONTACT_SHEET, SUMMARY, SERVER_LOG,
+                          SESSION_DATA})
 
 
 def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interrupted: bool) -> int:
@@ -515,13 +680,15 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
                     "check": check_episode(ep)}
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
     if finished:
-        contact_sheet(finished, out / "contact_sheet.png", total=len(episodes))
+        contact_sheet(finished, out / CONTACT_SHEET, total=len(episodes))
     errors = {ep.index: ep.error for ep in episodes if ep.error}
     outcomes = dict(progress.outcomes)
     if errors:
         outcomes["episode_error"] = len(errors)
     summary = {
         "episodes": len(finished), "episodes_started": len(episodes), "interrupted": interrupted,
+        # stopped by Ctrl-C before their last turn (records kept), or never finished (second Ctrl-C)
+        "episodes_cut_short": sum(1 for ep in episodes if ep.interrupted or not ep.finished and not ep.error),
         "steps": progress.done, "rollout_s": round(elapsed, 3),
         "steps_per_s": round(progress.done / max(elapsed, 1e-9), 3),
         "step_latency_p50_s": round(_percentile_or_nan(progress.latencies, 50), 4),
@@ -531,10 +698,10 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
         "observe_latency_p50_s": round(_percentile_or_nan(progress.observes, 50), 4),
         "observe_latency_p95_s": round(_percentile_or_nan(progress.observes, 95), 4),
         "outcomes": outcomes, "episode_errors": errors,
-        "observation_changes": sum(observation_changes(ep) for ep in finished),
+        "observation_changes": sum(observation_changes(ep) for ep in episodes),
         "consistent": run_consistent(finished),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary, out)
     if interrupted:
         return 130
@@ -543,7 +710,8 @@ def write_outputs(out: Path, episodes: list[Episode], progress: Progress, interr
 
 def print_table(s: dict[str, Any], out: Path) -> None:
     rows = [
-        ("episodes", f"{s['episodes']}/{s['episodes_started']}"),
+        ("episodes", f"{s['episodes']}/{s['episodes_started']} finished"
+                     + (f", INTERRUPTED by Ctrl-C ({s['episodes_cut_short']} cut short)" if s["interrupted"] else "")),
         ("steps", s["steps"]),
         ("steps/s", s["steps_per_s"]),
         ("step (act+observe) p50/p95", f"{s['step_latency_p50_s'] * 1e3:.1f} / {s['step_latency_p95_s'] * 1e3:.1f} ms"),

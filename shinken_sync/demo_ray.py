@@ -21,20 +21,15 @@ import argparse
 import contextlib
 import io
 import os
-import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import requests
 
 from shinken_sync import demo
 from shinken_sync.errors import ShinkenError
-
-if TYPE_CHECKING:
-    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
 
 __all__ = ["EpisodeDriver", "run"]
 
@@ -44,33 +39,6 @@ class DriverLost(Exception):
 
 
 _GATHER_POLL = 0.2  # s: how soon the gather loop sees a Ctrl-C
-
-
-class _CtrlC:
-    """Ctrl-C as a count the gather loop polls, not a KeyboardInterrupt. An exception raised
-    at an arbitrary bytecode inside Ray's client calls (a lock held, a reply half-read) may
-    leave the driver unable to make its next Ray call, the ``stop`` it must send; Ray defers
-    SIGINT around such regions itself (``ray._private.utils.DeferSigint``). A second Ctrl-C
-    aborts at once, as before. Outside the main thread (no signal handlers there) it counts
-    nothing."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._previous: Any = None
-
-    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
-        self.count += 1
-        if self.count > 1:
-            raise KeyboardInterrupt
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 class EpisodeDriver:
@@ -167,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from shinken_sync.providers.ray_cluster import SANDBOX_RESOURCE, RayProvider
 
     demo.check_display(args.display)
+    overrides = demo.environment_overrides(starts_server=args.session_server is None)
     out = demo.prepare_out(args.out)
     try:
         _connect(args.ray, args.node_ip)
@@ -187,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             host = _own_node_ip()
             # Bound by the server itself on this node's cluster address (port 0: it reports the port).
-            server = demo.start_session_server(args.workers, args.port, out / "session-server.log", host=host)
+            server = demo.start_session_server(args.workers, args.port, out / demo.SERVER_LOG, host=host)
             server_url = f"{host} (starting)"
-        print(f"shinken demo (ray {args.ray}): {args.sandboxes} {args.display} sandboxes x {args.turns} turns "
-              f"on {len(nodes)} nodes, {k} driver actors, session server {server_url} -> {out}/", file=sys.stderr)
+        print(f"shinken demo (ray {args.ray}): {demo.plural(args.sandboxes, args.display + ' sandbox', args.display + ' sandboxes')} "
+              f"x {demo.plural(args.turns, 'turn')} on {demo.plural(len(nodes), 'node')}, "
+              f"{demo.plural(k, 'driver actor')}, session server {server_url} -> {out}/", file=sys.stderr)
+        demo.report_environment(overrides)
         provider = RayProvider(strategy="spread", use_sandbox_resource=SANDBOX_RESOURCE in ray.cluster_resources(),
                                display=args.display, screen=demo.SCREEN,
                                extra_args=demo.display_args(args.display))
@@ -214,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         progress.start()
         futures = [d.run.remote(server_url, args.turns) for d in drivers]
         gathered = 0
-        with _CtrlC() as ctrl_c:
+        with demo.CtrlC(raise_from=2) as ctrl_c:  # the second Ctrl-C aborts at once
             while gathered < len(futures):
                 if ctrl_c.count and not interrupted:
                     interrupted = True

@@ -20,7 +20,7 @@ import termios
 import tty
 from collections.abc import Iterator
 
-__all__ = ["describe_input", "main", "xterm_argv"]
+__all__ = ["describe_input", "key_name", "main", "xterm_argv"]
 
 #: 10x20 cells fill a 1920x1080 screen with 192x54 of them.
 XTERM_FONT = "10x20"
@@ -29,6 +29,15 @@ _CSI = re.compile(rb"\x1b(?:\[[0-9;?]*[ -/]*[@-~]|O[@-~])?")
 _NAMED = {b"\r": "Return", b"\n": "Return", b"\t": "Tab", b"\x7f": "BackSpace", b"\x08": "BackSpace",
           b"\x1b": "Escape"}
 _BUTTONS = {0: "left click", 1: "middle click", 2: "right click", 64: "scroll up", 65: "scroll down"}
+# xterm's key encoding (its ctlseqs: "PC-Style Function Keys"): CSI [1;mod] final or SS3 final for
+# the cursor keys and F1-F4, CSI number [;mod] ~ for the others; mod - 1 is a bit set of
+# shift (1), alt (2), ctrl (4), meta (8).
+_FINAL_KEYS = {"A": "Up", "B": "Down", "C": "Right", "D": "Left", "H": "Home", "F": "End",
+               "P": "F1", "Q": "F2", "R": "F3", "S": "F4"}
+_TILDE_KEYS = {1: "Home", 2: "Insert", 3: "Delete", 4: "End", 5: "Prior", 6: "Next", 15: "F5", 17: "F6",
+               18: "F7", 19: "F8", 20: "F9", 21: "F10", 23: "F11", 24: "F12"}
+_MODIFIERS = ((4, "ctrl"), (2, "alt"), (1, "shift"), (8, "meta"))
+_KEY_SEQ = re.compile(r"(?:\[(?:(\d+)(?:;(\d+))?)?([~A-DFHP-S])|O([A-DFHP-S]))")
 
 
 def xterm_argv(screen_width: int, screen_height: int, title: str) -> list[str]:
@@ -56,7 +65,7 @@ def describe_input(data: bytes) -> Iterator[tuple[str, str, tuple[int, int] | No
         if data[i] == 0x1b:
             seq = _CSI.match(data, i)
             i = seq.end()
-            yield "key", "Escape" if seq.group() == b"\x1b" else seq.group()[1:].decode(errors="replace"), None
+            yield "key", "Escape" if seq.group() == b"\x1b" else key_name(seq.group()[1:].decode(errors="replace")), None
             continue
         char = data[i:i + 1]
         i += 1
@@ -68,6 +77,25 @@ def describe_input(data: bytes) -> Iterator[tuple[str, str, tuple[int, int] | No
             text += char
     if text:
         yield "typed", bytes(text).decode(errors="replace"), None
+
+
+def key_name(sequence: str) -> str:
+    """The key an escape sequence (without its ESC) encodes, as xdotool names it: ``[1;3S`` is
+    ``alt+F4``, ``[A`` is ``Up``; a sequence it does not know is shown as it came."""
+    match = _KEY_SEQ.fullmatch(sequence)
+    if match is None:
+        return sequence
+    number, modifier, final, ss3 = match.groups()
+    if ss3 is not None:
+        name = _FINAL_KEYS[ss3]
+    elif final == "~":
+        name = _TILDE_KEYS.get(int(number or 0), "")
+        if not name:
+            return sequence
+    else:
+        name = _FINAL_KEYS[final]
+    bits = int(modifier) - 1 if modifier else 0
+    return "+".join([*(label for bit, label in _MODIFIERS if bits & bit), name])
 
 
 def main(argv: list[str] | None = None) -> int:

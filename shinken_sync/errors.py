@@ -5,6 +5,8 @@ asks anyone to match message strings. The tree::
 
     ShinkenError
     ├── ConnectError               dialing failed: refused, DNS, TLS, handshake, no hello in time
+    │   ├── InvalidURL (ValueError)  the URL is no ws:// or wss:// endpoint (bad scheme, host, port);
+    │   │                          nothing was dialed
     │   ├── AuthRefused            the daemon answered the handshake with HTTP 401
     │   └── ProtocolMismatch       the hello announced another protocol version (daemon, client)
     ├── ConnectionLost             an established connection dropped; pending calls fail with it.
@@ -85,6 +87,12 @@ class ConnectError(ShinkenError):
     def __init__(self, message: str, url: str = ""):
         super().__init__(message)
         self.url = url
+
+
+class InvalidURL(ConnectError, ValueError):
+    """The URL given to ``connect``/``aconnect`` is no ``ws://HOST:PORT/PATH`` or ``wss://``
+    endpoint (another scheme, no host, a port that is no number or out of range); nothing was
+    dialed. A ``ValueError`` too: the URL is the caller's bad argument, not a network failure."""
 
 
 class AuthRefused(ConnectError):

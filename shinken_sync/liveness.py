@@ -3,7 +3,7 @@
 Its own module, with no imports from the SDK, because both sides need it: the
 providers answer with it (``Provider.check_alive``) and the client core reads
 it when a connection drops. Defined in ``providers.base`` it made the circle
-``client -> providers.base -> client`` (issue 12); ``providers.base``
+``client -> providers.base -> client``; ``providers.base``
 re-exports it.
 """
 

@@ -254,7 +254,7 @@ def _finite_float(literal: str) -> float:
 
 # Python's json accepts NaN, Infinity and -Infinity (and turns 1e400 into inf);
 # RFC 8259 has none of them, and one NaN deadline breaks asyncio's timer heap.
-# Both peers decode with this strict decoder (issue 18).
+# Both peers decode with this strict decoder.
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
@@ -311,7 +311,7 @@ def _non_finite_error(text: str, what: str, exc: _NonFinite) -> ProtocolError:
 
 def _addressable(call_id: CallId) -> bool:
     # A reply must be encodable: a lone surrogate in a call_id would make the
-    # daemon's reply unsendable (issue 18), so such a call is refused unaddressed.
+    # daemon's reply unsendable, so such a call is refused unaddressed.
     return not isinstance(call_id, str) or is_utf8(call_id)
 
 

@@ -4,7 +4,7 @@
 ``n`` values is the ``ceil(n * q / 100)``-th smallest of them (1-based). It is
 always one of the measured values (never an interpolation), p100 is the
 maximum, and p50 of an even count is the lower of the two middle values.
-``docs/benchmarks.md`` states the same; before issue 12 five functions had
+``docs/benchmarks.md`` states the same; once five functions had
 five definitions (one took a fraction and ranked one higher), so figures were
 not comparable.
 

@@ -40,8 +40,9 @@ __all__ = ["TRANSPORT", "Transport", "abort", "choose", "connection_closed_types
 
 AUTO, WEBSOCKETS, FAST = "auto", "websockets", "fast"
 
+TRANSPORT_ENV = "SHINKEN_TRANSPORT"
 #: ``auto`` | ``websockets`` | ``fast``; read at every connect.
-TRANSPORT: str = os.environ.get("SHINKEN_TRANSPORT", AUTO)
+TRANSPORT: str = os.environ.get(TRANSPORT_ENV, AUTO)
 
 
 #: A received data frame at least this large is released as soon as its message

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 # program -> Debian package that provides it
-PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm"}
+PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm", "chromium": "chromium"}
 DESKTOP_PACKAGES_FILE = pathlib.Path(__file__).resolve().parents[1] / "images" / "desktop" / "packages.txt"
 #: The flags both desktop forms install with (images/desktop/Dockerfile uses the same).
 APT_INSTALL = ["apt-get", "install", "-y", "-qq", "--no-install-recommends"]
@@ -55,7 +55,7 @@ def main() -> int:
     line = "apt-get install -y --no-install-recommends " + " ".join(missing)
     can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
     if not can_install:
-        print(f"system_deps: missing {', '.join(missing)}; the Xvfb and desktop tests will skip. "
+        print(f"system_deps: missing {', '.join(missing)}; the Xvfb, desktop and viewer browser tests will skip. "
               f"To run them: sudo {line}", file=sys.stderr)
         return 0
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

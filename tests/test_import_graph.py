@@ -1,4 +1,4 @@
-"""No import circles in shinken_sync or webapp (issue 12).
+"""No import circles in shinken_sync or webapp.
 
 A small AST walk: every module-level import (including those under ``if
 TYPE_CHECKING:`` and ``try:``, which a type checker or another interpreter

@@ -1,4 +1,4 @@
-"""Client for the inference backend (SGLang/vLLM-style chat completions with ``input_ids``).
+"""Client for the inference backend: the HTTP half of an engine dialect (:mod:`webapp.engines`).
 
 One pooled ``requests.Session`` per core; every call has explicit (connect, read) timeouts and
 the body read is bounded by ``MAX_BACKEND_REPLY_BYTES`` and by the read timeout as a total
@@ -31,10 +31,9 @@ from requests.adapters import HTTPAdapter
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 
-__all__ = ["CHAT_COMPLETIONS_PATH", "MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
+__all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
            "ProxyReply", "parse_backend_reply", "replay_spans"]
 
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 # A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply
 # (see the seed); 4 GiB leaves ample headroom while refusing a runaway body before it is read.
 MAX_BACKEND_REPLY_BYTES = 4 << 30
@@ -115,26 +114,29 @@ class ProxyReply:
 
 class BackendClient:
     def __init__(self, base_url: str, *, connect_timeout: float = default("connect_timeout"),
-                 read_timeout: float = default("read_timeout"), pool_maxsize: int = default("pool_maxsize")) -> None:
+                 read_timeout: float = default("read_timeout"), pool_maxsize: int = default("pool_maxsize"),
+                 name: str = "backend") -> None:
+        """``name`` starts every error message (the dialect's: ``vllm engine``, ``sglang engine``)."""
         self.base_url = base_url.rstrip("/")
+        self.name = name
         self.timeout = (connect_timeout, read_timeout)
         self._http = requests.Session()
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_maxsize, max_retries=0)
         self._http.mount("http://", adapter)
         self._http.mount("https://", adapter)
 
-    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
-        """POST ``payload`` (JSON bytes) to the chat completions endpoint.
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        """POST ``payload`` (JSON bytes) to the engine endpoint ``path`` (the dialect's).
 
         ``deadline`` (``time.monotonic()``) caps the connect and read timeouts: past it the
         call fails with :class:`BackendTimeout`.
         """
-        url = self.base_url + CHAT_COMPLETIONS_PATH
+        url = self.base_url + path
         connect_timeout, read_timeout = self.timeout
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BackendTimeout("backend timed out: the turn's time budget ran out before the call")
+                raise BackendTimeout(f"{self.name} timed out: the turn's time budget ran out before the call")
             connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
         try:
             resp = self._http.post(url, data=payload, timeout=(connect_timeout, read_timeout), stream=True,
@@ -142,9 +144,9 @@ class BackendClient:
             with resp:
                 raw = self._read_body(resp, read_timeout)
         except requests.Timeout as exc:
-            raise BackendTimeout(f"backend timed out: {exc}") from exc
+            raise BackendTimeout(f"{self.name} at {self.base_url} timed out: {exc}") from exc
         except requests.RequestException as exc:
-            raise BackendUnreachable(f"backend unreachable: {exc}") from exc
+            raise BackendUnreachable(f"{self.name} at {self.base_url} unreachable: {exc}") from exc
         if resp.status_code != 200:
             raise UpstreamStatus(resp.status_code, raw,
                                  resp.headers.get("Content-Type", "application/octet-stream"))

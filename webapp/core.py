@@ -7,9 +7,13 @@ drift. Concurrency: ``chat`` runs in many greenlets or threads at once. Each ses
 sessions) and a *state lock* (held only to swap the committed state or snapshot it), so a
 records GET never waits for a turn in flight and no lock serializes two sessions.
 
+The engine is reached through its dialect (``webapp.engines``): it builds the engine request
+from the turn and maps the reply to the turn's pieces; this module names no engine field.
+
 Each committed record is miles' ``SessionRecord`` (``timestamp``, ``request_timestamp``,
-``method``, ``path``, ``request`` = the JSON body as sent to the backend, ``response`` = the
-backend's reply verbatim, R3 included, ``status_code``; plus ``rollback``), serialized once and
+``method``, ``path``, ``request`` and ``response`` as the dialect gives them — for SGLang the
+body sent and the reply verbatim, R3 included; for any engine miles' shape —, ``status_code``;
+plus ``rollback``), serialized once and
 appended to the session's journal (``webapp.journal``) before the reply goes out; the worker
 keeps only what the next turn needs (the TITO state) and, per record, a small
 :class:`webapp.samples.TurnRecord` (token counts, output ids, logprobs, where its bytes are),
@@ -18,10 +22,8 @@ JSON pieces (``webapp.filebody``): never loaded, re-encoded or joined. A session
 cannot be written gets 507 and keeps its state (nothing of the turn is stored anywhere).
 
 Images (``webapp.images``): each image part is checked, hashed and decoded once per session
-(the session keeps each image once, by sha256, at commit); the engine gets ``input_ids`` plus
-``image_data`` (the data URLs in order of appearance, SGLang's field) and messages whose image
-parts carry the reference ``sha256:<hex>``; the record holds the same request with each
-``image_data`` entry replaced by that reference (the one place a record is not the bytes sent).
+(the session keeps each image once, by sha256, at commit); the dialect sends them in its
+engine's form and records each as its reference ``sha256:<hex>`` (``webapp.engines.sglang``).
 ``GET /sessions/{id}?images=1`` adds ``"images": {sha256: {mime_type, width, height, data}}``.
 
 Errors answer ``{"error": "<text>"}`` on the session-management routes (miles' shape) and
@@ -44,17 +46,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from webapp.backend import BackendClient, BackendReply
+import requests
+
+from webapp.backend import BackendClient
 from webapp.datadir import default_data_dir, instance_id
+from webapp.engines import Dialect, EngineTurn, ReplayRequest, dialect_for
+from webapp.engines.probe import EngineCheckFailed, identify_engine
 from webapp.filebody import Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGES,
     DecodedImage,
     ImageLimits,
-    RequestImages,
     extract_images,
-    wire_messages,
 )
 from webapp.journal import JournalStore, RestoredSession, SessionJournal, StoredImage
 from webapp.limits import (
@@ -66,10 +70,10 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.request_fields import check_request_fields
 from webapp.routes import PROXY_HEADERS, openai_error_body
-from webapp.samples import SAMPLE_META_KEYS, TurnRecord, assemble_samples, encode_samples
+from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
-    BackendMalformed,
     BodyTooLarge,
     InvalidField,
     InvalidJSON,
@@ -87,7 +91,6 @@ from webapp.tito import (
     TitoState,
     TurnPlan,
     commit_turn,
-    normalize_message,
     plan_turn,
     session_mismatch,
 )
@@ -113,17 +116,8 @@ log = logging.getLogger(__name__)
 MAX_CHAT_BODY_BYTES = MAX_BODY_BYTES  # webapp.settings: the one body cap of every HTTP entry
 TURN_WAIT_MARGIN = 30.0  # see CoreConfig.turn_wait
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# Fields the core sets on every backend request, whatever the client sent (as miles forces
-# them: token accounting needs the logprobs and meta_info; ``no_stop_trim: false`` keeps the
-# stop text out of the assistant content, which miles' own rollout would otherwise turn on).
-FORCED_BACKEND_FIELDS: dict[str, Any] = {"stream": False, "logprobs": True, "return_meta_info": True,
-                                         "no_stop_trim": False}
-# Replay payloads the training path reads from the records; never sent to the client.
-CLIENT_STRIPPED_META_KEYS = ("routed_experts", "indexer_topk")
 CHAT_PATH = "/v1/chat/completions"
 SAMPLES_CONTENT_TYPE = "application/octet-stream"
-# Client fields that only concern the client-facing transport.
-CLIENT_ONLY_FIELDS = ("stream", "stream_options")
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
@@ -184,9 +178,12 @@ class CoreConfig:
     pool_maxsize: int = default("pool_maxsize")
     turn_wait_timeout: float | None = default("turn_wait_timeout")  # None: see turn_wait()
     # Routing replay (miles' --use-rollout-routing-replay): > 0 asks the backend for R3
-    # (``return_routed_experts``) and is the model's layer count /samples shapes it with.
+    # (through the dialect: ReplayRequest) and is the model's layer count /samples shapes it with.
     routing_replay_layers: int = default("routing_replay_layers")
     indexer_replay: bool = default("indexer_replay")  # miles' --use-rollout-indexer-replay
+    # The engine's dialect (webapp.engines): "auto" asks the engine at build time (webapp.engines.probe).
+    backend_kind: str = default("backend_kind")
+    tool_call_parser: str = default("tool_call_parser")  # for engines that answer text (vllm)
     # Work and session bounds; see webapp.limits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
@@ -196,6 +193,9 @@ class CoreConfig:
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
     data_dir: str | None = default("data_dir")  # None: webapp.datadir.default_data_dir()
     fsync: bool = default("fsync")  # each journal append durable before the reply
+    max_session_bytes: int = default("max_session_bytes")  # one session's journal (webapp.journal)
+    max_data_bytes: int | None = default("max_data_bytes")  # all the data directory's journals
+    max_inflight_bytes: int = default("max_inflight_bytes")  # request bodies being handled (webapp.inflight)
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -297,6 +297,16 @@ class SessionRegistry:
         session.last_used = time.monotonic()
         return session
 
+    def peek(self, session_id: str) -> Session:
+        """The session, without counting as use: looking at it (the viewer) never delays its expiry."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        return session
+
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
     def idle_since(self) -> list[tuple[str, float]]:
         """``(session_id, last_used)`` of every session without a turn in flight."""
         return [(sid, s.last_used) for sid, s in list(self._sessions.items()) if not s.turn_lock.locked()]
@@ -308,19 +318,20 @@ class SessionRegistry:
             raise SessionNotFound(session_id)
         with session.state_lock:  # after a commit in flight, so its append is removed too
             session.closed = True
-            session.journal.remove()
+            self.store.remove(session.journal)
         return session
 
     def __len__(self) -> int:
         return len(self._sessions)
 
 
-def _parse_chat_body(body: bytes) -> dict[str, Any]:
+def _parse_chat_body(body: bytes | memoryview) -> dict[str, Any]:
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
     request = loads_strict(body)
     if not isinstance(request, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
+    check_request_fields(request)  # unknown and refused fields: 400 naming them
     if not isinstance(request.get("stream", False), bool):
         raise InvalidField("stream", "expected a boolean")
     n = request.get("n")
@@ -339,65 +350,6 @@ def _parse_chat_body(body: bytes) -> dict[str, Any]:
     return request
 
 
-@dataclass
-class _Turn:
-    """What a backend reply yields for the record and the session state."""
-
-    assistant_message: dict[str, Any]
-    output_ids: list[int]
-    logprobs: list[Any]
-    finish_reason: Any
-    meta: dict[str, Any]  # the small meta_info fields samples read
-
-
-def _parse_turn(parsed: dict[str, Any]) -> _Turn:
-    choices = parsed.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise BackendMalformed("backend reply must have exactly one choice")
-    choice = choices[0]
-    meta = choice.get("meta_info")
-    if not isinstance(meta, dict):
-        raise BackendMalformed("backend choice has no meta_info object")
-    pairs = meta.get("output_token_logprobs")
-    if not isinstance(pairs, list):
-        raise BackendMalformed("meta_info.output_token_logprobs must be a list")
-    try:
-        output_ids = [p[1] for p in pairs]
-        logprobs = [p[0] for p in pairs]
-    except (TypeError, IndexError, KeyError) as exc:
-        raise BackendMalformed("output_token_logprobs entries must be [logprob, token_id]") from exc
-    if not all(type(t) is int for t in output_ids):
-        raise BackendMalformed("output token ids must be integers")
-    if not all(lp is None or type(lp) in (int, float) for lp in logprobs):
-        raise BackendMalformed("output logprobs must be numbers")
-    completion_tokens = meta.get("completion_tokens")
-    if completion_tokens is not None and completion_tokens != len(output_ids):
-        raise BackendMalformed(
-            f"completion_tokens={completion_tokens!r} but {len(output_ids)} output_token_logprobs")
-    raw_message = choice.get("message")
-    if isinstance(raw_message, dict) and raw_message.get("content", "") is None:
-        # miles refuses it too: a tool-call parser failure must come back as "" content.
-        raise BackendMalformed(
-            "assistant message content is None, when tool call parser failed SGLang should still return "
-            "an empty content rather than None")
-    try:
-        message = normalize_message(raw_message, "choices[0].message")
-    except InvalidField as exc:
-        raise BackendMalformed(f"backend reply: {exc}") from exc
-    if message["role"] != "assistant":
-        raise BackendMalformed("backend reply message role is not 'assistant'")
-    small_meta = {k: meta[k] for k in SAMPLE_META_KEYS if k in meta}
-    return _Turn(message, output_ids, logprobs, choice.get("finish_reason"), small_meta)
-
-
-def _strip_replay_payloads(parsed: dict[str, Any]) -> None:
-    metas = [choice.get("meta_info") for choice in parsed.get("choices") or ()] + [parsed.get("meta_info")]
-    for meta in metas:
-        if isinstance(meta, dict):
-            for key in CLIENT_STRIPPED_META_KEYS:
-                meta.pop(key, None)
-
-
 def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dict[str, Any]:
     try:
         text = tokenizer.decode([token_id])
@@ -407,16 +359,14 @@ def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dic
     return {"token": text, "logprob": logprob, "bytes": raw}
 
 
-def _openai_logprobs(tokenizer: ChatTokenizer, meta: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``choices[i].logprobs`` from SGLang's ``meta_info`` (``output_token_logprobs``
-    ``[[logprob, id], ...]`` and, when asked for, ``output_top_logprobs`` per position)."""
-    tops = meta.get("output_top_logprobs")
+def _openai_logprobs(tokenizer: ChatTokenizer, turn: EngineTurn) -> dict[str, Any]:
+    """OpenAI's ``choices[i].logprobs`` from the turn's output ids, logprobs and (when the engine
+    gave them) top alternatives."""
     content = []
-    for i, (logprob, token_id, *_rest) in enumerate(meta.get("output_token_logprobs") or ()):
+    for i, (token_id, logprob) in enumerate(zip(turn.output_ids, turn.logprobs)):
         entry = _token_logprob(tokenizer, token_id, logprob)
-        alternatives = tops[i] if isinstance(tops, list) and i < len(tops) and isinstance(tops[i], list) else []
-        entry["top_logprobs"] = [_token_logprob(tokenizer, alt[1], alt[0]) for alt in alternatives
-                                 if isinstance(alt, list) and len(alt) >= 2]
+        alternatives = turn.top_logprobs[i] if turn.top_logprobs is not None and i < len(turn.top_logprobs) else []
+        entry["top_logprobs"] = [_token_logprob(tokenizer, alt_id, alt_lp) for alt_lp, alt_id in alternatives]
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -452,9 +402,10 @@ class SessionCore:
                  routing_replay_layers: int = 0, indexer_replay: bool = False,
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None, dialect: Dialect | None = None) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
-        :meth:`close` (tests, embedding); a server passes its data directory's."""
+        :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
+        engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here."""
         self.tokenizer = tokenizer
         self.backend = backend
         self._private_dir = None
@@ -470,11 +421,8 @@ class SessionCore:
         # build_session_core passes the configured one.
         self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
         self.routing_replay_layers = routing_replay_layers
-        self.forced_fields = dict(FORCED_BACKEND_FIELDS)
-        if routing_replay_layers > 0:
-            self.forced_fields["return_routed_experts"] = True
-        if indexer_replay:
-            self.forced_fields["return_indexer_topk"] = True
+        self.dialect = dialect if dialect is not None else dialect_for(
+            "sglang", ReplayRequest(routed_experts=routing_replay_layers > 0, indexer_topk=indexer_replay))
         # miles' session_server_instance_id: the data directory's, so it changes exactly when
         # the sessions a client holds are gone (another directory), not on a restart.
         self.instance_id = instance_id(registry.store.data_dir)
@@ -517,6 +465,10 @@ class SessionCore:
         self.expiry.sweep()
         try:
             session = self.registry.get(session_id)
+        except SessionError as exc:
+            return error_reply(exc)
+        try:
+            session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
         except SessionError as exc:
             return error_reply(exc)
         records, _state, _metadata, encoded, version = self._snapshot(session)
@@ -581,9 +533,10 @@ class SessionCore:
     def health(self) -> Reply:
         self.expiry.sweep()
         return json_response(200, {"status": "ok", "session_server_instance_id": self.instance_id,
-                                   "sessions": len(self.registry)})
+                                   "sessions": len(self.registry),
+                                   "journal_damage": self.registry.store.set_aside})
 
-    def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
+    def chat(self, session_id: str, body: bytes | memoryview, budget: float | None = None) -> Reply:
         """Run one turn. Blocking; safe to call from many threads/greenlets at once.
 
         ``budget``: seconds the whole turn may take — its wait for the session's previous turn
@@ -602,7 +555,8 @@ class SessionCore:
             log.exception("chat turn on session %s failed", session_id)
             return openai_error_response(500, "internal error in the session core", "server_error", "internal_error")
 
-    def _chat(self, session_id: str, body: bytes, deadline: float | None, request_timestamp: float) -> Reply:
+    def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
+              request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))
@@ -619,10 +573,10 @@ class SessionCore:
             plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
-            payload, recorded = self._backend_payload(request, plan, images)
-            reply = self.backend.chat_completions(payload, deadline=deadline)
-            turn = _parse_turn(reply.parsed)
-            summary, record = self._record(recorded, plan, turn, reply, request_timestamp,
+            engine_request = self.dialect.build_request(request, plan.prompt_ids, images)
+            reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
+            turn = self.dialect.parse_reply(reply, engine_request)
+            summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
@@ -631,58 +585,39 @@ class SessionCore:
             session.commit(new_state, plan, summary, record, images.new)
         finally:
             session.turn_lock.release()
-        return self._client_reply(reply.parsed, request)
-
-    def _backend_payload(self, request: dict[str, Any], plan: TurnPlan,
-                         images: RequestImages) -> tuple[bytes, bytes]:
-        """The body for the backend, and the same body as recorded (``image_data`` entries
-        replaced by their ``sha256:`` references); one serialization, the images spliced in."""
-        payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
-        payload.update(self.forced_fields)
-        payload["input_ids"] = plan.prompt_ids
-        if not images.images:
-            encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-            return encoded, encoded
-        payload["messages"] = wire_messages(images.messages)
-        payload["image_data"] = [_IMAGE_MARK] * len(images.images)
-        pieces = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode().split(_IMAGE_MARK_JSON)
-        sent, recorded = [pieces[0]], [pieces[0]]
-        for (image, url), piece in zip(images.images, pieces[1:]):
-            sent += (b'"', url.encode("ascii"), b'"', piece)  # checked: the base64 alphabet needs no escape
-            recorded += (b'"', image.ref.encode("ascii"), b'"', piece)
-        return b"".join(sent), b"".join(recorded)
+        return self._client_reply(turn, request)
 
     @staticmethod
-    def _record(payload: bytes, plan: TurnPlan, turn: _Turn, reply: BackendReply,
+    def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
                 request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, list[bytes]]:
         """The record's summary and its bytes, as pieces (the reply is not copied)."""
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
                           separators=(",", ":"))
-        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', reply.raw, b"}"]
+        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', turn.record_response, b"}"]
         at = len(chunks[0]) + len(payload) + len(chunks[2])  # the reply's offset in the record
         replay: dict[str, tuple[int, int]] = {}
-        for key, start, end in reply.replay_spans:
+        for key, start, end in turn.replay_spans:
             replay.setdefault(key, (at + start, at + end))
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
                              timestamp=timestamp, request_timestamp=request_timestamp, replay=replay, images=images)
         return summary, chunks
 
-    def _client_reply(self, parsed: dict[str, Any], request: dict[str, Any]) -> Reply:
-        _strip_replay_payloads(parsed)
+    def _client_reply(self, turn: EngineTurn, request: dict[str, Any]) -> Reply:
+        completion = turn.completion
         wants_logprobs = bool(request.get("logprobs"))
-        for choice in parsed.get("choices") or ():
+        for choice in completion.get("choices") or ():
             if not wants_logprobs:
                 choice["logprobs"] = None  # forced on for the records, not asked for by the client
-            elif choice.get("logprobs") is None and isinstance(choice.get("meta_info"), dict):
-                choice["logprobs"] = _openai_logprobs(self.tokenizer, choice["meta_info"])
+            elif choice.get("logprobs") is None:
+                choice["logprobs"] = _openai_logprobs(self.tokenizer, turn)
         if request.get("stream"):
             options = request.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return Reply(200, _sse_chunks(parsed, include_usage), content_type=SSE_CONTENT_TYPE)
-        return json_response(200, parsed)
+            return Reply(200, _sse_chunks(completion, include_usage), content_type=SSE_CONTENT_TYPE)
+        return json_response(200, completion)
 
     def restore_shard(self, shard: int, shards: int, pause: Callable[[], object] = lambda: None) -> int:
         """Load the sessions of ``shard`` of ``shards`` from the journals; how many."""
@@ -696,10 +631,6 @@ class SessionCore:
         self.backend.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
-
-
-_IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, spliced after encoding
-_IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
 
 
 def _session_images(session: Session) -> list[StoredImage]:
@@ -731,6 +662,20 @@ def _parse_samples_body(body: bytes) -> int | None:
     return value
 
 
+def _auto_kind(url: str) -> str:
+    """``auto`` without the launcher: what the engine says, else sglang (the core must build while
+    the engine is down; the turns then answer 502 until it is up)."""
+    try:
+        found = identify_engine(url).kind
+    except (EngineCheckFailed, requests.RequestException) as exc:
+        log.warning("backend kind auto: %s; speaking sglang", exc)
+        return "sglang"
+    if found is None:
+        log.warning("backend kind auto: %s is neither SGLang nor vLLM; speaking sglang", url)
+    log.info("backend kind auto: %s speaks %s", url, found or "sglang")
+    return found or "sglang"
+
+
 def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 1) -> SessionCore:
     """The one builder every adapter uses, so single- and multi-process modes cannot drift.
 
@@ -738,10 +683,18 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
     (all of them for the single-process app), so a restarted worker serves what it served;
     ``shard=None``: not now, the caller calls :meth:`SessionCore.restore_shard` itself."""
     tokenizer = load_tokenizer(config.tokenizer)
-    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync))
+    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync,
+                                            max_session_bytes=config.max_session_bytes,
+                                            max_data_bytes=config.max_data_bytes))
+    replay = ReplayRequest(routed_experts=config.routing_replay_layers > 0, indexer_topk=bool(config.indexer_replay))
+    kind = config.backend_kind
+    if kind == "auto":  # the launcher resolves it once (and fails clearly); this is an app built without it
+        kind = _auto_kind(config.backend_url)
     backend = BackendClient(config.backend_url, connect_timeout=config.connect_timeout,
-                            read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize)
+                            read_timeout=config.read_timeout, pool_maxsize=config.pool_maxsize,
+                            name=f"{kind} engine")
     core = SessionCore(tokenizer, backend, registry=registry, turn_wait_timeout=config.turn_wait(),
+                       dialect=dialect_for(kind, replay, tool_call_parser=config.tool_call_parser),
                        routing_replay_layers=int(config.routing_replay_layers),
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),

@@ -1,9 +1,12 @@
-"""A deterministic stand-in for SGLang/vLLM that speaks the backend contract.
+"""A deterministic stand-in for SGLang that speaks its dialect (:mod:`webapp.engines.sglang`).
 
 ``python -m webapp.reference_backend --bind 127.0.0.1:0 [--tokenizer DIR] [--r3-layers L --r3-topk K]``
 serves (threaded, HTTP/1.1 keep-alive):
 
 - ``GET /health`` -> ``{"status": "ok"}``
+- ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation"}`` and
+  ``GET /get_server_info`` -> ``{"version"}``: SGLang's native answers, which the session
+  server's start-up asks to tell an SGLang engine (``--backend-kind auto``)
 - ``POST /v1/chat/completions``: an OpenAI chat completion for ``input_ids`` (or, without
   them, for ``messages`` rendered with the chat template). Each choice carries
   ``meta_info.output_token_logprobs`` ``[[logprob, token_id], ...]``, ``completion_tokens``,
@@ -71,6 +74,7 @@ SCREEN_WIDTH, SCREEN_HEIGHT = 1920, 1080
 ACTION_VERBS = ("click", "type", "key", "scroll")
 _WORDS = ("hello world", "shinken", "report.pdf", "quarterly numbers", "search terms", "ok")
 _KEYS = ("Return", "Tab", "Escape", "ctrl+s", "ctrl+l", "alt+F4", "BackSpace")
+REFERENCE_VERSION = "reference"  # /get_server_info: not a real SGLang version
 MODEL_NAME = "shinken-reference"
 MAX_REQUEST_BYTES = MAX_BODY_BYTES
 # 3 * 4096 int32 values: a multiple of 3 bytes, so base64 of the tiled block is the tiled base64.
@@ -249,6 +253,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"status": "ok"})
         elif self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+        elif self.path == "/get_model_info":
+            self._send(200, {"model_path": MODEL_NAME, "tokenizer_path": MODEL_NAME, "is_generation": True})
+        elif self.path == "/get_server_info":
+            self._send(200, {"version": REFERENCE_VERSION})
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
@@ -342,7 +350,9 @@ def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0,
             "--r3-layers", str(r3_layers), "--r3-topk", str(r3_topk)]
     if tokenizer is not None:
         argv += ["--tokenizer", tokenizer]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # Its own session: a terminal's Ctrl-C reaches its launcher only, which stops it (a SIGINT'd
+    # backend exits 0 and a supervisor would restart it, saying so, on every Ctrl-C).
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     line = b""
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)

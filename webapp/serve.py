@@ -46,12 +46,21 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
-from webapp.datadir import DataDirInUse, check_free, default_data_dir
+from webapp.datadir import DataDirInUse, DataDirUnsafe, check_free, default_data_dir
+from webapp.engines import EngineConfigError, ReplayRequest, dialect_for
+from webapp.engines.probe import (
+    BackendURLError,
+    EngineCheckFailed,
+    check_backend_url,
+    check_vocabulary,
+    resolve_kind,
+    wait_for_engine,
+)
 from webapp.errors import WebappError
 from webapp.settings import (
     BY_NAME,
@@ -62,6 +71,7 @@ from webapp.settings import (
     launcher_env,
     parse_bind,
 )
+from webapp.tokenizers import ChatTokenizer, TokenizerLoadError, load_tokenizer
 
 if TYPE_CHECKING:
     from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
@@ -77,6 +87,7 @@ READY_TIMEOUT = 120.0
 # gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
 EXIT_NOT_READY = 3
 _POLL = 0.05
+_SAY_AFTER = 3.0  # seconds of /health not answering 200 before start-up says what it waits for
 # Matches the ready line's URL (group 1); for launchers that read this process's stdout.
 READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
 
@@ -238,28 +249,56 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _health(host: str, port: int) -> tuple[bool, str | None]:
-    """(/health answers 200, why it never will: the reason of shards whose workers could not boot)."""
+def _health(host: str, port: int) -> tuple[bool, str | None, str | None]:
+    """(/health answers 200, why it never will: the reason of shards whose workers could not
+    boot, why it does not yet: its error, e.g. the backend is unreachable)."""
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     conn = http.client.HTTPConnection(connect_host, port, timeout=5)
     try:
         conn.request("GET", "/health")
         response = conn.getresponse()
         if response.status == 200:
-            return True, None
+            return True, None, None
         body = json.loads(response.read() or b"{}")
-        return False, (str(body.get("error")) if isinstance(body, dict) and body.get("failed_shards") else None)
+        error = str(body.get("error")) if isinstance(body, dict) and body.get("error") else None
+        return False, (error if isinstance(body, dict) and body.get("failed_shards") else None), error
     except (OSError, ValueError):
-        return False, None
+        return False, None, None
     finally:
         conn.close()
+
+
+def _say(line: str) -> None:
+    """One line for whoever watches this process start (stderr, where gunicorn logs too)."""
+    print(f"shinken-session-server: {line}", file=sys.stderr, flush=True)
+
+
+def _not_ready(why: str) -> int:
+    """The start-up failure: one line on stderr, the ``"ready": false`` line on stdout (for launchers)."""
+    _say(f"error: {why}")
+    print(json.dumps({"ready": False, "error": why}), flush=True)
+    return EXIT_NOT_READY
+
+
+def _check_engine(url: str, values: dict[str, Any], tokenizer: ChatTokenizer) -> str:
+    """The engine at ``url`` checked as configured (see :mod:`webapp.engines.probe`); the kind to
+    speak, said in one line. Raises ``EngineCheckFailed`` / ``EngineConfigError``."""
+    identity = wait_for_engine(url, values["backend_wait"], _say)
+    kind = resolve_kind(values["backend_kind"], identity, url)
+    check_vocabulary(url, kind, tokenizer)
+    dialect_for(kind, ReplayRequest(routed_experts=bool(values["routing_replay_layers"]),
+                                    indexer_topk=bool(values["indexer_replay"])))
+    found = identity.describe() if identity.kind is not None else "not identified (" + identity.describe() + ")"
+    _say(f"backend {url}: {found}; speaking {kind}")
+    return kind
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``--bind``, ``--api-key-file`` and one option per setting of :data:`webapp.settings.SETTINGS`."""
     parser = Parser(prog="shinken-session-server",
                     description="Run the Shinken session server (router + session workers) under gunicorn. "
-                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.")
+                                "Every setting is also read from its SHINKEN_<NAME> variable; a flag wins.",
+                    version=True)
     parser.add_argument("--bind", default="127.0.0.1:8000", type=parse_bind,
                         help="HOST:PORT to listen on; port 0 picks a free one (default: 127.0.0.1:8000)")
     parser.add_argument("--api-key-file", default=None, type=Path,
@@ -322,8 +361,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     values = {**defaults(), **given}
     workers = values["workers"]
-    if api_key and workers == 0:
-        parser.error("--api-key is enforced by the router: use --workers >= 1")
+    if values["backend_url"] is not None:  # checked at once, before anything starts
+        try:
+            values["backend_url"] = check_backend_url(values["backend_url"])
+        except BackendURLError as exc:
+            parser.error(str(exc))
+    elif values["backend_kind"] == "vllm":
+        parser.error("--backend-kind vllm needs --backend-url: the embedded reference backend speaks sglang")
+    # Loaded once here, so a bad one is one line (not a traceback per worker and backend).
+    try:
+        tokenizer = load_tokenizer(values["tokenizer"])
+    except (TokenizerLoadError, OSError, ValueError) as exc:
+        parser.error(f"--tokenizer {values['tokenizer']}: {exc}")
     if values["instance"] is not None and workers == 0:
         parser.error("--instance is minted by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
@@ -337,10 +386,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         values["data_dir"] = default_data_dir(f"{host}-{port}")
     try:
         check_free(values["data_dir"])
-    except (DataDirInUse, OSError) as exc:
+    except (DataDirInUse, DataDirUnsafe, OSError) as exc:
         parser.error(str(exc))
     backend = None
     backend_url = values["backend_url"]
+    if backend_url is not None:
+        try:
+            values["backend_kind"] = _check_engine(backend_url, values, tokenizer)
+        except (EngineCheckFailed, EngineConfigError) as exc:
+            return _not_ready(str(exc))
+    else:
+        values["backend_kind"] = "sglang"  # the reference backend's dialect
     if backend_url is None:
         from webapp.reference_backend import start_reference_backend
 
@@ -361,7 +417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--workers", "1", app_uri]
     # gunicorn dies with this process however it dies (SIGTERM: a graceful stop of its worker, which
     # stops the session workers); this process is single-threaded here, see shinken_sync.lifetime.
+    # Its own session: a terminal's Ctrl-C reaches only this process, which forwards a graceful
+    # SIGTERM (gunicorn's own SIGINT is a quick exit, whose gevent worker prints a traceback).
     gunicorn = subprocess.Popen(argv_gunicorn, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
+                                start_new_session=True,
                                 preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509
     listener.close()
 
@@ -374,14 +433,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
+        started = time.monotonic()
+        deadline, said = started + READY_TIMEOUT, False
         while not (health := _health(host, port))[0]:
             if gunicorn.poll() is not None or time.monotonic() > deadline or health[1] is not None:
                 # a shard whose workers could not boot is never restarted: say why now, not at the deadline
-                print(json.dumps({"ready": False, "error": health[1] or "gunicorn exited or /health never "
-                                                                        "answered 200"}), flush=True)
+                why = health[1] or (f"/health did not answer 200 in {READY_TIMEOUT:.0f} s" if gunicorn.poll() is None
+                                    else f"gunicorn exited with code {gunicorn.returncode}")
                 _terminate(gunicorn, 30.0)
-                return EXIT_NOT_READY
+                return _not_ready(why if health[2] is None else f"{why}: {health[2]}")
+            if not said and health[2] is not None and time.monotonic() - started > _SAY_AFTER:
+                _say(f"waiting up to {READY_TIMEOUT:.0f} s for /health to answer 200: {health[2]}")
+                said = True
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
         print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,

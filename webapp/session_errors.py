@@ -22,17 +22,22 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   │   ├── ImageUndecodable      400  not a decodable JPEG/PNG, or a shape the vision rule refuses
     │   │   ├── ImageTooLarge         400  over max_image_bytes or the pixel cap
     │   │   └── TooManyImages         400  over max_images in one request
+    │   │   └── UnknownField          400  a top-level field the server neither forwards nor uses
     │   └── AppendOnlyViolation       400  messages do not extend the stored ones
     │       └── RollbackTooDeep       400  rolls back more than one assistant step
     ├── SessionNotFound               404  unknown, deleted or closing session
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
+    ├── InsufficientStorage           507  the journal could not be written; nothing stored
+    │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
+    ├── JournalDamaged                500  the journal changed under the server; not served
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     ├── BackendError                  502  the backend failed us
     │   ├── BackendUnreachable        502  connect/transport error
     │   │   └── BackendTimeout        502  connect or read timeout
     │   └── BackendMalformed          502  reply is not the backend contract
+    │       └── MalformedReplyField   502  one named reply field is missing or wrong (``field``)
     └── UpstreamStatus                the backend's own non-200, passed through unrecorded
 """
 
@@ -57,6 +62,8 @@ __all__ = [
     "InsufficientStorage",
     "InvalidField",
     "InvalidJSON",
+    "JournalDamaged",
+    "MalformedReplyField",
     "RemoteImageURL",
     "RollbackTooDeep",
     "SampleAssemblyError",
@@ -64,8 +71,10 @@ __all__ = [
     "SessionError",
     "SessionExists",
     "SessionNotFound",
+    "StorageBudget",
     "TokenPrefixMismatch",
     "TooManyImages",
+    "UnknownField",
     "UpstreamStatus",
 ]
 
@@ -103,6 +112,11 @@ class InvalidField(BadRequest):
 
     def __str__(self) -> str:
         return f"invalid field {self.field!r}: {self.problem}"
+
+
+class UnknownField(InvalidField):
+    """A top-level request field the server neither forwards to the engine nor uses itself
+    (``webapp.request_fields``): refused by name rather than stored every turn."""
 
 
 class BodyTooLarge(BadRequest):
@@ -185,6 +199,25 @@ class InsufficientStorage(SessionError):
     status = 507
 
 
+class StorageBudget(InsufficientStorage):
+    """507: storing this would take the session's journal past ``max_session_bytes`` or the
+    server's journals past ``max_data_bytes`` (``limit`` names which); nothing was stored."""
+
+    def __init__(self, limit: str, allowed: int, needed: int, what: str) -> None:
+        super().__init__(f"{what} was not stored: it needs {needed} bytes, over the limit {limit}={allowed}")
+        self.limit = limit
+        self.allowed = allowed
+        self.needed = needed
+
+
+class JournalDamaged(SessionError):
+    """The session's journal no longer holds what the server wrote (changed or damaged on disk
+    while it runs): its records are not served; a restart keeps what verifies and sets the rest
+    aside (docs/session-server-ops.md)."""
+
+    status = 500
+
+
 class TokenPrefixMismatch(SessionError):
     status = 500
 
@@ -212,6 +245,20 @@ class BackendTimeout(BackendUnreachable):
 
 class BackendMalformed(BackendError):
     pass
+
+
+class MalformedReplyField(BackendMalformed):
+    """A reply field breaks the engine dialect's contract: ``field`` names it (e.g.
+    ``choices[0].token_ids``), the message says what is wrong. Its OpenAI ``code`` stays
+    ``backend_malformed`` (one code for a client to branch on; Python callers have ``field``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def code(self) -> str:
+        return "backend_malformed"
 
 
 class UpstreamStatus(SessionError):

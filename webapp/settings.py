@@ -103,8 +103,17 @@ SETTINGS: tuple[Setting, ...] = (
        "token (0: none; ignored with a backend URL); routing replay follows it unless set", minimum=0),
     _S("reference_r3_topk", int, 8, _L, "routed experts per layer and token of the embedded reference backend",
        minimum=1),
+    _S("backend_wait", float, 600.0, _L, "seconds start-up waits for an engine that accepts connections but "
+       "does not answer yet (vLLM opens its port before it loads the model); a refused one fails at once",
+       minimum=0),
     # -- core: every session core (single-process app, each router worker) ----------------------
     _S("backend_url", str, None, _C, "inference backend base URL (unset: start the embedded reference backend)"),
+    _S("backend_kind", str, "auto", _C, "the engine's dialect: sglang (miles' wire, the embedded backend's), vllm "
+       "(its completions API with token ids), or auto (ask the engine at start-up)",
+       choices=("sglang", "vllm", "auto")),
+    _S("tool_call_parser", str, "hermes", _C, "how tool calls are read from the text of an engine that answers "
+       "text (vllm): hermes (`<tool_call>` JSON blocks: Qwen and Hermes templates) or none",
+       choices=("hermes", "none")),
     _S("tokenizer", str, None, _C, "dir with tokenizer.json + chat template (unset: the byte tokenizer)"),
     _S("connect_timeout", float, 5.0, _C, "backend connect timeout per turn, seconds", minimum=0),
     _S("read_timeout", float, 600.0, _C, "backend read timeout per turn, seconds", minimum=0),
@@ -112,9 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _S("turn_wait_timeout", float, None, _C, "seconds a turn waits for the session's previous turn "
        "(unset: connect + read timeouts + 30)", minimum=0),
-    _S("routing_replay_layers", int, 0, _C, "routing replay (R3): ask the backend for routed_experts; the "
-       "model's MoE layer count /samples shapes R3 with (0: off; with the embedded backend: "
-       "reference_r3_layers)", minimum=0),
+    _S("routing_replay_layers", int, 0, _C, "routing replay (R3): the model's MoE layer count; above 0 every "
+       "turn asks the backend for routed_experts, and /samples shapes them into rows of this many layers "
+       "(0: off; with the embedded backend it follows --reference-r3-layers)", minimum=0),
     _S("indexer_replay", bool, False, _C, "indexer replay: ask the backend for indexer_topk"),
     _S("max_message_bytes", int, 8 << 20, _C, "413 for a message whose text is over this many UTF-8 bytes",
        minimum=1),
@@ -127,6 +136,13 @@ SETTINGS: tuple[Setting, ...] = (
        "$XDG_STATE_HOME/shinken/session-server/HOST-PORT, see docs/session-server-ops.md)"),
     _S("fsync", bool, False, _C, "fsync each journal append before the reply: a machine crash then loses "
        "no answered turn either (off: a process crash loses none; each turn waits for the disk)"),
+    _S("max_session_bytes", int, 8 << 30, _C, "507 for a turn that would grow one session's journal past this "
+       "many bytes (every turn stores its whole request)", minimum=1),
+    _S("max_data_bytes", int, None, _C, "507 for a turn or session that would grow all the server's journals "
+       "past this many bytes (unset: the disk is the bound)", minimum=1),
+    _S("max_inflight_bytes", int, 1 << 30, _C, "503 with Retry-After for a request body that would take the "
+       "bytes of request bodies being handled past this, per server process and per session worker",
+       minimum=1),
     _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
     _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------

@@ -237,13 +237,18 @@ class HFChatTokenizer:
     """
 
     def __init__(self, path: str) -> None:
-        import jinja2.sandbox
-        from tokenizers import Tokenizer
+        try:
+            import jinja2.sandbox
+            from tokenizers import Tokenizer
+        except ModuleNotFoundError as exc:
+            raise TokenizerLoadError(f"a tokenizer directory needs the {exc.name!r} package: "
+                                     f"pip install 'shinken[hf]'") from None
 
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise TokenizerLoadError(f"{tok_file} not found")
         self._tok = Tokenizer.from_file(tok_file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Encodes field text: special tokens split into ordinary tokens, like transformers'
         # split_special_tokens; a second instance, so the flag never changes under a caller.
         self._text_tok = Tokenizer.from_file(tok_file)

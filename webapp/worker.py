@@ -30,6 +30,7 @@ from typing import Any
 
 from shinken_sync.lifetime import die_with_parent
 from webapp.filebody import encode_layout, has_spans
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import WORKER_BOOT_ERROR, Op
 
 __all__ = ["EXIT_BOOT_ERROR", "PROCESS_TITLE", "WorkerBootError", "run"]
@@ -168,6 +169,9 @@ class SessionOps:
         self._shards = shards
         self._shard_for = shard_for
         self._json_response = core_module.json_response
+        self._openai_error_response = core_module.openai_error_response
+        self._inflight = InflightBudget(config.max_inflight_bytes if config is not None
+                                        else core_module.CoreConfig("").max_inflight_bytes)
         self._error_response = core_module.error_response
         # The ops that name a session, each a method taking (session_id, meta, body).
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
@@ -178,7 +182,11 @@ class SessionOps:
             Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body),
                                                              include_images=meta.get("images") is True),
             Op.PROXY: self._proxy,
+            Op.VIEWER_SUMMARY: lambda sid, meta, body: self._viewer().summary(sid),
+            Op.VIEWER_TIMELINE: lambda sid, meta, body: self._viewer().timeline(sid),
+            Op.VIEWER_IMAGE: lambda sid, meta, body: self._viewer().image(sid, str(meta.get("sha256", ""))),
         }
+        self._viewer_data: Any = None
 
     def __call__(self, meta: dict[str, Any], body: memoryview) -> Any:
         raw = meta.get("op")
@@ -192,6 +200,8 @@ class SessionOps:
         if op is Op.HEALTH:
             return self._core.health()
         self._restored.wait()  # a session op before the shard's journals are loaded: after
+        if op is Op.VIEWER_SESSIONS:  # every session of this shard: no session_id
+            return self._viewer().sessions(str(meta.get("prefix") or ""))
         session_id = meta.get("session_id")
         if not isinstance(session_id, str):
             return self._error_response(400, f"op {op.value!r} needs a session_id")
@@ -200,6 +210,13 @@ class SessionOps:
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
         return _wire_reply(self._session_ops[op](session_id, meta, body))
+
+    def _viewer(self) -> Any:
+        if self._viewer_data is None:  # imported on first use: the router imports this module
+            from webapp.viewer_data import ViewerData
+
+            self._viewer_data = ViewerData(self._core)
+        return self._viewer_data
 
     def restore(self) -> None:
         """Load the shard's sessions from the journals, then let session ops through."""
@@ -217,7 +234,15 @@ class SessionOps:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not budget > 0):
             return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
-        return self._core.chat(session_id, bytes(body), budget)
+        try:
+            with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
+                # The receive buffer's view itself: the core only parses it (no copy of the body)
+                # and keeps nothing of it past this call, when the buffer goes back to the pool.
+                return self._core.chat(session_id, body, budget)
+        except InflightRefused as exc:
+            reply = self._openai_error_response(exc.status, str(exc), "server_error", "overloaded")
+            reply.headers = refusal_headers(exc)
+            return reply
 
     def _proxy(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
         method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))

@@ -92,7 +92,7 @@ def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Checker:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadArgs(f"{name} must be a number, not {type(value).__name__}")
         # NaN passes every range check (all comparisons are false) and, as a
-        # deadline, breaks asyncio's timer heap for the whole daemon (issue 18).
+        # deadline, breaks asyncio's timer heap for the whole daemon.
         if isinstance(value, float) and not math.isfinite(value):
             raise BadArgs(f"{name} must be a finite number, not {value}")
         if value > hi or value < lo or (exclusive_lo and value == lo):

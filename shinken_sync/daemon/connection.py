@@ -13,7 +13,7 @@ still queued are dropped. While the queue is full the reader stops reading, so
 TCP pushes back on the client -- and asyncio, no longer reading, cannot see the
 client leave. The reader therefore polls the socket's TCP state every
 :data:`PEER_POLL_S` while it waits for room: a client that closed or reset is
-noticed within that time, not after its whole backlog ran (issue 18).
+noticed within that time, not after its whole backlog ran.
 
 Per connection: three tasks, a call queue of at most :data:`MAX_PIPELINE`
 entries and an outbox bounded in bytes -- small enough for thousands of

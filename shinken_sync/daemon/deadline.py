@@ -4,7 +4,7 @@
 drops the ``CancelledError`` when the cancel arrives in the same loop iteration
 as the result (CPython gh-86296, fixed in 3.12). In the daemon that meant a
 connection's worker survived its cancel and ran the calls queued behind it
-after the client had gone (issue 18). :func:`within` uses ``asyncio.wait``,
+after the client had gone. :func:`within` uses ``asyncio.wait``,
 which always lets the cancel through, and cancels the inner work with it.
 """
 

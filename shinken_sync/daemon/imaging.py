@@ -53,7 +53,7 @@ Rect = tuple[int, int, int, int]  # x, y, w, h
 
 #: The threads screenshots are encoded on (backends without a thread of their
 #: own). Nothing a client controls runs here: a call that blocks a thread (a
-#: stalled file read) blocks another pool, never every screenshot (issue 18).
+#: stalled file read) blocks another pool, never every screenshot.
 ENCODE_POOL = concurrent.futures.ThreadPoolExecutor(
     max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="shinkend-encode"
 )

@@ -42,6 +42,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.http11 import Request, Response
 
+from shinken_sync import cliargs
 from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote, unix_url
 
 from . import identity
@@ -73,7 +74,7 @@ MIN_TOKEN_BYTES = 16
 TOKEN_ENV = "SHINKEND_TOKEN"
 
 # At most 4 digits (MAX_FLEET): a longer index is simply not a sandbox, and
-# never reaches int(), which refuses 4,300+ digits with an exception (issue 18).
+# never reaches int(), which refuses 4,300+ digits with an exception.
 _PATH = re.compile(r"/sb/(\d{1,4})")
 
 
@@ -121,13 +122,14 @@ def _parse_screen(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shinkend", description="The Shinken in-sandbox ACI daemon.")
+    p = cliargs.Parser(prog="shinkend", description="The Shinken in-sandbox ACI daemon.", version=True)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; keep loopback unless a network in front authenticates "
                         "(default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default: 0)")
+    p.add_argument("--port", type=cliargs.port, default=0, help="port to listen on; 0 picks a free one (default: 0)")
     p.add_argument("--token-file", default=None,
-                   help=f"file holding the bearer token, mode 0600 or stricter (default: ${TOKEN_ENV})")
+                   help=f"file holding the bearer token (at least {MIN_TOKEN_BYTES} bytes), mode 0600 or "
+                        f"stricter (default: ${TOKEN_ENV}, the same rule)")
     p.add_argument("--token-fd", type=int, default=None, metavar="FD",
                    help="read the bearer token from this inherited descriptor (a pipe) up to EOF, then close "
                         "it: no path, no environment variable (default: off)")
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="virtual: a drawn desktop in this process; xvfb: a real X server with xdotool input "
                         "(needs Xvfb, xdotool and the [xvfb] extra) (default: virtual)")
     p.add_argument("--screen", type=_parse_screen, default=(1920, 1080), help="WIDTHxHEIGHT (default: 1920x1080)")
-    p.add_argument("--fleet", type=int, default=0, metavar="N", help="serve N virtual sandboxes from this process (default: 0, one sandbox)")
+    p.add_argument("--fleet", type=cliargs.non_negative_int, default=0, metavar="N", help="serve N virtual sandboxes from this process (default: 0, one sandbox)")
     p.add_argument("--rtt-ms", type=float, default=0.0, help="hold every outgoing message this long, emulating a WAN round trip (default: 0)")
     p.add_argument("--sandbox-id", default="", help="id reported in hello (fleet: prefix, '-<index>' added) (default: shinkend-<pid>)")
     p.add_argument("--stream-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",

@@ -8,7 +8,7 @@ background process holding its stdout is not waited for beyond
 :data:`DRAIN_GRACE_S` after the shell exits. The cap bounds the *encoded*
 reply too: as JSON text, a NUL byte takes 6 bytes (``\u0000``) and an invalid
 UTF-8 byte 3 (U+FFFD), so each stream's text is also cut to
-:data:`MAX_ENCODED_OUTPUT` bytes of JSON (issue 18).
+:data:`MAX_ENCODED_OUTPUT` bytes of JSON.
 
 File contents travel base64-encoded inside the JSON reply: files are not the
 image hot path, and base64 keeps them binary-safe. The file verbs work on

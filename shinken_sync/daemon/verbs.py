@@ -60,7 +60,7 @@ FILE_THREADS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="shin
 @dataclass
 class SandboxState:
     """Everything one sandbox owns inside the daemon. (Not the SDK's
-    ``shinken_sync.Sandbox``, the client's handle on a sandbox: issue 12.)"""
+    ``shinken_sync.Sandbox``, the client's handle on a sandbox.)"""
 
     sandbox_id: str
     display: Display

@@ -1,4 +1,4 @@
-"""One percentile definition for every bench and the demo (issue 12): nearest rank, q in percent."""
+"""One percentile definition for every bench and the demo: nearest rank, q in percent."""
 
 from __future__ import annotations
 

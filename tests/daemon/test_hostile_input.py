@@ -1,6 +1,6 @@
-"""Issue 18, the daemon's half: hostile input and faults cost nothing.
+"""The daemon under hostile input and faults: they cost nothing.
 
-Each test names the issue item it pins. The codec tests run in-process; the
+Each test names the behaviour it pins. The codec tests run in-process; the
 rest against a real shinkend on loopback. File verbs only touch ``tmp_path``.
 """
 
@@ -31,7 +31,7 @@ SCREEN = daemon_args.Screen(1280, 800)
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400", "-1e999"])
-def test_non_finite_numbers_are_refused_at_decode(literal):  # item 3
+def test_non_finite_numbers_are_refused_at_decode(literal):
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_call(f'{{"call_id": 4, "verb": "screencast_start", "args": {{"fps": {literal}}}}}')
     assert (info.value.kind, info.value.call_id) == (protocol.ERR_BAD_ARGS, 4)
@@ -48,21 +48,21 @@ def test_finite_floats_still_decode():
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_the_number_checker_refuses_non_finite_values(value):  # item 3, in-process callers
+def test_the_number_checker_refuses_non_finite_values(value):  # in-process callers
     with pytest.raises(BadArgs, match="finite"):
         daemon_args.validate("screencast_start", {"fps": value}, SCREEN)
     with pytest.raises(BadArgs):
         daemon_args.validate("wait", {"ms": value}, SCREEN)
 
 
-def test_deep_nesting_is_a_bad_request_not_a_crash():  # item 9
+def test_deep_nesting_is_a_bad_request_not_a_crash():
     with pytest.raises(protocol.ProtocolError) as info:
         # Deeper than any CPython's decoder goes (3.11 stops near 1,000, later ones further).
         protocol.decode_call('{"call_id": 1, "verb": "cursor", "args": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}")
     assert info.value.kind == protocol.ERR_BAD_REQUEST and "deep" in str(info.value)
 
 
-def test_a_call_id_with_a_lone_surrogate_is_refused_unaddressed():  # item 10
+def test_a_call_id_with_a_lone_surrogate_is_refused_unaddressed():
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_call('{"call_id": "a\\ud800", "verb": "cursor"}')
     assert (info.value.kind, info.value.call_id) == (protocol.ERR_BAD_REQUEST, None)
@@ -85,12 +85,12 @@ def test_a_call_id_with_a_lone_surrogate_is_refused_unaddressed():  # item 10
         ("screencast_stop", {"stream_id": "\ud800"}),
     ],
 )
-def test_wrong_types_and_surrogates_are_bad_args(verb, args):  # item 11
+def test_wrong_types_and_surrogates_are_bad_args(verb, args):
     with pytest.raises(BadArgs):
         daemon_args.validate(verb, args, SCREEN)
 
 
-def test_errors_quote_at_most_a_bounded_piece_of_the_input():  # item 8
+def test_errors_quote_at_most_a_bounded_piece_of_the_input():
     huge = "\x01" * 2**20
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode_call(json.dumps({"call_id": 1, "verb": huge}))
@@ -117,7 +117,7 @@ def _stderr_since(daemon, offset: int) -> str:
 
 
 @pytest.mark.integration
-def test_nan_fps_over_the_wire_is_bad_args_and_the_connection_lives(client):  # item 3
+def test_nan_fps_over_the_wire_is_bad_args_and_the_connection_lives(client):
     for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
         client.ws.send(f'{{"type":"call","call_id":"nan","verb":"screencast_start","args":{{"fps":{literal}}}}}')
         reply = client.recv_reply()
@@ -128,7 +128,7 @@ def test_nan_fps_over_the_wire_is_bad_args_and_the_connection_lives(client):  # 
 
 
 @pytest.mark.integration
-def test_deep_nesting_gets_bad_request_and_keeps_queued_calls(client):  # item 9
+def test_deep_nesting_gets_bad_request_and_keeps_queued_calls(client):
     ids = [client.send("wait", ms=100)]
     client.ws.send('{"call_id": 1, "verb": "cursor", "args": {"x": ' + "[" * 1000 + "]" * 1000 + "}}")
     ids += [client.send("screen_size"), client.send("cursor")]
@@ -143,7 +143,7 @@ def test_deep_nesting_gets_bad_request_and_keeps_queued_calls(client):  # item 9
 
 
 @pytest.mark.integration
-def test_a_surrogate_call_id_gets_an_encodable_reply(vdaemon):  # item 10
+def test_a_surrogate_call_id_gets_an_encodable_reply(vdaemon):
     raw = RawWs(vdaemon.url, vdaemon.token)
     try:
         assert isinstance(raw.recv(), str)  # hello
@@ -157,7 +157,7 @@ def test_a_surrogate_call_id_gets_an_encodable_reply(vdaemon):  # item 10
 
 
 @pytest.mark.integration
-def test_bad_types_and_surrogate_paths_are_bad_args_without_a_traceback(vdaemon, client, tmp_path):  # item 11
+def test_bad_types_and_surrogate_paths_are_bad_args_without_a_traceback(vdaemon, client, tmp_path):
     offset = len(vdaemon.stderr())
     cases = [
         '{"call_id":1,"verb":"screenshot","args":{"format":[]}}',
@@ -177,7 +177,7 @@ def test_bad_types_and_surrogate_paths_are_bad_args_without_a_traceback(vdaemon,
 
 
 @pytest.mark.integration
-def test_a_huge_sandbox_index_is_404_not_500(vdaemon, aci):  # item 12
+def test_a_huge_sandbox_index_is_404_not_500(vdaemon, aci):
     base = vdaemon.url.rsplit("/sb/", 1)[0]
     offset = len(vdaemon.stderr())
     for path in ("/sb/" + "9" * 4301, "/sb/" + "1" * 8000, "/sb/99999"):
@@ -189,7 +189,7 @@ def test_a_huge_sandbox_index_is_404_not_500(vdaemon, aci):  # item 12
 
 
 @pytest.mark.integration
-def test_binary_exec_output_stays_under_the_message_limit(client):  # item 8
+def test_binary_exec_output_stays_under_the_message_limit(client):
     cap = daemon_args.MAX_EXEC_OUTPUT
     reply = client.call("exec", cmd=f"head -c {cap} /dev/zero; head -c {cap} /dev/zero >&2", max_output=cap)
     assert reply.outcome == protocol.OK, reply  # the client enforces MAX_MESSAGE_SIZE: it got here
@@ -204,7 +204,7 @@ def test_binary_exec_output_stays_under_the_message_limit(client):  # item 8
 
 
 @pytest.mark.integration
-def test_errors_never_echo_unbounded_input(client):  # item 8
+def test_errors_never_echo_unbounded_input(client):
     client.ws.send(json.dumps({"type": "call", "call_id": 1, "verb": "\x01" * 2**20}))
     raw = client.ws.recv(20)
     assert len(raw) < 2000 and json.loads(raw)["error"]["kind"] == protocol.ERR_UNKNOWN_VERB
@@ -217,7 +217,7 @@ def test_errors_never_echo_unbounded_input(client):  # item 8
 
 
 @pytest.mark.integration
-def test_file_verbs_refuse_a_fifo_and_screenshots_keep_working(vdaemon, aci, tmp_path):  # item 5
+def test_file_verbs_refuse_a_fifo_and_screenshots_keep_working(vdaemon, aci, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     clients = [aci(vdaemon.url, vdaemon.token) for _ in range(8)]
@@ -260,7 +260,7 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("ending", ["reset", "fin"])
-def test_queued_calls_do_not_run_after_the_client_left(vdaemon, tmp_path, ending):  # item 4
+def test_queued_calls_do_not_run_after_the_client_left(vdaemon, tmp_path, ending):
     marker = tmp_path / "ran"
     raw = _flood(vdaemon, marker, 300)
     assert _wait_for(lambda: _ran(marker) >= 1)
@@ -274,7 +274,7 @@ def test_queued_calls_do_not_run_after_the_client_left(vdaemon, tmp_path, ending
 
 
 @pytest.mark.integration
-def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):  # item 4
+def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):
     pid_file = tmp_path / "pid"
     raw = RawWs(vdaemon.url, vdaemon.token)
     assert isinstance(raw.recv(), str)
@@ -288,7 +288,7 @@ def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):  # i
     assert _wait_for(lambda: not _alive(pid), timeout=10), "the reset connection's exec child is still alive"
 
 
-def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monkeypatch):  # item 4
+def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monkeypatch):
     """The command may run before ``exec`` holds its process handle (the child starts, then the
     loop connects its pipes). A cancel then (the client reset on a loaded daemon) used to leave
     the shell's children alive: asyncio kills only the shell it started, not its group."""
@@ -328,7 +328,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.integration
-def test_sigterm_does_not_wait_for_queued_calls(shinkend, tmp_path):  # item 4
+def test_sigterm_does_not_wait_for_queued_calls(shinkend, tmp_path):
     daemon = shinkend()
     marker = tmp_path / "ran"
     raw = _flood(daemon, marker, 300)
@@ -341,7 +341,7 @@ def test_sigterm_does_not_wait_for_queued_calls(shinkend, tmp_path):  # item 4
 
 
 # ---------------------------------------------------------------------------
-# The token (item 15)
+# The token
 
 
 def _start(tmp_path, token_file=None, env_token=None, timeout=30):
@@ -422,7 +422,7 @@ def test_the_url_path_limit_matches_the_fleet_limit():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("grace", ["nan", "inf", "-1"])
-def test_a_non_finite_stream_grace_is_a_usage_error(tmp_path, grace):  # item 3, the command line
+def test_a_non_finite_stream_grace_is_a_usage_error(tmp_path, grace):  # the command line
     path = tmp_path / "token"
     path.write_text("a-long-enough-token-0123456789")
     path.chmod(0o600)
@@ -431,7 +431,7 @@ def test_a_non_finite_stream_grace_is_a_usage_error(tmp_path, grace):  # item 3,
     assert proc.returncode == 2 and b"--stream-grace" in proc.stderr
 
 
-def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # item 8, the backstop
+def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # the backstop
     import asyncio
 
     from shinken_sync.daemon import verbs
@@ -456,7 +456,7 @@ def test_a_reply_over_the_message_limit_becomes_an_error_reply():  # item 8, the
     assert "message limit" in decoded.error.message
 
 
-def test_an_unencodable_result_becomes_an_internal_error_reply():  # item 10, the backstop
+def test_an_unencodable_result_becomes_an_internal_error_reply():  # the backstop
     import asyncio
 
     from shinken_sync.daemon import verbs
@@ -479,7 +479,7 @@ def test_an_unencodable_result_becomes_an_internal_error_reply():  # item 10, th
     assert (decoded.call_id, decoded.error.kind) == (3, protocol.ERR_INTERNAL)
 
 
-def test_screenshots_do_not_share_threads_with_blocked_calls():  # item 5
+def test_screenshots_do_not_share_threads_with_blocked_calls():
     import asyncio
     import threading
 
@@ -492,7 +492,7 @@ def test_screenshots_do_not_share_threads_with_blocked_calls():  # item 5
         loop = asyncio.get_running_loop()
         # Every thread file calls or asyncio's default executor could lend is stuck.
         stuck = [loop.run_in_executor(None, release.wait) for _ in range(64)]
-        files = getattr(verbs, "FILE_THREADS", None)  # (absent before issue 18: files used the default pool)
+        files = getattr(verbs, "FILE_THREADS", None)  # (absent in older daemons: files used the default pool)
         stuck += [loop.run_in_executor(files, release.wait) for _ in range(16)]
         try:
             display = VirtualDisplay(1024, 768)

@@ -1,4 +1,4 @@
-"""An episode whose sandbox dies ends there, with SandboxDied and its cause (issue #17: in Ray
+"""An episode whose sandbox dies ends there, with SandboxDied and its cause (in Ray
 mode a lost node must cost its episodes, marked; the single-process demo shares run_episode).
 Before, the episode played every remaining turn against the dead sandbox."""
 

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.integration
 XVFB_MISSING = [name for name in ("Xvfb", "xdotool", "xterm") if shutil.which(name) is None]
 
 
-def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _demo(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shinken_sync.cli", "demo", *args], check=False,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.timeout(300)
@@ -152,12 +152,20 @@ def test_demo_refuses_a_taken_port(tmp_path):
     assert f"127.0.0.1:{port}" in proc.stderr and "--port" in proc.stderr
 
 
+def _wait_for(log: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout} s: {log.read_text()[-2000:]}"
+        time.sleep(0.02)
+
+
 @pytest.mark.timeout(180)
 def test_ctrl_c_keeps_every_episodes_records_so_far(tmp_path):
     out, log = tmp_path / "out", tmp_path / "demo.log"
     proc = _start_long_demo(out, log)
     try:
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _wait_for(log, "shinken demo: interrupted", 5)  # said at once, not when the stop is done
         assert proc.wait(timeout=60) == 130, log.read_text()[-2000:]
     finally:
         if proc.poll() is None:
@@ -168,7 +176,34 @@ def test_ctrl_c_keeps_every_episodes_records_so_far(tmp_path):
         assert 0 < len(ep["steps"]) < 500
         assert len(ep["records"]) == len(ep["steps"])
         assert ep["check"]["accumulated_matches_last_record"] and ep["check"]["actions_match_records"]
-    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["episodes_cut_short"] == 2
+    # the table says so too (it said "episodes 2/2" as if the run were complete)
+    assert re.search(r"^episodes +2/2 finished, INTERRUPTED by Ctrl-C \(2 cut short\)$", log.read_text(),
+                     re.MULTILINE)
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_stops_at_once_and_still_writes_the_outputs(tmp_path):
+    out, log = tmp_path / "out", tmp_path / "demo.log"
+    proc = _start_long_demo(out, log)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        _wait_for(log, "shinken demo: interrupted", 5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _wait_for(log, "shinken demo: stopping now", 5)
+        assert proc.wait(timeout=60) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["episodes_started"] == 2
+    assert summary["steps"] > 0 and not summary["episode_errors"]  # the stop is no episode's failure
+    lines = _trajectories(out)  # the episodes finished by then (none or some), whole
+    assert summary["episodes"] == len(lines) and summary["episodes_cut_short"] == 2 - len(lines)
+    for ep in lines:
+        assert ep["check"]["actions_match_records"]
+    assert "INTERRUPTED by Ctrl-C" in log.read_text()
 
 
 def test_started_processes_take_ctrl_c_even_when_the_test_runner_ignores_it():
@@ -198,6 +233,12 @@ def test_started_processes_take_ctrl_c_even_when_the_test_runner_ignores_it():
     (["--workers", "-1"], ["--workers", "-1", ">= 0"]),
     (["--turns", "abc"], ["--turns", "'abc'", "integer >= 1"]),
     (["--sandboxes", "0"], ["--sandboxes", "integer >= 1"]),
+    (["--backend-url", "http://127.0.0.1:9"], ["unrecognized arguments: --backend-url", "(see shinken demo --help)"]),
+    # options that would change nothing are refused, saying why
+    (["--session-server", "http://127.0.0.1:9"], ["--session-server applies in Ray mode only", "--ray"]),
+    (["--drivers", "2", "--node-ip", "127.0.0.1"], ["--drivers, --node-ip apply in Ray mode only"]),
+    (["--ray", "auto", "--session-server", "http://127.0.0.1:9", "--workers", "3"],
+     ["--workers configures the session server the demo starts", "--session-server"]),
 ])
 def test_cli_errors_are_one_line_with_exit_code_2_and_create_nothing(tmp_path, args, names):
     afile = tmp_path / "a-file"
@@ -214,6 +255,79 @@ def test_cli_errors_are_one_line_with_exit_code_2_and_create_nothing(tmp_path, a
         assert name in lines[0], lines[0]
     assert "_positive" not in lines[0]
     assert not out.exists() and afile.read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def reference_backend():
+    from webapp.reference_backend import start_reference_backend
+
+    backend = start_reference_backend(r3_layers=4)
+    yield backend
+    backend.close()
+
+
+def test_environment_overrides_are_printed_and_applied(tmp_path, reference_backend):
+    """SHINKEN_BACKEND_URL used to change the demo's backend silently; SHINKEN_API_KEY made every
+    turn a 401. Both now change the run visibly (the key masked) and the run succeeds."""
+    env = dict(os.environ, SHINKEN_BACKEND_URL=reference_backend.url, SHINKEN_API_KEY="first-hour-secret",
+               SHINKEN_WORKERS="7")  # overridden by the demo's own --workers: not a change
+    proc = _demo("--sandboxes", "1", "--turns", "1", "--out", str(tmp_path / "out"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "the environment changes this run" in line]
+    assert f"SHINKEN_BACKEND_URL={reference_backend.url}" in line and "SHINKEN_API_KEY=***" in line
+    assert "first-hour-secret" not in proc.stderr and "SHINKEN_WORKERS" not in line
+    assert "1 virtual sandbox x 1 turn, session server with 2 workers" in proc.stderr  # no "1 sandboxes"
+
+
+def test_an_environment_setting_that_does_not_parse_is_refused_at_once(tmp_path):
+    env = dict(os.environ, SHINKEN_MAX_SESSIONS="lots")
+    proc = _demo("--sandboxes", "1", "--turns", "1", "--out", str(tmp_path / "out"), env=env, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "SHINKEN_MAX_SESSIONS" in line and "'lots'" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_holding_other_files_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = _demo("--sandboxes", "1", "--turns", "1", "--out", str(out), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"--out {out} holds files no demo wrote (notes.txt)" in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.timeout(300)
+def test_a_rerun_into_the_same_out_replaces_the_previous_outputs(tmp_path):
+    out = tmp_path / "out"
+    first = _demo("--sandboxes", "2", "--turns", "2", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _demo("--sandboxes", "1", "--turns", "1", "--out", str(out))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"--out {out}: replaced a previous run's outputs" in second.stderr
+    (line,) = _trajectories(out)  # this run's one episode, nothing of the first
+    sent = {line["first_observation"]["sha256"]} | {s["observation"]["sha256"] for s in line["steps"][:-1]}
+    assert {p.stem for p in (out / "images").iterdir()} == sent  # no image of the first run
+    log = (out / "session-server.log").read_text()
+    restored = re.findall(r"restored (\d+) sessions of shard", log)
+    assert restored and set(restored) == {"0"}, log[-2000:]  # the first run's sessions are gone
+
+
+@pytest.mark.timeout(240)
+def test_a_second_demo_on_the_same_out_is_refused_naming_out(tmp_path):
+    out = tmp_path / "out"
+    proc = _start_long_demo(out, tmp_path / "demo.log")
+    try:
+        second = _demo("--sandboxes", "1", "--turns", "1", "--out", str(out), timeout=60)
+        assert second.returncode == 2, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert f"--out {out} is in use by another shinken demo" in line and "--data-dir" not in line
+        assert proc.poll() is None  # the first run goes on
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_xvfb_prerequisites_are_reported_at_once(tmp_path):

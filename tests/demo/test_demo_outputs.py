@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 from shinken_sync.demo import (
@@ -20,7 +21,7 @@ from shinken_sync.demo import (
     describe_step,
     run_consistent,
 )
-from shinken_sync.demo_screen import describe_input
+from shinken_sync.demo_screen import describe_input, key_name
 from shinken_sync.trajectory_file import compact_records, expand_records
 
 ACTION = {"verb": "key", "combo": "Return"}
@@ -136,8 +137,17 @@ def test_the_x_screen_program_names_every_input():
     assert list(describe_input(data)) == [
         ("typed", "hi", None), ("left click", "at column 12, row 5", (12, 5)),
         ("scroll down", "at column 3, row 4", None), ("key", "Return", None), ("key", "Escape", None),
-        ("key", "ctrl+s", None), ("key", "[1;3S", None), ("key", "BackSpace", None), ("typed", "ab", None),
+        ("key", "ctrl+s", None), ("key", "alt+F4", None), ("key", "BackSpace", None), ("typed", "ab", None),
     ]
+
+
+@pytest.mark.parametrize(("sequence", "name"), [
+    ("[1;3S", "alt+F4"), ("OP", "F1"), ("[A", "Up"), ("[1;5D", "ctrl+Left"), ("[15~", "F5"),
+    ("[24;2~", "shift+F12"), ("[3~", "Delete"), ("[1;7H", "ctrl+alt+Home"), ("[99~", "[99~"), ("[?25h", "[?25h"),
+])
+def test_key_sequences_are_named_as_xdotool_names_the_keys(sequence, name):
+    # xterm's encoding of function and cursor keys with modifiers (its ctlseqs document)
+    assert key_name(sequence) == name
 
 
 def test_the_demo_and_the_cli_import_no_webapp_until_they_start_the_session_server() -> None:

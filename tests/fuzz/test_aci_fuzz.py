@@ -1,4 +1,4 @@
-"""Generated hostile input against a real shinkend (issue 18), bounded in time.
+"""Generated hostile input against a real shinkend, bounded in time.
 
 Four attacks, each against one daemon the module starts, each checking that
 the daemon answers every message (or closes only the offending connection with

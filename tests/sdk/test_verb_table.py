@@ -1,4 +1,4 @@
-"""Every verb exists once in shinken_sync.verbs and everywhere derived from it, exactly (issue 12)."""
+"""Every verb exists once in shinken_sync.verbs and everywhere derived from it, exactly."""
 
 from __future__ import annotations
 

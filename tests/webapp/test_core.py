@@ -37,7 +37,7 @@ class FakeBackend:
         self.max_in_flight = 0
         self._lock = threading.Lock()
 
-    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         request = json.loads(payload)
         with self._lock:
             self.calls.append(request)
@@ -436,7 +436,7 @@ def test_a_tampered_accumulation_is_reported_as_a_mismatch():
 class AlwaysR3Backend(FakeBackend):
     """Returns R3 whether or not it was asked for (a backend with routing replay always on)."""
 
-    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         request = json.loads(payload)
         return BackendReply.from_raw(json.dumps(reference_completion(request["input_ids"], TOK, want_r3=True,
                                                                      r3=R3)).encode())
@@ -470,7 +470,7 @@ def test_the_worker_serves_samples_and_proxy_ops():
 class CutCharacterBackend(FakeBackend):
     """Output cut by max_tokens in the middle of a multi-byte character (byte tokenizer)."""
 
-    def chat_completions(self, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         output = TOK.encode("ok ☃")[:-1]
         reply = {"choices": [{"index": 0, "finish_reason": "length",
                               "message": {"role": "assistant", "content": "ok \ufffd"},

@@ -1,4 +1,4 @@
-"""Issue 18 (hostile input costs nothing), session server: each limit and refusal against a real
+"""Hostile input costs nothing, session server: each limit and refusal against a real
 ``shinken-session-server`` in both modes (``--workers 0`` and router mode), so every new
 setting is shown to reach the core either way."""
 
@@ -255,7 +255,7 @@ def test_health_reports_an_unreachable_backend(mode, reference_backend_factory, 
 
 @pytest.mark.timeout(300)
 def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_server_factory) -> None:
-    # issue 18 item 1: a worker tokenizing and encoding a big prompt misses heartbeats for
+    # A worker tokenizing and encoding a big prompt misses heartbeats for
     # seconds; it uses CPU meanwhile, so it is busy, not hung, and its shard keeps its sessions.
     server = session_server_factory.launch(
         1, backend.url, "--heartbeat-timeout", "0.3",
@@ -275,7 +275,7 @@ def test_a_worker_busy_with_a_large_legal_turn_is_not_killed(backend, session_se
 
 @pytest.mark.timeout(300)
 def test_the_router_streams_request_bodies_in_bounded_memory(backend, session_server_factory) -> None:
-    # issue 18 item 6: 4 x 200 MB bodies cost the router +823 MB when it buffered them whole.
+    # 4 x 200 MB bodies cost the router +823 MB when it buffered them whole.
     server = session_server_factory.launch(1, backend.url)
     router = next(p for p in psutil.Process(server.proc.pid).children(recursive=True)
                   if "gunicorn: worker" in " ".join(p.cmdline()))

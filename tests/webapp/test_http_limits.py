@@ -1,4 +1,4 @@
-"""Issue 18 items 2 and 13, session server: slow bodies, per-client connections and malformed
+"""Session server: slow bodies, per-client connections and malformed
 chunked bodies against a real ``shinken-session-server`` (real gunicorn, real sockets), in
 both modes."""
 

@@ -1,4 +1,4 @@
-"""Screenshots reach the model (issue 16): image parts, token-exact, through both server modes.
+"""Screenshots reach the model: image parts, token-exact, through both server modes.
 
 - The token count per image size follows Qwen2-VL's rule (a table computed by hand), in the
   byte tokenizer and in a model directory laid out as Qwen2-VL's (``vl_tokenizer_dir``).

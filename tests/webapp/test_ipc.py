@@ -532,7 +532,7 @@ def test_busy_worker_gives_the_refused_body_back(pooled_pair, monkeypatch) -> No
     until(lambda: server.receive_pool.lent == 0)
 
 
-# -- streamed request bodies (issue 18 item 6: the router never holds a whole body) ----------
+# -- streamed request bodies (the router never holds a whole body) ----------
 
 def _pieces(body: bytes, size: int, seen: list[int] | None = None, client: IpcClient | None = None):
     for i in range(0, len(body), size):

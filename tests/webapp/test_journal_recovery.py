@@ -1,11 +1,11 @@
-"""The records journal (issue #14) end to end, with real processes on loopback: a session's
+"""The records journal end to end, with real processes on loopback: a session's
 records survive a SIGKILLed worker, a restarted server (even with another ``--workers``) and a
 torn journal tail byte for byte (a worker killed amid turns keeps every answered one); a full
 disk or a file-size limit is a 507 that commits nothing; DELETE removes the file and
 ``--max-sessions`` counts the whole server; GET answers HEAD, a Range and an ETag; a worker's
 memory stays flat while gigabytes of records go to disk.
 
-The journal format checked here (docs: issue #14): ``DIR/sessions/<id>.journal`` = b"SHKJ" +
+The journal format checked here (docs/session-server-ops.md): ``DIR/sessions/<id>.journal`` = b"SHKJ" +
 u32 LE version 1, then entries ``struct.Struct("<QBI")`` (payload length, kind, crc32 of the
 kind byte + payload) each followed by its payload; kinds 1 CREATE, 2 TURN, 3 IMAGE.
 
@@ -14,6 +14,7 @@ mounted on a directory inside it and unmounted at teardown)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -204,8 +205,13 @@ def wait_for_restart(server, shard: int, shards: int, old_pid: int) -> None:
 
 
 def kill_server(server) -> None:
-    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space)."""
-    os.killpg(server.proc.pid, signal.SIGKILL)
+    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space).
+    Every process of it, not its process group: gunicorn and the reference backend run in
+    sessions of their own (a terminal's Ctrl-C reaches only the launcher)."""
+    tree = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
+    for proc in tree:
+        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
     server.proc.wait(30)
 
 

@@ -29,6 +29,8 @@ from pydantic import BaseModel, Field
 from webapp.reference_backend import R3Shape, reference_completion_json
 from webapp.tokenizers import ByteChatTokenizer
 
+from .vllm_standin import VllmStandIn
+
 TOK = ByteChatTokenizer()
 R3 = R3Shape(layers=3, top_k=2)
 INDEXER_LAYERS, INDEXER_TOPK = 2, 4
@@ -449,3 +451,35 @@ def test_a_backend_content_null_is_502_and_stores_nothing(servers):
     error = resp.json()["error"]
     assert error["code"] == "backend_malformed" and error["message"].startswith("assistant message content is None")
     assert requests.get(f"{base}/sessions/{sid}", timeout=30).json()["records"] == []
+
+
+# --- the same records when a vLLM served the turns ----------------------------------------------
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["workers0", "router"])
+def vllm_server(request, session_server_factory) -> Iterator[str]:
+    """A server speaking the vllm dialect to a stand-in answering as vLLM 0.32 does, R3 on
+    (``routed_experts`` as vLLM encodes it: base64 ``.npy``, uint16 here)."""
+    engine = VllmStandIn()
+    engine.r3 = (R3.layers, R3.top_k, np.uint16)
+    yield session_server_factory.launch(request.param, engine.url, "--backend-kind", "vllm",
+                                        "--routing-replay-layers", str(R3.layers)).url
+    engine.close()
+
+
+@pytest.mark.parametrize("max_seq_len", [None, "mid"])
+def test_vllm_served_records_are_read_by_the_miles_consumer_unchanged(vllm_server, max_seq_len):
+    sid, replies = agentic_session(vllm_server)
+    session = requests.get(f"{vllm_server}/sessions/{sid}", timeout=30).json()
+    parsed = GetSessionResponse.model_validate(session)
+    assert [r.request["engine"]["path"] for r in parsed.records] == ["/v1/completions"] * 3
+    assert all("routed_experts" not in json.dumps(reply) for reply in replies)  # never to the client
+    if max_seq_len == "mid":
+        max_seq_len = len(session["records"][1]["request"]["input_ids"]) + 3
+    resp = requests.post(f"{vllm_server}/sessions/{sid}/samples", json={"max_seq_len": max_seq_len}, timeout=60)
+    ours, _metadata, empty_reason = decode_payload(resp.content)
+    theirs = consumer_samples(session, layers=R3.layers, max_seq_len=max_seq_len)
+    assert empty_reason is None
+    assert_same_samples(ours, theirs)
+    (sample,) = ours
+    assert sample["rollout_routed_experts"].shape == (len(sample["tokens"]) - 1, R3.layers, R3.top_k)
+    assert sample["rollout_indexer_topk"] is None

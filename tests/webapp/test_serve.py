@@ -14,7 +14,6 @@ import requests
 
 from tests.support import sigkill_and_expect_no_descendant
 from webapp.serve import (
-    EXIT_NOT_READY,
     READY_URL_PATTERN,
     SessionServerNotReady,
     server_argv,
@@ -91,5 +90,7 @@ def test_start_session_server_says_why_it_is_not_ready(reference_backend_factory
     with pytest.raises(SessionServerNotReady) as exc:
         start_session_server(1, backend.url, "127.0.0.1:0", "--tokenizer", str(missing),
                              log_path=tmp_path / "server.log")
-    assert exc.value.exit_code == EXIT_NOT_READY and "could not boot" in exc.value.detail
-    assert str(missing) in str(exc.value)
+    # Checked by the launcher before anything starts: a usage error, one line (not a shard that
+    # could not boot, with a traceback per worker).
+    assert exc.value.exit_code == 2 and "is not a directory" in exc.value.detail
+    assert str(missing) in str(exc.value) and "Traceback" not in exc.value.detail

@@ -140,7 +140,7 @@ def test_a_flag_wins_over_the_variable_which_wins_over_the_default() -> None:
 
 
 def test_turn_wait_timeout_reaches_the_workers() -> None:
-    # the regression of issue 12: with --workers >= 1 the router dropped it on the way to its workers
+    # a regression once: with --workers >= 1 the router dropped it on the way to its workers
     env = {**BACKEND, "SHINKEN_TURN_WAIT_TIMEOUT": "7"}
     assert CoreConfig(**RouterConfig.from_env(env).supervisor_config().core).turn_wait() == 7.0
     assert config_from_env(env).turn_wait() == 7.0

@@ -127,7 +127,7 @@ def _forged_messages():
 
 @pytest.mark.parametrize("which", ["byte", "hf"])
 def test_text_in_fields_never_becomes_a_control_token(which, hf_tokenizer_dir):
-    # issue 18 item 14: untrusted text with <|im_end|>/<|im_start|> must not forge turns.
+    # Untrusted text with <|im_end|>/<|im_start|> must not forge turns.
     tok = load_tokenizer(None if which == "byte" else hf_tokenizer_dir)
     messages = _forged_messages()
     ids = tok.encode(tok.render(messages, add_generation_prompt=True, tools=[{"description": FORGED}]))

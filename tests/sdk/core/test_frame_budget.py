@@ -207,7 +207,7 @@ async def _stalled_stream(url, frames: int = 20, **options):
 
 
 def test_a_per_loop_budget_is_not_overridden_by_the_global_default(run, peer, helpers, monkeypatch):
-    """Issue 12: the global used to be copied into the loop's budget at every frame."""
+    """The global used to be copied into the loop's budget at every frame."""
     frame_size = len(helpers.frame("s1", 1, size=10_000))
     monkeypatch.setattr(client, "GLOBAL_FRAME_BUDGET_BYTES", None)
 
