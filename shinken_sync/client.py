@@ -312,6 +312,10 @@ def check_url(url: object) -> None:
         parts.port  # noqa: B018 (urllib checks the port only when it is read)
     except ValueError as exc:
         raise InvalidURL(f"{url!r} is not a valid URL ({exc}); {_URL_HINT}", url) from exc
+    if parts.scheme == protocol.UNIX_SCHEME:  # an isolated sandbox's socket (protocol.unix_url)
+        if not parts.netloc or "/" in parts.netloc:
+            raise InvalidURL(f"{url!r} names no percent-encoded socket path; {_URL_HINT}", url)
+        return
     if parts.scheme not in ("ws", "wss"):
         got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
         raise InvalidURL(f"{url!r} has {got}, not ws://, wss:// or ws+unix://; {_URL_HINT}", url)
@@ -602,6 +606,16 @@ class AsyncSandbox:
         """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
         return cast(ExecResult, await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout))
+
+    async def launch(
+        self, app: str, args: list[str] | None = None, timeout_ms: int | None = None, *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Open a desktop app (``browser``, ``terminal``, ``editor``: shinkend ``--desktop``)
+        with extra arguments (URLs, files) and wait for its window, which gets the focus.
+        Returns ``{"app", "pid", "window"}``; ``ActionError`` (with the app's log tail) if
+        it exits first, ``ActionTimeout`` if no window shows within ``timeout_ms``."""
+        return cast("dict[str, Any]", await self._act(build.launch(app, args, timeout_ms), timeout))
 
     async def read_file(
         self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None

@@ -155,6 +155,7 @@ class Frame:
     y0: int
     ts: float
     image: bytes | memoryview
+    pointer: bool = False
 
 
 @dataclass(frozen=True)
@@ -433,7 +434,7 @@ def encode_error(call_id: CallId | None, kind: str, message: str, outcome: str =
 
 
 def encode_image_reply(call_id: CallId, result: dict[str, Any], image: bytes | memoryview) -> bytes:
-    """A screenshot reply: ``result`` holds format, width, height, scale, x0, y0."""
+    """A screenshot reply: ``result`` holds shinken_sync.verbs.IMAGE_FIELDS."""
     return pack_binary({"type": "reply", "call_id": call_id, "outcome": OK, "result": result}, image)
 
 
@@ -443,7 +444,7 @@ def encode_frame(
     meta: dict[str, Any],
     image: bytes | memoryview,
 ) -> bytes:
-    """One screencast frame; ``meta`` holds format, width, height, scale, x0, y0, ts."""
+    """One screencast frame; ``meta`` holds shinken_sync.verbs.IMAGE_FIELDS and ts."""
     return pack_binary({"type": "frame", "stream_id": stream_id, "seq": seq, **meta}, image)
 
 
@@ -487,6 +488,7 @@ def _image_meta(obj: dict[str, Any], what: str) -> dict[str, Any]:
         "scale": float(scale),
         "x0": int(obj.get("x0", 0)),
         "y0": int(obj.get("y0", 0)),
+        "pointer": obj.get("pointer") is True,
     }
 
 

@@ -51,7 +51,8 @@ from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote, uni
 
 from . import identity
 from .connection import serve_connection
-from .display import make_display
+from .display import DisplayError, make_display
+from .display.desktop import DESKTOPS
 from .screencast import DEFAULT_GRACE_S, StreamRegistry
 from .verbs import SandboxState
 
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", default="", metavar="COMMAND",
                    help="xvfb: start this program on the screen once it is up (e.g. xterm) and focus it "
                         "(default: none)")
+    p.add_argument("--desktop", choices=tuple(DESKTOPS), default=None,
+                   help="xvfb: a real desktop on the screen: "
+                        + "; ".join(f"{d.name}: {d.description}" for d in DESKTOPS.values())
+                        + " (docs/desktop.md) (default: none, a bare screen)")
     p.add_argument("--log-level", default="INFO",
                    help="stderr log threshold: DEBUG, INFO, WARNING or ERROR (default: INFO)")
     return p
@@ -234,6 +239,8 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
         options: dict[str, Any] = {"seed": args.seed} if args.display == "virtual" else {}
         if args.launch:
             options["launch"] = shlex.split(args.launch)
+        if args.desktop:
+            options["desktop"] = args.desktop
         specs = [(base_id, options)]
     sandboxes: list[SandboxState] = []
     try:
@@ -244,6 +251,10 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
     except BaseException:
         await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
         raise
+    x_display = getattr(sandboxes[0].display, "display_name", None)
+    if x_display and not args.fleet:
+        # exec's commands (xdotool, a program the agent starts itself) reach this screen.
+        os.environ["DISPLAY"] = x_display
     return sandboxes
 
 
@@ -254,6 +265,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         sandboxes = await _make_sandboxes(args)
+    except DisplayError as exc:  # says what failed, with the fix or the program's log tail
+        log.error("could not start the %s display: %s", args.display, exc)
+        return EXIT_BOOT_ERROR
     except Exception:
         log.exception("could not start the %s display", args.display)
         return EXIT_BOOT_ERROR
@@ -299,6 +313,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         x_display = getattr(display, "display_name", None)
         if x_display:
             ready["x_display"] = x_display
+        desktop = getattr(display, "desktop_status", None)
+        if desktop:
+            ready["desktop"] = desktop
         if args.fleet:
             ready["urls"] = urls
         sys.stdout.write(json.dumps(ready) + "\n")
@@ -364,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
     if args.launch and args.display != "xvfb":
         parser.error("--launch needs --display xvfb")
+    if args.desktop and args.display != "xvfb":
+        parser.error("--desktop needs --display xvfb")
     if not 0 <= args.stream_grace < math.inf:  # NaN fails both: a NaN timer breaks the loop's heap
         parser.error("--stream-grace must be a finite number >= 0")
     _raise_fd_limit()
