@@ -70,6 +70,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.request_fields import Policy, check_request_fields, fields_with
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
@@ -117,6 +118,8 @@ TURN_WAIT_MARGIN = 30.0  # see CoreConfig.turn_wait
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 CHAT_PATH = "/v1/chat/completions"
 SAMPLES_CONTENT_TYPE = "application/octet-stream"
+# Client fields that only concern the client-facing transport (webapp.request_fields' table).
+CLIENT_ONLY_FIELDS = fields_with(Policy.CLIENT)
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
@@ -192,6 +195,9 @@ class CoreConfig:
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
     data_dir: str | None = default("data_dir")  # None: webapp.datadir.default_data_dir()
     fsync: bool = default("fsync")  # each journal append durable before the reply
+    max_session_bytes: int = default("max_session_bytes")  # one session's journal (webapp.journal)
+    max_data_bytes: int | None = default("max_data_bytes")  # all the data directory's journals
+    max_inflight_bytes: int = default("max_inflight_bytes")  # request bodies being handled (webapp.inflight)
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -304,7 +310,7 @@ class SessionRegistry:
             raise SessionNotFound(session_id)
         with session.state_lock:  # after a commit in flight, so its append is removed too
             session.closed = True
-            session.journal.remove()
+            self.store.remove(session.journal)
         return session
 
     def __len__(self) -> int:
@@ -317,6 +323,7 @@ def _parse_chat_body(body: bytes) -> dict[str, Any]:
     request = loads_strict(body)
     if not isinstance(request, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
+    check_request_fields(request)  # unknown and refused fields: 400 naming them
     if not isinstance(request.get("stream", False), bool):
         raise InvalidField("stream", "expected a boolean")
     n = request.get("n")
@@ -452,6 +459,10 @@ class SessionCore:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
+        try:
+            session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
+        except SessionError as exc:
+            return error_reply(exc)
         records, _state, _metadata, encoded, version = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
@@ -514,7 +525,8 @@ class SessionCore:
     def health(self) -> Reply:
         self.expiry.sweep()
         return json_response(200, {"status": "ok", "session_server_instance_id": self.instance_id,
-                                   "sessions": len(self.registry)})
+                                   "sessions": len(self.registry),
+                                   "journal_damage": self.registry.store.set_aside})
 
     def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
         """Run one turn. Blocking; safe to call from many threads/greenlets at once.
@@ -662,7 +674,9 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
     (all of them for the single-process app), so a restarted worker serves what it served;
     ``shard=None``: not now, the caller calls :meth:`SessionCore.restore_shard` itself."""
     tokenizer = load_tokenizer(config.tokenizer)
-    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync))
+    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync,
+                                            max_session_bytes=config.max_session_bytes,
+                                            max_data_bytes=config.max_data_bytes))
     replay = ReplayRequest(routed_experts=config.routing_replay_layers > 0, indexer_topk=bool(config.indexer_replay))
     kind = config.backend_kind
     if kind == "auto":  # the launcher resolves it once (and fails clearly); this is an app built without it

@@ -16,8 +16,11 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
     │   ├── FrameTooLarge               413
     │   ├── IpcTimeout                  504
     │   └── IpcRemoteError              500  the worker's handler failed (503: worker busy)
-    └── ShardUnavailable                503  webapp.supervisor: the shard has no serving worker
-                                             (starting, dead, hung, stopped, or failed to boot)
+    ├── ShardUnavailable                503  webapp.supervisor: the shard has no serving worker
+    │                                        (starting, dead, hung, stopped, or failed to boot)
+    └── InflightRefused                 webapp.inflight: over max_inflight_bytes
+        ├── Overloaded                  503  with Retry-After: others' bodies first
+        └── BodyOverBudget              413  larger than the whole budget
 
 Imports nothing: the router process may use it without the session core.
 """

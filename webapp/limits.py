@@ -164,7 +164,10 @@ def _message_texts(message: Any) -> Iterable[str]:
             yield value
         elif key == "content" and isinstance(value, list):
             yield from (p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
-    for call in message.get("tool_calls") or ():
+    calls = message.get("tool_calls")
+    # Any JSON type may arrive here (5, "x", {}, true): only a list is walked; the turn's own
+    # validation (webapp.tito.normalize_message) then refuses the others by name (400).
+    for call in calls if isinstance(calls, list) else ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             yield from (v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
