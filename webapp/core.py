@@ -70,6 +70,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.records import IdsText, RecordParts
 from webapp.request_fields import Policy, check_request_fields, fields_with
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
@@ -223,13 +224,21 @@ class Session:
     images: dict[str, StoredImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
+    ids_cache: tuple[TitoState, IdsText] | None = None  # the text of the state's token ids (records GET)
+
+    def ids_text(self, state: TitoState) -> IdsText:
+        """The JSON text of ``state``'s token ids: every record's prompt ids are a prefix of it."""
+        cached = self.ids_cache
+        if cached is None or cached[0] is not state:
+            cached = self.ids_cache = (state, IdsText(state.token_ids))
+        return cached[1]
 
     @classmethod
     def restored(cls, r: RestoredSession) -> Session:
         return cls(r.session_id, r.journal, created_at=r.created_at, state=r.state, previous=r.previous,
                    records=r.records, rollbacks=r.rollbacks, images=r.images)
 
-    def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: list[bytes],
+    def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
                images: dict[str, DecodedImage] | None = None) -> bool:
         """Store a finished turn, journal first; False (nothing stored) if the session was
         closed meanwhile. Raises ``InsufficientStorage`` (nothing stored) if the journal
@@ -242,7 +251,11 @@ class Session:
         with self.state_lock:  # a GET snapshots before or after the append, never during it
             if self.closed:
                 return False
+            # The record whose state the turn builds on: the journal stores what this one adds.
+            base = (self.records[-2] if len(self.records) > 1 else None) if plan.rollback \
+                else (self.records[-1] if self.records else None)
             turn, stored = self.journal.append_turn(plan.base, new_state, plan.rollback, turn, record,
+                                                    base.record if base is not None else None,
                                                     list((images or {}).values()))
             self.previous, self.state = plan.base, new_state
             if plan.rollback:
@@ -463,14 +476,15 @@ class SessionCore:
             session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
         except SessionError as exc:
             return error_reply(exc)
-        records, _state, _metadata, encoded, version = self._snapshot(session)
+        records, state, _metadata, encoded, version = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
+        ids = session.ids_text(state)
         for i, record in enumerate(records):
             assert record.record is not None, "a committed record is in the journal"
             if i:
                 body.append(b",")
-            body.append(record.record)
+            body += record.record.pieces(ids.prefix)
         body += (b'],"metadata":', encoded)
         if include_images:
             body += _images_json(session)
@@ -580,21 +594,18 @@ class SessionCore:
 
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
-                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, list[bytes]]:
-        """The record's summary and its bytes, as pieces (the reply is not copied)."""
+                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, RecordParts]:
+        """The record's summary and its parts (the reply is not copied)."""
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
                           separators=(",", ":"))
-        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', turn.record_response, b"}"]
-        at = len(chunks[0]) + len(payload) + len(chunks[2])  # the reply's offset in the record
-        replay: dict[str, tuple[int, int]] = {}
-        for key, start, end in turn.replay_spans:
-            replay.setdefault(key, (at + start, at + end))
+        parts = RecordParts(head[:-1].encode() + b',"request":', payload, turn.record_response, turn.replay_spans)
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
-                             timestamp=timestamp, request_timestamp=request_timestamp, replay=replay, images=images)
-        return summary, chunks
+                             timestamp=timestamp, request_timestamp=request_timestamp,
+                             replay=tuple(dict.fromkeys(k for k, _s, _e in turn.replay_spans)), images=images)
+        return summary, parts
 
     def _client_reply(self, turn: EngineTurn, request: dict[str, Any]) -> Reply:
         completion = turn.completion
