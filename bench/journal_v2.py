@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from records_journal import MiB, SendfileFloor, build_session, read_get, start_server
 from rawhttp import Http
+from records_journal import MiB, SendfileFloor, build_session, read_get, start_server
 
 
 def final_sequence_bytes(get_body: bytes, row: int) -> tuple[int, int]:

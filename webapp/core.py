@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import requests
@@ -70,7 +70,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
-from webapp.records import IdsText, RecordParts
+from webapp.records import IdsText, RecordParts, Rows
 from webapp.request_fields import Policy, check_request_fields, fields_with
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
@@ -78,6 +78,7 @@ from webapp.session_errors import (
     BodyTooLarge,
     InvalidField,
     InvalidJSON,
+    MalformedReplyField,
     SessionBusy,
     SessionError,
     SessionExists,
@@ -578,11 +579,15 @@ class SessionCore:
             plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
-            engine_request = self.dialect.build_request(request, plan.prompt_ids, images)
+            held = self._rows_held(session, plan)
+            engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
+                                                        replay_from=held[0] if held else 0)
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images))
+            if held:
+                record = replace(record, replay_prefix=_incremental_prefix(turn, held, len(plan.prompt_ids)))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
@@ -591,6 +596,21 @@ class SessionCore:
         finally:
             session.turn_lock.release()
         return self._client_reply(turn, request)
+
+    def _rows_held(self, session: Session, plan: TurnPlan) -> tuple[int, int] | None:
+        """(rows, bytes per row) of the routed experts the session holds for the turn's base
+        state, when the dialect can ask for the rest only; None: a full request."""
+        if not (self.dialect.incremental_replay and self.dialect.replay.routed_experts):
+            return None
+        records = session.records
+        base = (records[-2] if len(records) > 1 else None) if plan.rollback else (records[-1] if records else None)
+        rows = len(plan.base.token_ids) - 1
+        if base is None or base.record is None or rows <= 0:
+            return None
+        held = next((f for f in base.record.fields if isinstance(f, Rows) and f.key == "routed_experts"), None)
+        if held is None or held.length % rows or not held.length:
+            return None  # a first-format record or a payload of another shape: ask for every row
+        return rows, held.length // rows
 
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
@@ -633,6 +653,25 @@ class SessionCore:
         self.backend.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+
+
+def _incremental_prefix(turn: EngineTurn, held: tuple[int, int], prompt_len: int) -> dict[str, int]:
+    """The bytes of the routed experts the reply's payload leaves out (an incremental request):
+    ``held`` rows when it holds the rest, 0 when the engine sent every row anyway; raises
+    :class:`MalformedReplyField` for any other size."""
+    span = next(((s, e) for k, s, e in turn.replay_spans if k == "routed_experts"), None)
+    if span is None:
+        return {}
+    rows, row_bytes = held
+    text = turn.record_response[span[0]:span[1]]
+    packed = len(text) // 4 * 3 - text[-2:].count(b"=") if text else 0
+    total = prompt_len + len(turn.output_ids) - 1
+    if packed == (total - rows) * row_bytes:
+        return {"routed_experts": rows * row_bytes}
+    if packed == total * row_bytes:
+        return {}
+    raise MalformedReplyField("choices[0].meta_info.routed_experts",
+                              f"{packed} bytes of routed experts for rows {rows}..{total} of {row_bytes} bytes each")
 
 
 def _session_images(session: Session) -> list[StoredImage]:

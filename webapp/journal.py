@@ -275,9 +275,10 @@ def _canonical_b64(text: bytes) -> bytes | None:
 _Raw = tuple[str, str | None, bytes]  # ("t", None, text) | ("i", None, b"") | ("r", key, packed)
 
 
-def _split_record(parts: RecordParts, prompt_ids: Sequence[int]) -> list[_Raw]:
+def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None) -> list[_Raw]:
     """The record's fields: its head, the request around the prompt ids (generated on read),
-    the rest of the text around the replay payloads (kept packed)."""
+    the rest of the text around the replay payloads (kept packed; an incremental payload
+    after the base record's first ``parts.replay_prefix[key]`` bytes of it)."""
     fields: list[_Raw] = [("t", None, parts.head)]
     req = parts.request
     ids = IdsText(prompt_ids).text
@@ -296,6 +297,12 @@ def _split_record(parts: RecordParts, prompt_ids: Sequence[int]) -> list[_Raw]:
         packed = _canonical_b64(resp[start:end])
         if packed is None:
             continue
+        prefix = parts.replay_prefix.get(key, 0)
+        if prefix:
+            held = next((f for f in base.fields if isinstance(f, Rows) and f.key == key), None) if base else None
+            if held is None or held.length < prefix:
+                raise ValueError(f"an incremental {key} payload on a base record without {prefix} bytes of it")
+            packed = read_pieces(slice_pieces(held.pieces, 0, prefix)) + packed
         rest.append(resp[pos:start])
         fields += [("t", None, b"".join(rest)), ("r", key, packed)]
         rest, pos = [], end
@@ -400,7 +407,8 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         lp_meta: Any = len(turn.logprobs)
     else:  # None or int logprobs: kept as the engine gave them
         lp_meta = list(turn.logprobs)
-    field_metas, bodies = _encode_fields(_split_record(parts, state.token_ids[:turn.prompt_len]), base_record)
+    field_metas, bodies = _encode_fields(_split_record(parts, state.token_ids[:turn.prompt_len], base_record),
+                                        base_record)
     meta = {
         "rollback": rollback,
         "messages": _delta(base.messages, state.messages),

@@ -99,15 +99,16 @@ class RecordBody:
 
 @dataclass(frozen=True)
 class RecordParts:
-    """A new record: ``head + request + ',"response":' + response + '}'``."""
+    """A new record: ``head + request + ',"response":' + response + '}'`` (each replay payload
+    in ``response`` completed by ``replay_prefix``)."""
 
     head: bytes  # '{"timestamp":...,"request":'
     request: bytes  # the engine request as recorded
     response: bytes  # the engine reply as recorded
     replay_spans: Sequence[tuple[str, int, int]] = ()  # (key, start, end) of base64 text in ``response``
-
-    def chunks(self) -> list[bytes]:
-        return [self.head, self.request, b',"response":', self.response, b"}"]
+    # key -> packed bytes the payload in ``response`` leaves out: the base record's first ones
+    # (an incremental request; the record holds the whole payload, as a full request's would).
+    replay_prefix: dict[str, int] = field(default_factory=dict)
 
 
 class IdsText:

@@ -81,3 +81,60 @@ def test_disk_per_session_grows_linearly_with_turns(tmp_path):
     # Linear: 5x and 4x the turns cost ~5x and ~4x the bytes (the format 1 journal: ~25x, ~16x).
     assert 4 <= sizes[50] / sizes[10] <= 6.5, sizes
     assert 3.2 <= sizes[200] / sizes[50] <= 5, sizes
+
+
+class _Ignoring(jc.Engine):
+    """An engine that does not know ``routed_experts_start_len``: every row, every turn."""
+
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None):
+        request = json.loads(payload)
+        request.pop("routed_experts_start_len", None)
+        return super().send(path, json.dumps(request).encode(), deadline=deadline)
+
+
+class _Reference(jc.Engine):
+    """The reference backend's own replies (its R3 rows, its ``routed_experts_start_len``)."""
+
+    def send(self, path: str, payload: bytes, *, deadline: float | None = None):
+        from webapp.backend import BackendReply
+        from webapp.reference_backend import R3Shape, reference_completion_json
+
+        request = json.loads(payload)
+        self.sent.append(request)
+        return BackendReply.from_raw(reference_completion_json(
+            request["input_ids"], jc.TOK, want_r3=True, r3=R3Shape(layers=jc.LAYERS, top_k=jc.TOPK),
+            r3_start=request.get("routed_experts_start_len", 0)))
+
+
+def _run(tmp_path: Path, name: str, engine: jc.Engine, incremental: bool) -> tuple[dict[str, bytes], list]:
+    with jc.fixed_clock():
+        core = jc.core_on(str(tmp_path / name), engine)
+        core.dialect.incremental_replay = incremental  # an instance attribute: this core only
+        sids = jc.play(core)
+        got = jc.gets(core, sids)
+        samples = {sid: core.samples(sid, b"{}").read() for sid in sids}
+        core.close()
+    return {**got, **{f"{sid}.samples": s for sid, s in samples.items()}}, engine.sent
+
+
+@pytest.mark.parametrize("engine", [jc.Engine, _Reference])
+def test_incremental_routed_experts_assemble_the_same_records_as_full_requests(tmp_path, engine):
+    full, full_sent = _run(tmp_path, "full", engine(), incremental=False)
+    inc, inc_sent = _run(tmp_path, "inc", engine(), incremental=True)
+    assert inc == full  # every records GET (R3 included) and every samples payload
+    assert not any("routed_experts_start_len" in r for r in full_sent)
+    starts = [r.get("routed_experts_start_len") for r in inc_sent]
+    assert sum(1 for s in starts if s) >= len(starts) - 5, starts  # all but each session's first turn
+    # each incremental request asks for the rows past the previous turn's sequence
+    for request in inc_sent:
+        if request.get("routed_experts_start_len"):
+            assert 0 < request["routed_experts_start_len"] < len(request["input_ids"])
+    again = jc.core_on(str(tmp_path / "inc"))
+    assert jc.gets(again, ["plain", "image", "rollback", "tools"]) == {
+        k: v for k, v in full.items() if not k.endswith(".samples")}  # read back from the journal
+
+
+def test_an_engine_that_ignores_the_start_sends_every_row_and_the_records_are_the_same(tmp_path):
+    full, _ = _run(tmp_path, "full", jc.Engine(), incremental=False)
+    ignored, _sent = _run(tmp_path, "ignored", _Ignoring(), incremental=True)
+    assert ignored == full

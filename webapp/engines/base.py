@@ -69,15 +69,20 @@ class Dialect(ABC):
     """One engine's wire. ``kind`` is its ``--backend-kind`` name."""
 
     kind: str
+    # Whether the engine can be asked for the routed-expert rows past the first N only
+    # (``replay_from`` in :meth:`build_request`); the reply's payload then holds those rows.
+    incremental_replay: bool = False
 
     def __init__(self, replay: ReplayRequest) -> None:
         self.replay = replay
 
     @abstractmethod
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages) -> EngineRequest:
+                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
         """The engine request for one turn: the client's parsed chat body, our prompt ids and
-        the turn's images. Raises a ``BadRequest`` for what this engine cannot take."""
+        the turn's images; ``replay_from`` (only with :attr:`incremental_replay`): ask for the
+        routed-expert rows from that row on, the recorded request staying a full request's.
+        Raises a ``BadRequest`` for what this engine cannot take."""
 
     @abstractmethod
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
