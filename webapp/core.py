@@ -78,7 +78,6 @@ from webapp.session_errors import (
     BodyTooLarge,
     InvalidField,
     InvalidJSON,
-    MalformedReplyField,
     SessionBusy,
     SessionError,
     SessionExists,
@@ -587,7 +586,7 @@ class SessionCore:
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images))
             if held:
-                record = replace(record, replay_prefix=_incremental_prefix(turn, held, len(plan.prompt_ids)))
+                record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
@@ -653,25 +652,6 @@ class SessionCore:
         self.backend.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
-
-
-def _incremental_prefix(turn: EngineTurn, held: tuple[int, int], prompt_len: int) -> dict[str, int]:
-    """The bytes of the routed experts the reply's payload leaves out (an incremental request):
-    ``held`` rows when it holds the rest, 0 when the engine sent every row anyway; raises
-    :class:`MalformedReplyField` for any other size."""
-    span = next(((s, e) for k, s, e in turn.replay_spans if k == "routed_experts"), None)
-    if span is None:
-        return {}
-    rows, row_bytes = held
-    text = turn.record_response[span[0]:span[1]]
-    packed = len(text) // 4 * 3 - text[-2:].count(b"=") if text else 0
-    total = prompt_len + len(turn.output_ids) - 1
-    if packed == (total - rows) * row_bytes:
-        return {"routed_experts": rows * row_bytes}
-    if packed == total * row_bytes:
-        return {}
-    raise MalformedReplyField("choices[0].meta_info.routed_experts",
-                              f"{packed} bytes of routed experts for rows {rows}..{total} of {row_bytes} bytes each")
 
 
 def _session_images(session: Session) -> list[StoredImage]:

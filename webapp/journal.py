@@ -259,16 +259,14 @@ def _lcs(a: bytes | memoryview, b: bytes | memoryview, limit: int) -> int:
 
 def _canonical_b64(text: bytes) -> bytes | None:
     """The packed bytes of ``text`` if encoding them gives ``text`` back exactly; else None
-    (the payload is then kept as text)."""
+    (the payload is then kept as text). Checked by re-encoding: base64 has other texts for
+    the same bytes (newlines, non-zero padding bits) that must not be normalized away."""
     try:
-        packed = binascii.a2b_base64(text, strict_mode=True)
+        packed = binascii.a2b_base64(text)
     except binascii.Error:
         return None
-    if b64_length(len(packed)) != len(text):
+    if b64_length(len(packed)) != len(text) or binascii.b2a_base64(packed, newline=False) != text:
         return None
-    tail = len(packed) % 3 or 3
-    if packed and binascii.b2a_base64(packed[-tail:], newline=False) != text[-4:]:
-        return None  # non-zero padding bits: another text for the same bytes
     return packed
 
 
@@ -910,7 +908,7 @@ class JournalStore:
                         if kind is Kind.TURN:
                             state, turn = decode_turn_meta(meta, base, FileSpan(path, body_at, end - body_at))
                         else:
-                            state, turn = decode_delta(meta, base, base_record and base_record.record,
+                            state, turn = decode_delta(meta, base, base_record.record if base_record else None,
                                                        entries.f.fileno(), path, body_at, end)
                     except (KeyError, TypeError, ValueError) as exc:
                         raise _Torn(f"an unreadable turn ({exc})") from exc

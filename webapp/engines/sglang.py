@@ -51,6 +51,7 @@ def parse_assistant_message(raw_message: Any, where: str) -> dict[str, Any]:
 class SglangDialect(Dialect):
     kind = "sglang"
     incremental_replay = True  # miles' ``routed_experts_start_len`` (its additional-R3 mode)
+    routed_experts_field = "choices[0].meta_info.routed_experts"
 
     def __init__(self, replay: ReplayRequest) -> None:
         super().__init__(replay)
