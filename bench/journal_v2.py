@@ -12,7 +12,10 @@ then a short one per turn, each reply appended), then:
    buffer), alternated ``--reps`` times with a raw ``os.sendfile`` of a file of the same byte
    count to the same reader (``records_journal.SendfileFloor``) -> target >= 0.5x;
 3. per turn: chat latency over the turn index of the longest session (first, middle and last
-   tenth; the engine's own cost and the server's TITO rendering grow with the sequence too).
+   tenth; the engine's own cost and the server's TITO rendering grow with the sequence too);
+4. replay bytes: engine-to-server R3 bytes per turn with incremental requests vs full ones, on an
+   in-process session core whose engine is the reference backend's reply function (the same
+   turns both ways, ``--replay-turns``).
 
 Everything goes under one ``tempfile.mkdtemp`` directory, removed at the end; loopback only.
 """
@@ -39,6 +42,50 @@ def final_sequence_bytes(get_body: bytes, row: int) -> tuple[int, int]:
     return 4 * len(ids) + 8 * outputs + max(0, len(ids) - 1) * row, len(ids)
 
 
+def replay_bytes(tmp: Path, args: argparse.Namespace) -> None:
+    from webapp.backend import BackendReply
+    from webapp.core import SessionCore, SessionRegistry
+    from webapp.journal import JournalStore
+    from webapp.reference_backend import R3Shape, reference_completion_json
+    from webapp.tokenizers import ByteChatTokenizer
+
+    tok = ByteChatTokenizer()
+    shape = R3Shape(layers=args.r3_layers, top_k=args.r3_topk)
+
+    class Engine:
+        def __init__(self) -> None:
+            self.r3_bytes: list[int] = []
+
+        def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+            request = json.loads(payload)
+            raw = reference_completion_json(request["input_ids"], tok, want_r3=True, r3=shape,
+                                            r3_start=request.get("routed_experts_start_len", 0))
+            reply = BackendReply.from_raw(raw)
+            self.r3_bytes.append(sum(e - s for k, s, e in reply.replay_spans if k == "routed_experts"))
+            return reply
+
+        def close(self) -> None:
+            pass
+
+    per_turn = {}
+    for incremental in (False, True):
+        engine = Engine()
+        core = SessionCore(tok, engine, registry=SessionRegistry(JournalStore(str(tmp / f"replay-{incremental}"))),
+                           routing_replay_layers=args.r3_layers)
+        core.dialect.incremental_replay = incremental
+        sid = json.loads(core.create_session().read())["session_id"]
+        msgs: list = [{"role": "user", "content": "x" * args.opening_bytes}]
+        for i in range(args.replay_turns):
+            reply = core.chat(sid, json.dumps({"messages": msgs}).encode())
+            assert reply.status == 200, reply.read()[:300]
+            msgs += [json.loads(reply.read())["choices"][0]["message"], {"role": "user", "content": f"turn {i}"}]
+        per_turn[incremental] = engine.r3_bytes
+        core.close()
+    full, inc = per_turn[False], per_turn[True]
+    print(f"R3 bytes from the engine over {len(full)} turns: full {sum(full):,} (last turn {full[-1]:,}), "
+          f"incremental {sum(inc):,} (last turn {inc[-1]:,}): **x{sum(full) / sum(inc):.1f}** fewer")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", default="10,50,200")
@@ -46,6 +93,7 @@ def main() -> int:
     parser.add_argument("--r3-topk", type=int, default=8)
     parser.add_argument("--opening-bytes", type=int, default=2000, help="the first user message")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--replay-turns", type=int, default=50)
     args = parser.parse_args()
     turns = [int(t) for t in args.turns.split(",")]
     row = 4 * args.r3_layers * args.r3_topk
@@ -107,6 +155,7 @@ def main() -> int:
                 f"{k} {1000 * statistics.mean(v):.1f}" for k, v in parts.items()))
         finally:
             server.close()
+        replay_bytes(tmp, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -58,7 +58,9 @@ __all__ = [
 ]
 
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
-_B64_CHUNK = 3 << 20  # packed bytes encoded per piece of a B64Span (a multiple of 3: the texts join)
+_B64_CHUNK = 3 << 20  # packed bytes read per piece of a B64Span (a multiple of 3: the texts join)
+_BATCH = 2 << 20  # small pieces are gathered into writes of about this size
+_SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter ones join the batch
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
@@ -276,23 +278,62 @@ class _FileBody:
         self._headers_out = False
 
     def __iter__(self) -> Iterator[bytes]:
+        # Small pieces (inline bytes, spans under _SENDFILE_MIN, base64 spans) are gathered and
+        # written in _BATCH-sized pieces: a records GET is many short spans (each turn's share
+        # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
+        # are encoded together (each but the last a whole number of quanta: the texts join).
+        out: list[bytes] = []
+        packed: list[bytes] = []
+        size = 0
+
+        def encoded() -> None:
+            nonlocal size
+            if packed:
+                text = binascii.b2a_base64(b"".join(packed), newline=False)
+                packed.clear()
+                out.append(text)
+
+        def flush() -> Iterator[bytes]:
+            nonlocal size
+            encoded()
+            if out:
+                self._headers_out = True
+                yield b"".join(out)
+                out.clear()
+            size = 0
+
         for piece in self._pieces:
-            if isinstance(piece, B64Span):  # encoded in chunks as it goes out (no sendfile)
+            if isinstance(piece, B64Span):
                 fd = self._fds[piece.path]
                 for pos in range(0, piece.length, _B64_CHUNK):
-                    self._headers_out = True
-                    yield binascii.b2a_base64(_pread_all(fd, min(_B64_CHUNK, piece.length - pos),
-                                                         piece.offset + pos), newline=False)
-            elif not isinstance(piece, FileSpan):
-                self._headers_out = True
-                yield piece
-            elif self._sock is not None and self._headers_out:
-                _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
-            else:
+                    packed.append(_pread_all(fd, min(_B64_CHUNK, piece.length - pos), piece.offset + pos))
+                    size += min(_B64_CHUNK, piece.length - pos)
+                    if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
+                        yield from flush()
+                continue
+            encoded()
+            if not isinstance(piece, FileSpan):
+                out.append(piece)
+                size += len(piece)
+            elif piece.length < _SENDFILE_MIN or self._sock is None:
                 fd = self._fds[piece.path]
                 for pos in range(0, piece.length, READ_CHUNK):
+                    out.append(_pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos))
+                    size += min(READ_CHUNK, piece.length - pos)
+                    if size >= _BATCH:
+                        yield from flush()
+                continue
+            else:
+                yield from flush()
+                if self._headers_out:
+                    _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
+                else:  # nothing went through the server yet: its headers are not on the wire
                     self._headers_out = True
-                    yield _pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos)
+                    yield _pread_all(self._fds[piece.path], piece.length, piece.offset)
+                continue
+            if size >= _BATCH:
+                yield from flush()
+        yield from flush()
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
