@@ -330,7 +330,7 @@ class SessionRegistry:
         return len(self._sessions)
 
 
-def _parse_chat_body(body: bytes) -> dict[str, Any]:
+def _parse_chat_body(body: bytes | memoryview) -> dict[str, Any]:
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
     request = loads_strict(body)
@@ -542,7 +542,7 @@ class SessionCore:
                                    "sessions": len(self.registry),
                                    "journal_damage": self.registry.store.set_aside})
 
-    def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
+    def chat(self, session_id: str, body: bytes | memoryview, budget: float | None = None) -> Reply:
         """Run one turn. Blocking; safe to call from many threads/greenlets at once.
 
         ``budget``: seconds the whole turn may take — its wait for the session's previous turn
@@ -561,7 +561,8 @@ class SessionCore:
             log.exception("chat turn on session %s failed", session_id)
             return openai_error_response(500, "internal error in the session core", "server_error", "internal_error")
 
-    def _chat(self, session_id: str, body: bytes, deadline: float | None, request_timestamp: float) -> Reply:
+    def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
+              request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))

@@ -223,7 +223,9 @@ class SessionOps:
             return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
         try:
             with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
-                return self._core.chat(session_id, bytes(body), budget)
+                # The receive buffer's view itself: the core only parses it (no copy of the body)
+                # and keeps nothing of it past this call, when the buffer goes back to the pool.
+                return self._core.chat(session_id, body, budget)
         except InflightRefused as exc:
             reply = self._openai_error_response(exc.status, str(exc), "server_error", "overloaded")
             reply.headers = refusal_headers(exc)
