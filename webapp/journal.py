@@ -6,22 +6,25 @@ when a worker starts (after a crash, a hang, a channel teardown, a whole server 
 with a different ``--workers``: every worker loads the files whose ids hash to its shard, so
 re-sharding is a start-up with another N and moves no file).
 
-Format, version 1 (all integers little-endian)::
+Format, version 2 (all integers little-endian; docs/session-server-ops.md *Sessions on disk*)::
 
     file    = header entry*
-    header  = "SHKJ" u32:version                        8 bytes
+    header  = "SHKJ" u32:version                        8 bytes (version 1 files are read too)
     entry   = u64:length u8:kind u32:crc32 payload      crc32 of the kind byte + payload
     payload = CREATE: JSON {"session_id", "created_at"}
-              TURN:   u32:meta_length meta-JSON record
+              DELTA:  u32:meta_length meta-JSON [u32 ids] [f64 logprobs] field-bytes*
               IMAGE:  u32:meta_length meta-JSON image-file-bytes
+              TURN:   u32:meta_length meta-JSON record  (version 1 only, never written)
 
-A TURN's ``record`` is miles' ``SessionRecord`` JSON exactly as a records GET serves it (the
-GET sends these bytes from the file), its meta the turn's TITO state as a delta on the state
-it built on (``webapp.tito``; prefix lengths + suffixes, so a turn costs its own size, not the
-conversation's) and the small fields samples read (``webapp.samples.TurnRecord``; the output
-ids are the state's ids past ``prompt_len``). A turn's new images are IMAGE entries just
-before its TURN entry, written with it in one ``writev``; images not followed by their TURN
-are an unfinished commit.
+A DELTA holds what its turn adds on the turn it builds on (the last, or for a rollback the one
+before): the TITO state as a delta (``webapp.tito``; the new token ids as u32), the small
+fields samples read (``webapp.samples.TurnRecord``; logprobs as f64 when all are floats) and
+miles' ``SessionRecord`` as fields (``webapp.records``): text shared with the base record's same
+field by prefix and suffix plus the new bytes between, the prompt ids (generated from the token
+ids, never stored as text) and replay payloads as packed rows (the base record's first bytes
+plus the new tokens' rows). A version 1 TURN's record is the whole record, served as it is.
+A turn's new images are IMAGE entries just before its DELTA entry, written with it in one
+``writev``; images not followed by their turn are an unfinished commit.
 
 Write: the entries of a turn go out before the reply does (a large or fsync'ed append in a
 thread, so the worker's other sessions go on meanwhile); on any error (a full disk, EFBIG,
