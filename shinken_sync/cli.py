@@ -17,6 +17,7 @@ DISPLAYS = ("virtual", "xvfb")
 DEMO_WORKERS = 2
 # Options of Ray mode only: without --ray they would change nothing, so they are refused.
 RAY_ONLY = ("--drivers", "--session-server", "--node-ip")
+ENGINE_FLAGS = ("--backend-url", "--tokenizer", "--backend-kind")
 DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X server per sandbox with a "
                 "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
@@ -48,6 +49,15 @@ def build_parser() -> Parser:
     demo.add_argument("--out", default="shinken-demo-out",
                       help="output folder: created if missing; a previous demo's outputs in it are replaced, "
                            "a folder holding anything else is refused")
+    engine = demo.add_argument_group("a real inference engine instead of the embedded reference backend "
+                                     "(docs/own-model.md)")
+    engine.add_argument("--backend-url", metavar="URL", default=None,
+                        help="the engine the demo's session server sits in front of (vLLM or SGLang); a text-only "
+                             "engine (vLLM) gets each observation as text (default: the reference backend)")
+    engine.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="the engine's tokenizer folder (tokenizer.json + chat template; needs the [hf] extra)")
+    engine.add_argument("--backend-kind", metavar="sglang|vllm|auto", default=None,
+                        help="the engine's dialect (default: auto, the engine is asked at start-up)")
     demo.add_argument("--view", action="store_true",
                       help="print the session server's viewer URL, show the sandboxes live on it, and keep "
                            "everything up after the episodes until Ctrl-C (docs/viewer.md; default: off)")
@@ -98,7 +108,21 @@ def _check_demo_options(parser: argparse.ArgumentParser, args: argparse.Namespac
             parser.error(f"{', '.join(given)} {verb} in Ray mode only; add --ray auto|ADDRESS, or drop "
                          f"{'it' if len(given) == 1 else 'them'} (without --ray the demo starts its own "
                          f"session server and drives every episode from this process)")
-    elif args.session_server is not None:
+    else:
+        given = [flag for flag in ENGINE_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            verb = "configures" if len(given) == 1 else "configure"
+            parser.error(f"{', '.join(given)} {verb} the session server the demo starts without --ray; "
+                         f"Ray mode's driver actors send screenshots, which only an image-taking dialect "
+                         f"(sglang) accepts: start a session server in front of such an engine "
+                         f"(shinken-session-server --backend-url ...) and pass it with --session-server")
+    if args.backend_kind is not None:
+        from webapp.settings import BY_NAME
+
+        kinds = BY_NAME["backend_kind"].choices or ()
+        if args.backend_kind not in kinds:
+            parser.error(f"--backend-kind {args.backend_kind!r}: one of {', '.join(kinds)}")
+    if args.ray and args.session_server is not None:
         given = [flag for flag in ("--workers", "--port") if getattr(args, flag[2:]) is not None]
         if given:
             verb = "configures" if len(given) == 1 else "configure"

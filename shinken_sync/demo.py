@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,10 +65,18 @@ TASKS = (
     "Open the menu and close it again.",
 )
 HTTP_TIMEOUT = (5.0, 120.0)  # (connect, read) for every call to the session server
+# An action is a few dozen tokens; a model that rambles (random weights) is cut here, not at the
+# engine's context length.
+MAX_ACTION_TOKENS = 256
 
 
 class DemoError(Exception):
     """The demo could not start or run; the message says what to do."""
+
+
+class InvalidAction(DemoError):
+    """The model's reply is not an action the demo can take: the step records it (outcome
+    ``skipped``, this error) and the episode goes on with the same screen."""
 
 
 def plural(count: int, one: str, many: str = "") -> str:
@@ -151,7 +159,7 @@ class Episode:
     steps: list[dict[str, Any]] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
-    final_jpeg: bytes = b""  # the last screenshot the model got, as the session server returned it
+    final_jpeg: bytes = b""  # the last screenshot the model got (as the server returned it), or observed
     sent_images: list[str] = field(default_factory=list)  # sha256 of the screenshot sent each turn
     images: dict[str, bytes] = field(default_factory=dict)  # sha256 -> bytes, from the session server
     first_observation: dict[str, Any] = field(default_factory=dict)
@@ -175,8 +183,11 @@ def _check_port_free(host: str, port: int) -> None:
                             f"pass --port with a free port (or 0 for any)") from exc
 
 
-def start_session_server(workers: int, port: int, log_path: Path, host: str = "127.0.0.1") -> Any:
-    """``shinken-session-server`` with its embedded reference backend on loopback, started
+def start_session_server(workers: int, port: int, log_path: Path, host: str = "127.0.0.1",
+                         engine: Sequence[str] = ()) -> Any:
+    """``shinken-session-server`` with its embedded reference backend on loopback (or, with
+    ``engine``, the flags ``--backend-url URL [--tokenizer DIR] [--backend-kind KIND]``, in front of
+    that engine: the launcher checks it and says what is wrong in one line), started
     through its one launcher (``webapp.serve.start_session_server``; imported here, so that
     ``shinken_sync`` never imports ``webapp`` at import time). Returns at once: the caller
     waits with ``wait_ready()`` while its sandboxes start. Its data directory (the sessions'
@@ -188,7 +199,7 @@ def start_session_server(workers: int, port: int, log_path: Path, host: str = "1
     """
     from webapp.serve import start_session_server as launch
 
-    return launch(workers, None, f"{host}:{port}", "--data-dir", str(log_path.parent / SESSION_DATA),
+    return launch(workers, None, f"{host}:{port}", "--data-dir", str(log_path.parent / SESSION_DATA), *engine,
                   log_path=log_path, own_session=True, wait=False)
 
 
@@ -216,9 +227,12 @@ def describe(obs: Any, turn: int, last: dict[str, Any] | None) -> str:
     return text
 
 
-def observation_message(obs: Any, turn: int, last: dict[str, Any] | None) -> dict[str, Any]:
+def observation_message(obs: Any, turn: int, last: dict[str, Any] | None, images: bool = True) -> dict[str, Any]:
     """One turn's user message: the text and the screenshot as an OpenAI image part (the JPEG
-    the sandbox returned, as a data URL: the session server fetches nothing)."""
+    the sandbox returned, as a data URL: the session server fetches nothing); the text alone
+    when the engine takes no images (the server's ready line says which)."""
+    if not images:
+        return {"role": "user", "content": describe(obs, turn, last)}
     url = f"data:image/{obs.format};base64," + base64.b64encode(obs.data).decode("ascii")
     return {"role": "user", "content": [{"type": "text", "text": describe(obs, turn, last)},
                                         {"type": "image_url", "image_url": {"url": url}}]}
@@ -229,10 +243,18 @@ def parse_action(content: str) -> dict[str, Any]:
     try:
         action = json.loads(content)["action"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise DemoError(f"model reply is not an action: {content[:200]!r}") from exc
+        raise InvalidAction(f"model reply is not an action: {content[:200]!r}") from exc
     if not isinstance(action, dict) or not isinstance(action.get("verb"), str):
-        raise DemoError(f"model action has no verb: {action!r}")
+        raise InvalidAction(f"model action has no verb: {str(action)[:200]!r}")
     return action
+
+
+def action_or_none(content: str) -> dict[str, Any] | None:
+    """The reply's action, or None when it is not one (the step then says so)."""
+    try:
+        return parse_action(content)
+    except InvalidAction:
+        return None
 
 
 def error_info(exc: BaseException | None) -> dict[str, str] | None:
@@ -248,7 +270,7 @@ def obs_meta(obs: Any) -> dict[str, Any]:
 
 
 def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: requests.Session,
-                stop: threading.Event, progress: Progress) -> None:
+                stop: threading.Event, progress: Progress, images: bool = True) -> None:
     reply = http.post(f"{server}/sessions", timeout=HTTP_TIMEOUT)
     reply.raise_for_status()
     ep.session_id = reply.json()["session_id"]
@@ -265,17 +287,28 @@ def run_episode(ep: Episode, sandbox: Any, server: str, turns: int, http: reques
         if stop.is_set():  # Ctrl-C: keep the turns taken so far, records included
             ep.interrupted = True
             break
-        messages.append(observation_message(obs, turn, last))
-        ep.sent_images.append(hashlib.sha256(obs.data).hexdigest())
+        messages.append(observation_message(obs, turn, last, images))
+        if images:
+            ep.sent_images.append(hashlib.sha256(obs.data).hexdigest())
+        else:
+            ep.final_jpeg = obs.data
         t0 = time.monotonic()
         chat = http.post(f"{server}/sessions/{ep.session_id}/v1/chat/completions",
-                         json={"model": "reference", "messages": messages}, timeout=HTTP_TIMEOUT)
+                         json={"model": "reference", "messages": messages, "max_tokens": MAX_ACTION_TOKENS},
+                         timeout=HTTP_TIMEOUT)
         if chat.status_code != 200:
             raise DemoError(f"chat turn {turn} failed with {chat.status_code}: {chat.text[:300]}")
         content = chat.json()["choices"][0]["message"]["content"]
         progress.chatted(time.monotonic() - t0)
         messages.append({"role": "assistant", "content": content})
-        action = parse_action(content)
+        try:
+            action = parse_action(content)
+        except InvalidAction as exc:  # recorded, and the model sees the same screen again
+            last = {"action": None, "outcome": "skipped"}
+            ep.steps.append({"turn": turn, "action": None, "outcome": "skipped", "error": error_info(exc),
+                             "step_latency_s": None})
+            progress.stepped(None, "skipped")
+            continue
         t0 = time.monotonic()
         result = sandbox.step([action], observe=OBSERVE)
         elapsed = time.monotonic() - t0
@@ -322,10 +355,11 @@ def check_episode(ep: Episode) -> dict[str, Any]:
     pairs = last["response"]["choices"][0]["meta_info"]["output_token_logprobs"] if last else []
     expected = list(last.get("request", {}).get("input_ids", [])) + [pair[1] for pair in pairs]
     actions_match = len(ep.records) == len(ep.steps) and all(
-        parse_action(rec["response"]["choices"][0]["message"]["content"]) == step["action"]
+        action_or_none(rec["response"]["choices"][0]["message"]["content"]) == step["action"]
         for rec, step in zip(ep.records, ep.steps)
     )
     return {"records": len(ep.records), "steps": len(ep.steps),
+            "actions_taken": sum(step["action"] is not None for step in ep.steps),
             "accumulated_matches_last_record": bool(acc) and acc == expected,
             "actions_match_records": actions_match,
             "images_match_records": images_match(ep),
@@ -336,18 +370,19 @@ def images_match(ep: Episode) -> bool:
     """Each record's ``image_data`` names the screenshots sent up to its turn, in order, and the
     session server returned each of them with exactly those bytes."""
     refs = [f"sha256:{digest}" for digest in ep.sent_images]
-    return all(rec["request"].get("image_data") == refs[:k + 1] for k, rec in enumerate(ep.records)) and all(
+    return all((rec["request"].get("image_data") or []) == refs[:k + 1] for k, rec in enumerate(ep.records)) and all(
         hashlib.sha256(ep.images.get(digest, b"")).hexdigest() == digest for digest in ep.sent_images)
 
 
 def run_consistent(episodes: list[Episode]) -> bool:
     """Every episode's records agree with its steps, and the screens changed at least once in
-    the run (a display showing nothing, e.g. an empty X screen, gives identical observations
-    whatever the agent does: such a run tested nothing)."""
+    the run if any action was taken (a display showing nothing, e.g. an empty X screen, gives
+    identical observations whatever the agent does: such a run tested nothing; a model that
+    answered no action moved nothing)."""
     checks = [check_episode(ep) for ep in episodes]
     records_ok = all(all(v for v in check.values() if isinstance(v, bool)) for check in checks)
-    steps = sum(check["steps"] for check in checks)
-    return records_ok and (steps == 0 or sum(check["observation_changes"] for check in checks) > 0)
+    acted = sum(check["actions_taken"] for check in checks)
+    return records_ok and (acted == 0 or sum(check["observation_changes"] for check in checks) > 0)
 
 
 # ---------------------------------------------------------------------------
@@ -392,10 +427,12 @@ class Progress:
         with self._lock:
             self.observes.append(seconds)
 
-    def stepped(self, seconds: float, outcome: str) -> None:
+    def stepped(self, seconds: float | None, outcome: str) -> None:
+        """One step done; ``seconds`` None: nothing was sent to the sandbox (no action)."""
         with self._lock:
             self.done += 1
-            self.latencies.append(seconds)
+            if seconds is not None:
+                self.latencies.append(seconds)
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
             self._bar.update(1)
 
@@ -415,6 +452,8 @@ def describe_step(step: dict[str, Any] | None) -> str:
     if step is None:
         return "no step taken"
     action = step["action"]
+    if action is None:  # the model answered no action
+        return f"no action -> {step['outcome']} ({step['error']['type']})"
     verb = action.get("verb", "?")
     if "x" in action and "y" in action:
         what = f"{verb} ({action['x']}, {action['y']})"
@@ -489,6 +528,17 @@ def display_args(display: str) -> list[str]:
     from shinken_sync.demo_screen import xterm_argv
 
     return ["--launch", shlex.join(xterm_argv(*SCREEN, title="shinken demo"))]
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The session server's engine flags from ``--backend-url``, ``--tokenizer``, ``--backend-kind``
+    (none: the embedded reference backend)."""
+    flags = []
+    for name in ("backend_url", "tokenizer", "backend_kind"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
 
 
 def check_display(display: str) -> None:
@@ -614,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
     episodes: list[Episode] = []
     progress = Progress(args.sandboxes * args.turns)
     with ctrl_c:
-        server = start_session_server(args.workers, args.port, out / SERVER_LOG)
+        server = start_session_server(args.workers, args.port, out / SERVER_LOG, engine=engine_flags(args))
         provider = None
         sandboxes: list[Any] = []
         viewer = None  # shinken_sync.fleet_view.FleetPublisher with --view
@@ -623,6 +673,7 @@ def run(args: argparse.Namespace) -> int:
             provider = make_provider(config)
             handles = provider.create_many(args.sandboxes)
             url = wait_ready(server)
+            images = bool(server.ready_line.get("images", True))  # False: a text-only engine (vLLM)
             for i, handle in enumerate(handles):
                 sandboxes.append(provider.connect(handle))
                 episodes.append(Episode(index=i, sandbox_id=str(provider.endpoint(handle)[0])))
@@ -632,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
 
             def worker(ep: Episode, sb: Any) -> None:
                 try:
-                    run_episode(ep, sb, url, args.turns, http, stop, progress)
+                    run_episode(ep, sb, url, args.turns, http, stop, progress, images)
                 except Exception as exc:  # noqa: BLE001 (one failing episode never stops the others)
                     if not aborted:  # after a second Ctrl-C calls fail because everything stops
                         ep.error = f"{type(exc).__name__}: {exc}"

@@ -17,7 +17,10 @@ reference backend is started as the embedded default, and restarted whenever it 
 socket itself (so ``--bind 127.0.0.1:0`` works), hands it to gunicorn as ``fd://``, waits
 until ``/health`` answers 200, then prints one JSON line on stdout::
 
-    {"ready": true, "url": "http://127.0.0.1:PORT", "workers": N, "backend_url": "...", "pid": ...}
+    {"ready": true, "url": "http://127.0.0.1:PORT", "workers": N, "backend_url": "...",
+     "backend_kind": "sglang|vllm", "images": true, "pid": ...}
+
+(``images``: whether the engine's dialect takes image parts; false for vLLM's completions API.)
 
 SIGTERM, SIGINT and SIGHUP become a graceful SIGTERM to gunicorn; when it exits, the embedded backend is stopped and
 this process exits with gunicorn's exit code (see docs/session-server-ops.md). Whatever this
@@ -54,7 +57,7 @@ from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
 from webapp.datadir import DataDirInUse, DataDirUnsafe, check_free, default_data_dir
-from webapp.engines import EngineConfigError, ReplayRequest, dialect_for
+from webapp.engines import DIALECTS, EngineConfigError, ReplayRequest, dialect_for
 from webapp.engines.probe import (
     BackendURLError,
     EngineCheckFailed,
@@ -458,7 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
         print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,
-                          "backend_url": backend_url, "pid": os.getpid(), "instance": values["instance"],
+                          "backend_url": backend_url, "backend_kind": values["backend_kind"],
+                          "images": DIALECTS[values["backend_kind"]].takes_images,
+                          "pid": os.getpid(), "instance": values["instance"],
                           "data_dir": values["data_dir"], "data_dir_removed_at_exit": scratch is not None}),
               flush=True)
         return gunicorn.wait()

@@ -233,7 +233,10 @@ def test_started_processes_take_ctrl_c_even_when_the_test_runner_ignores_it():
     (["--workers", "-1"], ["--workers", "-1", ">= 0"]),
     (["--turns", "abc"], ["--turns", "'abc'", "integer >= 1"]),
     (["--sandboxes", "0"], ["--sandboxes", "integer >= 1"]),
-    (["--backend-url", "http://127.0.0.1:9"], ["unrecognized arguments: --backend-url", "(see shinken demo --help)"]),
+    (["--backend-uri", "http://127.0.0.1:9"], ["unrecognized arguments: --backend-uri", "(see shinken demo --help)"]),
+    (["--backend-kind", "tgi"], ["--backend-kind 'tgi'", "sglang, vllm, auto"]),
+    (["--ray", "auto", "--backend-url", "http://127.0.0.1:9"],
+     ["--backend-url configures the session server the demo starts without --ray", "--session-server"]),
     # options that would change nothing are refused, saying why
     (["--session-server", "http://127.0.0.1:9"], ["--session-server applies in Ray mode only", "--ray"]),
     (["--drivers", "2", "--node-ip", "127.0.0.1"], ["--drivers, --node-ip apply in Ray mode only"]),
@@ -355,3 +358,37 @@ def test_xvfb_demo_screens_show_the_actions(tmp_path):
     for ep in _trajectories(out):
         shas = [ep["first_observation"]["sha256"]] + [s["observation"]["sha256"] for s in ep["steps"]]
         assert len(set(shas)) > 1, shas
+
+
+def test_the_demo_on_a_text_only_engine_sends_text_and_records_replies_that_are_no_action(tmp_path):
+    """``--backend-url --backend-kind vllm``: the engine takes no images (the server's ready line
+    says so), so each observation goes as text; a reply that is no action is a step with outcome
+    ``skipped`` and ``InvalidAction``, the episode goes on, the run exits 0 (a loopback stand-in
+    answering as vLLM does; the real engine runs the same in the engine tier)."""
+    from tests.webapp.vllm_standin import VllmStandIn
+
+    engine = VllmStandIn()
+    try:
+        out = tmp_path / "valid"
+        done = _demo("--sandboxes", "2", "--turns", "2", "--workers", "0", "--backend-url", engine.url,
+                     "--backend-kind", "vllm", "--out", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert engine.requests and all("multi_modal_data" not in body for body in engine.requests)
+        records = [r for line in _trajectories(out) for r in line["records"]]
+        assert records and all(not r["request"].get("image_data") for r in records)
+        assert all(step["outcome"] == "ok" for line in _trajectories(out) for step in line["steps"])
+        assert json.loads((out / "summary.json").read_text())["consistent"]
+
+        engine.reply_text = "I would rather not click anything."
+        out = tmp_path / "invalid"
+        done = _demo("--sandboxes", "1", "--turns", "3", "--workers", "0", "--backend-url", engine.url,
+                     "--backend-kind", "vllm", "--out", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        (line,) = _trajectories(out)
+        assert [s["outcome"] for s in line["steps"]] == ["skipped"] * 3
+        assert {s["error"]["type"] for s in line["steps"]} == {"InvalidAction"}
+        assert all(s["action"] is None for s in line["steps"])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["outcomes"] == {"skipped": 3} and summary["consistent"]
+    finally:
+        engine.close()

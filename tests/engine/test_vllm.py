@@ -195,3 +195,33 @@ def test_the_catch_all_proxy_reaches_the_engine(engine, server):
     models = requests.get(f"{server}/sessions/{sid}/v1/models", timeout=30)
     assert models.status_code == 200
     assert [m["id"] for m in models.json()["data"]] == [engine.model]
+
+
+def test_the_demo_runs_on_the_engine_and_records_what_is_no_action(engine: Engine, tmp_path: Path) -> None:
+    """``shinken demo --backend-url --tokenizer --backend-kind`` on the real engine: observations go as
+    text (vLLM's completions API takes no image), each reply of the random-weight model that is
+    not an action is a step with outcome ``skipped`` and ``InvalidAction``, nothing crashes, and
+    the records agree with the steps."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "shinken_sync.cli", "demo", "--sandboxes", "2", "--turns", "3",
+                           "--workers", "1", "--backend-url", engine.url, "--tokenizer", str(engine.model_dir),
+                           "--backend-kind", "vllm", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["episodes"] == 2 and summary["steps"] == 6, summary
+    lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    steps = [step for line in lines for step in line["steps"]]
+    assert len(steps) == 6
+    for step in steps:
+        if step["action"] is None:
+            assert step["outcome"] == "skipped" and step["error"]["type"] == "InvalidAction", step
+        else:
+            assert step["outcome"] in ("ok", "error"), step
+    assert any(step["action"] is None for step in steps), "random weights answered only valid actions"
+    assert not (out / "images").exists() or not any((out / "images").iterdir())  # text observations
+    assert (out / "contact_sheet.png").stat().st_size > 0

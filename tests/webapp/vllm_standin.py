@@ -11,7 +11,8 @@ dtype of the test's choice.
 
 Knobs (attributes, changed by a test between calls): ``tokenize_shift`` (added to every id
 ``/tokenize`` answers: a tokenizer that is not ours), ``drop_fields`` (choice fields left out of
-every completion), ``r3`` (``(layers, top_k, dtype)`` or None), ``silent`` (accept, never answer).
+every completion), ``r3`` (``(layers, top_k, dtype)`` or None), ``silent`` (accept, never answer),
+``reply_text`` (answer this text, then EOS, instead of the reference action).
 """
 
 from __future__ import annotations
@@ -43,12 +44,17 @@ def routed_experts_npy(rows: int, layers: int, top_k: int, dtype: Any = np.uint8
     return base64.b64encode(buf.getvalue()).decode("ascii"), array
 
 
-def vllm_completion(prompt: list[int], body: dict[str, Any], r3: tuple[int, int, Any] | None = None
-                    ) -> dict[str, Any]:
-    """A vLLM ``/v1/completions`` reply (with ``return_token_ids``) for a token-id prompt."""
-    ref = reference_completion(prompt, TOK, max_tokens=body.get("max_tokens"))
-    choice = ref["choices"][0]
-    pairs = choice["meta_info"]["output_token_logprobs"]
+def vllm_completion(prompt: list[int], body: dict[str, Any], r3: tuple[int, int, Any] | None = None,
+                    text: str | None = None) -> dict[str, Any]:
+    """A vLLM ``/v1/completions`` reply (with ``return_token_ids``) for a token-id prompt: the
+    reference backend's action, or ``text`` then EOS (what a model that answers no action says)."""
+    if text is None:
+        ref = reference_completion(prompt, TOK, max_tokens=body.get("max_tokens"))
+        choice = ref["choices"][0]
+        pairs = choice["meta_info"]["output_token_logprobs"]
+    else:
+        pairs = [[-1.0, t] for t in [*TOK.encode(text), TOK.eos_token_id]]
+        choice = {"finish_reason": "stop"}
     ids = [t for _lp, t in pairs]
     top = body.get("logprobs") or 0
     as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -89,6 +95,7 @@ class VllmStandIn(ThreadingHTTPServer):
         self.drop_fields: tuple[str, ...] = ()
         self.r3: tuple[int, int, Any] | None = None
         self.silent = False
+        self.reply_text: str | None = None
         self.requests: list[dict[str, Any]] = []
         self._release = threading.Event()
         self._open: set[Any] = set()
@@ -165,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, {"prompt": TOK.decode(body["tokens"])})
         elif self.path == "/v1/completions":
             self.server.requests.append(body)
-            reply = vllm_completion(body["prompt"], body, self.server.r3)
+            reply = vllm_completion(body["prompt"], body, self.server.r3, self.server.reply_text)
             for name in self.server.drop_fields:
                 reply["choices"][0].pop(name, None)
             self._send(200, reply)

@@ -76,6 +76,9 @@ class Dialect(ABC):
     # (``replay_from`` in :meth:`build_request`); the reply's payload then holds those rows.
     incremental_replay: bool = False
     routed_experts_field = "routed_experts"  # where the reply holds them (named in errors)
+    # Whether a turn may carry image parts (the launcher's ready line says so, for clients such
+    # as the demo that then send their observations as text only).
+    takes_images = True
 
     def __init__(self, replay: ReplayRequest) -> None:
         self.replay = replay

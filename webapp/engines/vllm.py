@@ -107,6 +107,7 @@ def decode_routed_experts(b64: bytes, rows: int, field: str = "choices[0].routed
 
 class VllmDialect(Dialect):
     kind = "vllm"
+    takes_images = False  # the completions API takes no image with a token-id prompt
 
     def __init__(self, replay: ReplayRequest, tool_call_parser: str = "hermes") -> None:
         super().__init__(replay)
