@@ -97,6 +97,7 @@ from .framebudget import (
 from .liveness import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
+from .verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY, DEFAULT_SCREENCAST_FPS
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
@@ -514,8 +515,8 @@ class AsyncSandbox:
 
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
         *,
@@ -744,10 +745,10 @@ class AsyncSandbox:
 
     async def screencast(
         self,
-        fps: float = 5.0,
+        fps: float = DEFAULT_SCREENCAST_FPS,
         max_long_edge: int | None = None,
-        quality: int = 80,
-        format: str = "jpeg",
+        quality: int = DEFAULT_IMAGE_QUALITY,
+        format: str = DEFAULT_IMAGE_FORMAT,
         *,
         timeout: float | None = None,
     ) -> ScreencastStream:

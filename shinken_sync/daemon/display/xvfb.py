@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
 
 from .. import imaging
 from .base import Display, DisplayError, EncodedImage
@@ -347,8 +348,8 @@ class XvfbDisplay(Display):
 
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
     ) -> EncodedImage:
