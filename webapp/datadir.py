@@ -22,13 +22,15 @@ import os
 import uuid
 from pathlib import Path
 
+from webapp.errors import WebappError
+
 __all__ = ["DataDirInUse", "check_free", "default_data_dir", "instance_id", "lock_data_dir", "sessions_dir"]
 
 DEFAULT_NAME = "default"
 _owned: dict[str, int] = {}  # data dir -> the fd holding its lock, for this process's life
 
 
-class DataDirInUse(RuntimeError):
+class DataDirInUse(WebappError, RuntimeError):
     """Another server process holds the data directory: two writers would corrupt journals."""
 
 

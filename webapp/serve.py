@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class ApiKeyFileError(ValueError):
+class ApiKeyFileError(WebappError, ValueError):
     """The ``--api-key-file`` cannot be used: unreadable, empty, or readable by others."""
 
 

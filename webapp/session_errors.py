@@ -16,6 +16,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
     │   ├── InvalidField              400  a field is missing or has the wrong type/value
     │   ├── BodyTooLarge              413  request body over the named limit, refused unread
+    │   │   └── LimitExceeded         413  the request would make the core do more work than a limit allows (webapp.limits)
     │   ├── ImageRefused              400  an image part the server does not take (webapp.images)
     │   │   ├── RemoteImageURL        400  not a data:image/jpeg|png;base64 URL (nothing is fetched)
     │   │   ├── ImageNotBase64        400  the data URL's payload is not base64
@@ -27,6 +28,8 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── SessionNotFound               404  unknown, deleted or closing session
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
+    ├── TooManySessions               429  the open-session cap is reached (webapp.limits)
+    ├── InsufficientStorage           507  the journal could not be written (disk full, I/O error)
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     ├── BackendError                  502  the backend failed us
@@ -34,7 +37,9 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   │   └── BackendTimeout        502  connect or read timeout
     │   └── BackendMalformed          502  reply is not the backend contract
     │       └── MalformedReplyField   502  one named reply field is missing or wrong (``field``)
-    └── UpstreamStatus                the backend's own non-200, passed through unrecorded
+    └── UpstreamStatus                the backend's own non-200 status, passed through unrecorded
+
+``tests/test_error_trees.py`` checks this drawing against the classes.
 """
 
 from __future__ import annotations
