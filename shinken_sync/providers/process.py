@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import json
 import os
 import secrets
 import selectors
@@ -40,6 +39,7 @@ import time
 import weakref
 from typing import IO, Any
 
+from shinken_sync.childproc import ReadyLineBuffer, ReadyLineTooLong, StdoutClosed, parse_ready_line
 from shinken_sync.lifetime import parent_death_preexec
 
 from .base import Liveness
@@ -51,8 +51,6 @@ DEFAULT_START_TIMEOUT_S = 30.0
 TERMINATE_TIMEOUT_S = 10.0
 #: Bytes of a daemon's stderr quoted in a DaemonStartError.
 STDERR_TAIL_BYTES = 4000
-#: A ready line longer than this is not a ready line (fleet lines list N URLs).
-MAX_READY_LINE = 4 * 2**20
 
 _live: weakref.WeakSet[DaemonProcess] = weakref.WeakSet()
 _spawner_lock = threading.Lock()
@@ -115,7 +113,7 @@ class DaemonProcess:
             f.write(self.token)
         self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
         self.ready: dict[str, Any] = {}
-        self._buffer = bytearray()
+        self._stdout = ReadyLineBuffer()
         cmd = [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
         try:
             self.process: subprocess.Popen[bytes] = _spawn_thread().submit(self._popen, cmd).result()
@@ -152,20 +150,16 @@ class DaemonProcess:
     def _feed(self) -> bool | None:
         """Read what stdout holds: True once the ready line is complete, False
         at EOF (the daemon exited or closed stdout), None to keep waiting."""
-        chunk = os.read(self.process.stdout.fileno(), 65536)
-        if not chunk:
-            return False
-        self._buffer += chunk
-        if b"\n" not in self._buffer:
-            if len(self._buffer) > MAX_READY_LINE:
-                raise self.start_error("the daemon wrote more than a ready line's worth without a newline")
-            return None
-        line = bytes(self._buffer).split(b"\n", 1)[0]
         try:
-            ready = json.loads(line)
-        except ValueError:
-            ready = None
-        if not isinstance(ready, dict) or ready.get("event") != "ready" or "url" not in ready:
+            line = self._stdout.feed(os.read(self.process.stdout.fileno(), 65536))
+        except StdoutClosed:
+            return False
+        except ReadyLineTooLong:
+            raise self.start_error("the daemon wrote more than a ready line's worth without a newline") from None
+        if line is None:
+            return None
+        ready = parse_ready_line(line)
+        if ready is None or ready.get("event") != "ready" or "url" not in ready:
             raise self.start_error(f"expected a ready line, got {line[:200]!r}")
         self.ready = ready
         return True

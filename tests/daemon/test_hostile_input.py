@@ -19,6 +19,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from shinken_sync import protocol
+from shinken_sync.childproc import parse_ready_line, read_ready_line
 from shinken_sync.daemon import args as daemon_args
 from shinken_sync.daemon.errors import BadArgs
 from tests.fuzz.rawws import OP_TEXT, RawWs, frame
@@ -384,7 +385,7 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
     token = "env-token-" + os.urandom(12).hex()
     proc = _start(tmp_path, env_token=token)
     try:
-        ready = json.loads(proc.stdout.readline())
+        ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), 30)) or {}
         client = aci(ready["url"], token)
         result = client.ok("exec", cmd='printf "%s" "${SHINKEND_TOKEN-unset}"')
         assert result["stdout"] == "unset"
@@ -397,7 +398,7 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
     path.chmod(0o600)
     proc = _start(tmp_path, token_file=path, env_token=token)
     try:
-        ready = json.loads(proc.stdout.readline())
+        ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), 30)) or {}
         client = aci(ready["url"], path.read_text())
         assert client.ok("exec", cmd='printf "%s" "${SHINKEND_TOKEN-unset}"')["stdout"] == "unset"
     finally:
