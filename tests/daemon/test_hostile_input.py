@@ -18,6 +18,7 @@ import urllib.parse
 import pytest
 from websockets.exceptions import InvalidStatus
 
+from bench import procfs
 from shinken_sync import protocol
 from shinken_sync.childproc import parse_ready_line, read_ready_line
 from shinken_sync.daemon import args as daemon_args
@@ -286,7 +287,7 @@ def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):
     assert _wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
     pid = int(pid_file.read_text())
     raw.reset()
-    assert _wait_for(lambda: not _alive(pid), timeout=10), "the reset connection's exec child is still alive"
+    assert _wait_for(lambda: not procfs.alive(pid), timeout=10), "the reset connection's exec child is still alive"
 
 
 def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monkeypatch):
@@ -317,15 +318,9 @@ def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monke
     monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_start)
     asyncio.run(asyncio.wait_for(cancel_once_the_command_ran(), 30))
     pid = int(pid_file.read_text())
-    assert _wait_for(lambda: not _alive(pid), timeout=5), "the cancelled command's background child lives on"
+    assert _wait_for(lambda: not procfs.alive(pid), timeout=5), "the cancelled command's background child lives on"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.integration
