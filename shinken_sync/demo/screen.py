@@ -64,6 +64,7 @@ def describe_input(data: bytes) -> Iterator[tuple[str, str, tuple[int, int] | No
             continue
         if data[i] == 0x1b:
             seq = _CSI.match(data, i)
+            assert seq is not None  # the pattern matches a lone ESC too
             i = seq.end()
             yield "key", "Escape" if seq.group() == b"\x1b" else key_name(seq.group()[1:].decode(errors="replace")), None
             continue
