@@ -15,18 +15,18 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', open("shinken_sync/__init__.py"
 SDK = [
     "websockets>=14,<18",
     "Pillow>=10.0",
+    "requests>=2.31,<3",  # shinken_sync.fleet_view publishes a fleet's frames to the viewer
 ]
 # The session server, webapp:
 SERVER = [
     "gevent>=24.2",
     "flask>=3.0,<4",
     "gunicorn[gevent]>=23,<28",  # the extra brings packaging, which gunicorn 27's gevent worker imports
-    "requests>=2.31,<3",
     "setproctitle>=1.3,<2",
     "numpy>=1.24",
     "safetensors>=0.4",
 ]
-# The demo, above both: the session server's stack (requests included) plus its progress bar and tables.
+# The demo, above both: the session server's stack plus its progress bar and tables.
 DEMO = [
     "tqdm>=4.66,<5",
     "tabulate>=0.9,<1",
@@ -41,7 +41,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
-    package_data={"webapp": ["gunicorn.conf.py"]},
+    package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"]},
     # The SDK and shinkend alone: `pip install shinken` brings no server and no demo stack.
     install_requires=SDK,
     extras_require={

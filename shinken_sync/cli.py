@@ -42,6 +42,9 @@ def build_parser() -> Parser:
     demo.add_argument("--out", default="shinken-demo-out",
                       help="output folder: created if missing; a previous demo's outputs in it are replaced, "
                            "a folder holding anything else is refused")
+    demo.add_argument("--view", action="store_true",
+                      help="print the session server's viewer URL, show the sandboxes live on it, and keep "
+                           "everything up after the episodes until Ctrl-C (docs/viewer.md; default: off)")
     ray = demo.add_argument_group("Ray mode (docs/scale-out.md; needs the [ray] extra)")
     ray.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                      help="run the rollout on a Ray cluster: sandboxes placed by RayProvider, episodes run by "

@@ -31,6 +31,9 @@ asks anyone to match message strings. The tree::
     ├── LoopClosed (RuntimeError)  the SharedLoop was closed before or during the call
     ├── LoopTimeout (TimeoutError)  a blocking wait on the loop ran out; the coroutine was cancelled
     │
+    │   defined in shinken_sync.fleet_view (publishing a fleet to the session server's viewer):
+    ├── FleetViewError             the viewer refused the fleet (bad key, no viewer there, too many)
+    │
     │   defined in shinken_sync.providers.errors (creating and tracking sandboxes):
     └── ProviderError              a provider could not create, reach or destroy a sandbox
         ├── DaemonStartError       shinkend exited, or stayed silent, before its ready line

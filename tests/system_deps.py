@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 # program -> Debian package that provides it
-PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm"}
+PROGRAMS = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm", "chromium": "chromium"}
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
     line = "apt-get install -y " + " ".join(missing)
     can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
     if not can_install:
-        print(f"system_deps: missing {', '.join(missing)}; the Xvfb tests will skip. "
+        print(f"system_deps: missing {', '.join(missing)}; the Xvfb (and viewer browser) tests will skip. "
               f"To run them: sudo {line}", file=sys.stderr)
         return 0
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

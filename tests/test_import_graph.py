@@ -103,8 +103,9 @@ def test_the_checker_finds_a_cycle():
 # docs/architecture.md (Layers) draws these. A module may import its own layer and the layers
 # listed for it, never one above. Unlike the cycle walk, every import counts here, including
 # those inside functions: an import on use is still a dependency the layer must not have.
-# process lifetime, CLI helpers, a child's ready line
-SHARED = {"shinken_sync", "shinken_sync.lifetime", "shinken_sync.cliargs", "shinken_sync.childproc"}
+# process lifetime, CLI helpers, a child's ready line, the viewer's frame batch (stdlib only)
+SHARED = {"shinken_sync", "shinken_sync.lifetime", "shinken_sync.cliargs", "shinken_sync.childproc",
+          "shinken_sync.fleet_wire"}
 CONTRACT = {"shinken_sync.protocol", "shinken_sync.verbs"}  # the wire and the verb table
 LAYER_IMPORTS = {
     "shared": {"shared"},
@@ -190,7 +191,7 @@ def test_the_sdk_and_the_daemon_need_only_their_own_requirements():
     """What ``pip install shinken`` (no extra) brings is all the SDK and shinkend import at load time."""
     import sys
 
-    sdk_requires = {"websockets", "PIL"}  # setup.py SDK; other extras are imported on use, or guarded
+    sdk_requires = {"websockets", "PIL", "requests"}  # setup.py SDK; other extras are imported on use, or guarded
     # The modules that are an extra's whole point, and the extra's import (setup.py: [xvfb], [ray]).
     extra_modules = {"shinken_sync.daemon.display.xvfb": "mss", "shinken_sync.providers.ray_cluster": "ray"}
     modules = _modules()

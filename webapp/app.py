@@ -46,11 +46,14 @@ from webapp.filebody import file_response, has_spans
 from webapp.http_limits import HttpLimits, read_body
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, no_route_message, wants_images
-from webapp.settings import Scope, embedded_replay_layers, scope_values, values_from_env
+from webapp.settings import BY_NAME, Scope, embedded_replay_layers, scope_values, values_from_env
+from webapp.viewer_data import ViewerData
+from webapp.viewer_http import install_viewer
 
 __all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
 
 CORE_EXTENSION_KEY = "shinken_session_core"
+API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 
 
 def to_flask_response(reply: Reply) -> Response:
@@ -118,7 +121,30 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
     app.config["SHINKEN_CORE"] = config
     app.extensions[CORE_EXTENSION_KEY] = core
     _add_routes(app, core, HttpLimits.from_env(), config.backend_url)
+    # The key is the router's (the launcher refuses --api-key with --workers 0); an embedder
+    # that sets SHINKEN_API_KEY still gets a keyed viewer.
+    install_viewer(app, _AppViewerSource(ViewerData(core)), api_key=os.environ.get(API_KEY_ENV) or None,
+                   instance=None)
     return app
+
+
+class _AppViewerSource:
+    """The viewer's session reads in the single process: the one core, one shard."""
+
+    def __init__(self, data: ViewerData) -> None:
+        self._data = data
+
+    def sessions(self, prefix: str) -> tuple[list[dict[str, Any]], list[str]]:
+        return list(json.loads(self._data.sessions(prefix).read())["sessions"]), []
+
+    def summary(self, session_id: str) -> Response:
+        return to_flask_response(self._data.summary(session_id))
+
+    def timeline(self, session_id: str) -> Response:
+        return to_flask_response(self._data.timeline(session_id))
+
+    def image(self, session_id: str, sha256: str) -> Response:
+        return to_flask_response(self._data.image(session_id, sha256))
 
 
 def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:

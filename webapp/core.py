@@ -293,6 +293,16 @@ class SessionRegistry:
         session.last_used = time.monotonic()
         return session
 
+    def peek(self, session_id: str) -> Session:
+        """The session, without counting as use: looking at it (the viewer) never delays its expiry."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        return session
+
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
     def idle_since(self) -> list[tuple[str, float]]:
         """``(session_id, last_used)`` of every session without a turn in flight."""
         return [(sid, s.last_used) for sid, s in list(self._sessions.items()) if not s.turn_lock.locked()]

@@ -29,6 +29,10 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
     ├── TokenizerLoadError              500  webapp.tokenizers: no tokenizer.json or chat template
     ├── DataDirInUse (RuntimeError)     500  webapp.datadir: another server owns the data directory
     ├── SessionServerNotReady           500  webapp.serve: the launched server never became ready
+    ├── ViewerQueryError                400  webapp.viewer_shape: a session-list query it cannot answer
+    ├── FleetError                      400  webapp.viewer_fleet: the viewer's live fleets
+    │   ├── FleetNotFound               404
+    │   └── FrameRefused                400  type, size, tile or byte budget
     └── ApiKeyFileError (ValueError)    500  webapp.serve: --api-key-file unreadable, empty or shared
 
 The start-up errors (the engine checks, the tokenizer, the data directory, the API key file) are

@@ -152,6 +152,12 @@ class Op(str, enum.Enum):
     CHAT = "chat"  # body: the client's request; ``budget``: seconds the turn may take
     SAMPLES = "samples"  # body: the client's ``{"max_seq_len": ...}``
     PROXY = "proxy"  # ``method``, ``path``, ``query``, ``headers``; body: the client's
+    # The viewer's reads (webapp.viewer_data): every shard's summaries (``prefix``: of the id;
+    # no session_id, the router asks every worker), one session's summary, its timeline, an image.
+    VIEWER_SESSIONS = "viewer_sessions"
+    VIEWER_SUMMARY = "viewer_summary"
+    VIEWER_TIMELINE = "viewer_timeline"
+    VIEWER_IMAGE = "viewer_image"  # ``sha256``
 
 
 # ``remote_type`` of the ERROR a worker answers at once when it runs too many requests.

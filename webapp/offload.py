@@ -34,6 +34,8 @@ LANES = {
     "send": Lane(threads=32, nice=5),
     # A turn's own append waits on it: the same priority as the turn.
     "journal": Lane(threads=8, nice=0),
+    # The viewer's timeline builds (webapp.viewer_data): CPU for a page view, after the turns.
+    "viewer": Lane(threads=2, nice=5),
 }
 _pools: dict[str, Any] = {}
 

@@ -49,6 +49,8 @@ from webapp.scaleout import check_instance_tag
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
+from webapp.viewer_http import install_viewer
+from webapp.viewer_shape import is_viewer_path
 
 __all__ = ["API_KEY_ENV", "RouterConfig", "create_app", "start_supervisor", "stop_supervisor"]
 
@@ -237,8 +239,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.before_request
     def _check_api_key() -> Response | None:
-        if expected_auth is None or request.path == "/health":
-            return None
+        if expected_auth is None or request.path == "/health" or is_viewer_path(request.path):
+            return None  # the viewer checks the same key itself (bearer or its login cookie)
         given = request.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, expected_auth):
             return None
@@ -337,4 +339,44 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                     method=request.method, path=path, query=request.query_string.decode(),
                     headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
 
+    install_viewer(app, _RouterViewerSource(supervisor, config, call), api_key=config.api_key,
+                   instance=config.instance)
     return app
+
+
+class _RouterViewerSource:
+    """The viewer's session reads in router mode: the owning worker answers (ops ``viewer_*``);
+    the list asks every shard at once and merges (``webapp.viewer_http``)."""
+
+    def __init__(self, supervisor: Supervisor, config: RouterConfig, call: Any) -> None:
+        self._supervisor, self._config, self._call = supervisor, config, call
+
+    def sessions(self, prefix: str) -> tuple[list[dict[str, Any]], list[str]]:
+        def ask(shard: int) -> list[dict[str, Any]]:
+            reply = self._supervisor.request(shard, {"op": Op.VIEWER_SESSIONS, "prefix": prefix},
+                                             timeout=self._config.control_timeout)
+            body = reply.body if reply.stream is None else b"".join(reply.stream)
+            if reply.status != 200:
+                raise ShardUnavailable(f"status {reply.status}")
+            return list(json.loads(body)["sessions"])
+
+        jobs = [gevent.spawn(ask, shard) for shard in range(self._supervisor.workers)]
+        gevent.joinall(jobs, timeout=self._config.control_timeout + 1.0)
+        rows: list[dict[str, Any]] = []
+        problems = []
+        for shard, job in enumerate(jobs):
+            if job.successful():
+                rows += job.value
+            else:  # one shard down costs its rows only, named on the page
+                problems.append(f"shard {shard}: {job.exception if job.ready() else 'timed out'}")
+                job.kill(block=False)
+        return rows, problems
+
+    def summary(self, session_id: str) -> Response:
+        return self._call(session_id, Op.VIEWER_SUMMARY)
+
+    def timeline(self, session_id: str) -> Response:
+        return self._call(session_id, Op.VIEWER_TIMELINE)
+
+    def image(self, session_id: str, sha256: str) -> Response:
+        return self._call(session_id, Op.VIEWER_IMAGE, sha256=sha256)

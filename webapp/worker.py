@@ -179,7 +179,11 @@ class SessionOps:
             Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body),
                                                              include_images=meta.get("images") is True),
             Op.PROXY: self._proxy,
+            Op.VIEWER_SUMMARY: lambda sid, meta, body: self._viewer().summary(sid),
+            Op.VIEWER_TIMELINE: lambda sid, meta, body: self._viewer().timeline(sid),
+            Op.VIEWER_IMAGE: lambda sid, meta, body: self._viewer().image(sid, str(meta.get("sha256", ""))),
         }
+        self._viewer_data: Any = None
 
     def __call__(self, meta: dict[str, Any], body: memoryview) -> Any:
         raw = meta.get("op")
@@ -193,6 +197,8 @@ class SessionOps:
         if op is Op.HEALTH:
             return self._core.health()
         self._restored.wait()  # a session op before the shard's journals are loaded: after
+        if op is Op.VIEWER_SESSIONS:  # every session of this shard: no session_id
+            return self._viewer().sessions(str(meta.get("prefix") or ""))
         session_id = meta.get("session_id")
         if not isinstance(session_id, str):
             return self._error_response(400, f"op {op.value!r} needs a session_id")
@@ -201,6 +207,13 @@ class SessionOps:
             return self._error_response(500, f"session {session_id} belongs to shard {owner}, "
                                              f"not {self._shard}")
         return _wire_reply(self._session_ops[op](session_id, meta, body))
+
+    def _viewer(self) -> Any:
+        if self._viewer_data is None:  # imported on first use: the router imports this module
+            from webapp.viewer_data import ViewerData
+
+            self._viewer_data = ViewerData(self._core)
+        return self._viewer_data
 
     def restore(self) -> None:
         """Load the shard's sessions from the journals, then let session ops through."""

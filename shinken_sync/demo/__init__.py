@@ -583,6 +583,7 @@ def run(args: argparse.Namespace) -> int:
         server = start_session_server(args.workers, args.port, out / SERVER_LOG)
         provider = None
         sandboxes: list[Any] = []
+        viewer = None  # shinken_sync.fleet_view.FleetPublisher with --view
         http = requests.Session()
         try:
             provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
@@ -602,6 +603,11 @@ def run(args: argparse.Namespace) -> int:
                     if not aborted:  # after a second Ctrl-C calls fail because everything stops
                         ep.error = f"{type(exc).__name__}: {exc}"
 
+            if getattr(args, "view", False):  # the live fleet on the server's viewer (docs/viewer.md)
+                from shinken_sync.demo import view as demo_view
+
+                viewer = demo_view.start(url, sandboxes, [f"episode {ep.index} · {ep.sandbox_id}" for ep in episodes],
+                                         api_key=key or None)
             ctrl_c.raise_from = None  # from here on a Ctrl-C stops the rollout and the outputs are written
             progress.start()
             pool = ThreadPoolExecutor(max_workers=args.sandboxes, thread_name_prefix="episode")
@@ -621,8 +627,12 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.05)
             pool.shutdown(wait=not aborted, cancel_futures=True)
             progress.finish()
+            if viewer is not None and not (stop.is_set() or aborted):
+                demo_view.hold(viewer, lambda: ctrl_c.count > 0)
         finally:
             ctrl_c.raise_from = None  # stopping and writing are never cut short
+            if viewer is not None:
+                viewer.close()
             # Its keep-alive connections first: gunicorn's graceful stop waits for them (keepalive, 5 s).
             http.close()
             for sb in sandboxes:

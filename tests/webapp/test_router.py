@@ -114,20 +114,23 @@ def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_
         chat = client.post(f"/sessions/{{sid}}/v1/chat/completions",
                            json={{"messages": [{{"role": "user", "content": "hi"}}]}})
         records = client.get(f"/sessions/{{sid}}")
-        statuses = [chat.status_code, records.status_code, client.get("/health").status_code]
+        statuses = [chat.status_code, records.status_code, client.get("/health").status_code,
+                    client.get("/ui/api/sessions").status_code,  # the viewer, fanned out to the workers
+                    client.get(f"/ui/api/sessions/{{sid}}/timeline").status_code]
         stop_supervisor(app)
-        loaded = sorted(m for m in sys.modules if m.startswith(("webapp", "tokenizers")))
+        loaded = sorted(m for m in sys.modules if m.startswith(("webapp", "tokenizers", "shinken_sync")))
         print(json.dumps({{"statuses": statuses, "modules": loaded}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                          timeout=90)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["statuses"] == [200, 200, 200]
+    assert result["statuses"] == [200, 200, 200, 200, 200]
     assert "webapp.router" in result["modules"] and "webapp.worker" in result["modules"]
     # (jinja2 is not on the list: Flask itself imports it)
     forbidden = {"webapp.core", "webapp.tito", "webapp.tokenizers", "webapp.backend", "webapp.engines", "webapp.app",
-                 "webapp.reference_backend", "webapp.session_errors", "tokenizers"}
+                 "webapp.reference_backend", "webapp.session_errors", "tokenizers", "webapp.viewer_data",
+                 "shinken_sync.client", "shinken_sync.fleet_view"}
     assert forbidden.isdisjoint(result["modules"])
 
 
