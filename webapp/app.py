@@ -23,12 +23,13 @@ import atexit
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from webapp.auth import require_api_key
 from webapp.backend_liveness import probe_backend
 from webapp.core import (
     MAX_CHAT_BODY_BYTES,
@@ -43,17 +44,21 @@ from webapp.core import (
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.errors import WebappError
 from webapp.filebody import file_response, has_spans
-from webapp.http_limits import HttpLimits, read_body
+from webapp.http_limits import HttpLimits, discard_body, iter_body
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
 from webapp.routes import IMAGES_QUERY, PROXY_METHODS, is_openai_path, no_route_message, wants_images
 from webapp.settings import BY_NAME, Scope, embedded_replay_layers, scope_values, values_from_env
 from webapp.viewer_data import ViewerData
 from webapp.viewer_http import install_viewer
+from webapp.viewer_shape import is_viewer_path
 
 __all__ = ["CORE_EXTENSION_KEY", "config_from_env", "create_app", "to_flask_response"]
 
 CORE_EXTENSION_KEY = "shinken_session_core"
-API_KEY_ENV = BY_NAME["api_key"].env_var or ""
+API_KEY_ENV: str = BY_NAME["api_key"].env_var or ""
+# What the open /health shows, as the router's: no session count (it is answered without a key).
+PUBLIC_HEALTH_FIELDS = frozenset({"status", "session_server_instance_id", "journal_damage"})
 
 
 def to_flask_response(reply: Reply) -> Response:
@@ -95,11 +100,13 @@ def _config_from_env(kw: dict[str, Any]) -> tuple[CoreConfig, ReferenceBackendPr
     return config, reference
 
 
-def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
+def create_app(config: CoreConfig | None = None, *, api_key: str | None = None, **kw: Any) -> Flask:
     """The single-process session server app.
 
     ``config`` wins; keyword arguments override its fields (or, without it, build one with
-    the environment as described in the module docstring).
+    the environment as described in the module docstring). ``api_key`` (else
+    ``SHINKEN_API_KEY``): enforced on every route but ``/health``, as the router does
+    (``webapp.auth``), so running this app under gunicorn directly never serves unauthenticated.
     """
     if config is None:
         config, reference = _config_from_env(dict(kw))
@@ -120,11 +127,10 @@ def create_app(config: CoreConfig | None = None, **kw: Any) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = MAX_CHAT_BODY_BYTES
     app.config["SHINKEN_CORE"] = config
     app.extensions[CORE_EXTENSION_KEY] = core
-    _add_routes(app, core, HttpLimits.from_env(), config.backend_url)
-    # The key is the router's (the launcher refuses --api-key with --workers 0); an embedder
-    # that sets SHINKEN_API_KEY still gets a keyed viewer.
-    install_viewer(app, _AppViewerSource(ViewerData(core)), api_key=os.environ.get(API_KEY_ENV) or None,
-                   instance=None)
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    require_api_key(app, key, _auth_error, checks_itself=is_viewer_path)
+    _add_routes(app, core, HttpLimits.from_env(), config.backend_url, InflightBudget(config.max_inflight_bytes))
+    install_viewer(app, _AppViewerSource(ViewerData(core)), api_key=key, instance=None)
     return app
 
 
@@ -147,7 +153,28 @@ class _AppViewerSource:
         return to_flask_response(self._data.image(session_id, sha256))
 
 
-def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str) -> None:
+def _auth_error(status: int, message: str) -> Response:
+    if is_openai_path(request.path):
+        return to_flask_response(openai_error_response(status, message, "invalid_request_error", "unauthorized"))
+    return to_flask_response(error_response(status, message))
+
+
+def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_url: str,
+                inflight: InflightBudget) -> None:
+    def admitted(handle: Callable[[bytes], Reply], openai: bool = False) -> Response:
+        # The body counts against the process's bytes in flight until its reply is built.
+        try:
+            with inflight.admit(request.content_length) as grant:
+                body = b"".join(grant.metered(iter_body(request.stream, http_limits.body_timeout,
+                                                        length=request.content_length)))
+                return to_flask_response(handle(body))
+        except InflightRefused as exc:
+            discard_body(request.stream, http_limits.body_timeout, request.content_length)
+            reply = (openai_error_response(exc.status, str(exc), "server_error", "overloaded") if openai
+                     else error_response(exc.status, str(exc)))
+            reply.headers = refusal_headers(exc)
+            return to_flask_response(reply)
+
     @app.errorhandler(WebappError)
     def webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return to_flask_response(error_response(exc.status, str(exc)))
@@ -167,7 +194,9 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
         reply = core.health()
         problem = probe_backend(backend_url)
         if reply.status != 200 or problem is None:
-            body = {**json.loads(reply.body), "backend": "ok"} if reply.status == 200 else None
+            # The router's fields, no more: /health is open even with an API key (webapp.auth).
+            body = ({k: v for k, v in json.loads(reply.body).items() if k in PUBLIC_HEALTH_FIELDS}
+                    | {"backend": "ok"} if reply.status == 200 else None)
             return to_flask_response(reply if body is None else Reply(200, json.dumps(body).encode()))
         return to_flask_response(json_response(503, {"error": problem, "backend": "unreachable"}))
 
@@ -185,16 +214,14 @@ def _add_routes(app: Flask, core: SessionCore, http_limits: HttpLimits, backend_
 
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
-        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
-        return to_flask_response(core.chat(session_id, body))
+        return admitted(lambda body: core.chat(session_id, body), openai=True)
 
     @app.post("/sessions/<session_id>/samples")
     def samples(session_id: str) -> Response:
-        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
-        return to_flask_response(core.samples(session_id, body, wants_images(request.args.get(IMAGES_QUERY))))
+        images = wants_images(request.args.get(IMAGES_QUERY))
+        return admitted(lambda body: core.samples(session_id, body, images))
 
     @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
     def proxy(session_id: str, path: str) -> Response:
-        body = read_body(request.stream, http_limits.body_timeout, request.content_length)
-        return to_flask_response(core.proxy(session_id, request.method, path, request.query_string.decode(),
-                                            body, dict(request.headers)))
+        return admitted(lambda body: core.proxy(session_id, request.method, path, request.query_string.decode(),
+                                                body, dict(request.headers)), openai=is_openai_path(request.path))

@@ -70,6 +70,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.request_fields import check_request_fields
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
@@ -192,6 +193,9 @@ class CoreConfig:
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
     data_dir: str | None = default("data_dir")  # None: webapp.datadir.default_data_dir()
     fsync: bool = default("fsync")  # each journal append durable before the reply
+    max_session_bytes: int = default("max_session_bytes")  # one session's journal (webapp.journal)
+    max_data_bytes: int | None = default("max_data_bytes")  # all the data directory's journals
+    max_inflight_bytes: int = default("max_inflight_bytes")  # request bodies being handled (webapp.inflight)
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -314,19 +318,20 @@ class SessionRegistry:
             raise SessionNotFound(session_id)
         with session.state_lock:  # after a commit in flight, so its append is removed too
             session.closed = True
-            session.journal.remove()
+            self.store.remove(session.journal)
         return session
 
     def __len__(self) -> int:
         return len(self._sessions)
 
 
-def _parse_chat_body(body: bytes) -> dict[str, Any]:
+def _parse_chat_body(body: bytes | memoryview) -> dict[str, Any]:
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
     request = loads_strict(body)
     if not isinstance(request, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
+    check_request_fields(request)  # unknown and refused fields: 400 naming them
     if not isinstance(request.get("stream", False), bool):
         raise InvalidField("stream", "expected a boolean")
     n = request.get("n")
@@ -462,6 +467,10 @@ class SessionCore:
             session = self.registry.get(session_id)
         except SessionError as exc:
             return error_reply(exc)
+        try:
+            session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
+        except SessionError as exc:
+            return error_reply(exc)
         records, _state, _metadata, encoded, version = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
@@ -524,9 +533,10 @@ class SessionCore:
     def health(self) -> Reply:
         self.expiry.sweep()
         return json_response(200, {"status": "ok", "session_server_instance_id": self.instance_id,
-                                   "sessions": len(self.registry)})
+                                   "sessions": len(self.registry),
+                                   "journal_damage": self.registry.store.set_aside})
 
-    def chat(self, session_id: str, body: bytes, budget: float | None = None) -> Reply:
+    def chat(self, session_id: str, body: bytes | memoryview, budget: float | None = None) -> Reply:
         """Run one turn. Blocking; safe to call from many threads/greenlets at once.
 
         ``budget``: seconds the whole turn may take — its wait for the session's previous turn
@@ -545,7 +555,8 @@ class SessionCore:
             log.exception("chat turn on session %s failed", session_id)
             return openai_error_response(500, "internal error in the session core", "server_error", "internal_error")
 
-    def _chat(self, session_id: str, body: bytes, deadline: float | None, request_timestamp: float) -> Reply:
+    def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
+              request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
         request = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))
@@ -672,7 +683,9 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
     (all of them for the single-process app), so a restarted worker serves what it served;
     ``shard=None``: not now, the caller calls :meth:`SessionCore.restore_shard` itself."""
     tokenizer = load_tokenizer(config.tokenizer)
-    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync))
+    registry = SessionRegistry(JournalStore(config.data_dir or default_data_dir(), fsync=config.fsync,
+                                            max_session_bytes=config.max_session_bytes,
+                                            max_data_bytes=config.max_data_bytes))
     replay = ReplayRequest(routed_experts=config.routing_replay_layers > 0, indexer_topk=bool(config.indexer_replay))
     kind = config.backend_kind
     if kind == "auto":  # the launcher resolves it once (and fails clearly); this is an app built without it

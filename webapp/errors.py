@@ -28,12 +28,16 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
     │   └── VocabularyMismatch          500  the tokenizer is not the engine's
     ├── TokenizerLoadError              500  webapp.tokenizers: no tokenizer.json or chat template
     ├── DataDirInUse (RuntimeError)     500  webapp.datadir: another server owns the data directory
+    ├── DataDirUnsafe (RuntimeError)    500  webapp.datadir: the directory or a file in it is not ours alone
     ├── SessionServerNotReady           500  webapp.serve: the launched server never became ready
     ├── ViewerQueryError                400  webapp.viewer_shape: a session-list query it cannot answer
     ├── FleetError                      400  webapp.viewer_fleet: the viewer's live fleets
     │   ├── FleetNotFound               404
     │   └── FrameRefused                400  type, size, tile or byte budget
-    └── ApiKeyFileError (ValueError)    500  webapp.serve: --api-key-file unreadable, empty or shared
+    ├── ApiKeyFileError (ValueError)    500  webapp.serve: --api-key-file unreadable, empty or shared
+    └── InflightRefused                 500  webapp.inflight: over max_inflight_bytes (the subclasses say)
+        ├── Overloaded                  503  with Retry-After: others' bodies first
+        └── BodyOverBudget              413  larger than the whole budget
 
 The start-up errors (the engine checks, the tokenizer, the data directory, the API key file) are
 reported by the launcher as one line and an exit code, never as an HTTP answer; they carry the

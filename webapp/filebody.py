@@ -21,7 +21,9 @@ access log. Under gevent a span goes out from a thread of a pool (``webapp.offlo
 that makes the socket blocking for it: one ``sendfile`` moves up to a GiB without the GIL,
 while the process's other greenlets (chats) run; a loop of non-blocking ``sendfile`` calls in
 the hub moved one socket buffer per turn of the hub and fell to a third of the floor under 64
-chatting clients (docs/benchmarks.md section 15).
+chatting clients (docs/benchmarks.md section 15). A client that stops reading gives its
+thread back within :data:`_SEND_SLICE` and waits in the hub (:func:`_sendfile_gevent`), so
+stalled clients never hold the pool.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
+# A send thread waits this long on a full socket, then hands the wait to the hub: short enough
+# that stalled clients free the lane's threads at once, long enough that a reading client's
+# momentary pause (a loaded host) costs no trip through the hub.
+_SEND_SLICE = 0.2
+_SLICE_TIMEVAL = _TIMEVAL.pack(0, int(_SEND_SLICE * 1e6))
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,11 @@ class FileSpan:
     def read(self, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the span (end: its length)."""
         end = self.length if end is None else end
-        with open(self.path, "rb", buffering=0) as f:
-            return _pread_all(f.fileno(), end - start, self.offset + start)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return _pread_all(fd, end - start, self.offset + start)
+        finally:
+            os.close(fd)
 
 
 Piece = bytes | FileSpan
@@ -219,7 +229,8 @@ class _FileBody:
         try:
             for piece in pieces:
                 if isinstance(piece, FileSpan) and piece.path not in self._fds:
-                    self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC)
+                    # A journal is a regular file of ours: a link in its place is not followed.
+                    self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             self.close()
             raise
@@ -254,9 +265,26 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
 
 def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
     if gevent_active():  # the socket is non-blocking, the hub must go on
-        run_blocking("send", _sendfile_blocking, sock_fd, fd, offset, count)
+        _sendfile_gevent(sock_fd, fd, offset, count)
     else:  # gunicorn's sync or threads worker: a blocking socket, or wait in select
         _sendfile_all(sock_fd, fd, offset, count, lambda: select.select([], [sock_fd], []))
+
+
+def _sendfile_gevent(sock_fd: int, fd: int, offset: int, count: int) -> None:
+    """The span in slices: each in a thread of the ``send`` lane while the client takes bytes,
+    and, whenever its socket stays full for :data:`_SEND_SLICE`, a wait in the hub for it to
+    drain, holding no thread. So clients that never read cannot take the lane's threads from
+    everyone else's GETs (they used to hold one each for :data:`_STALL_TIMEOUT`), while a
+    reading client's bytes still move in GiB-sized ``sendfile`` calls without the GIL."""
+    from gevent.socket import wait_write
+
+    while count:
+        sent = run_blocking("send", _sendfile_slice, sock_fd, fd, offset, count)
+        offset += sent
+        count -= sent
+        if count:
+            wait_write(sock_fd, timeout=_STALL_TIMEOUT,
+                       timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
 
 
 def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Callable[[], object]) -> None:
@@ -272,25 +300,34 @@ def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Calla
         count -= sent
 
 
-def _sendfile_blocking(sock_fd: int, fd: int, offset: int, count: int) -> None:
-    """In a thread of the ``send`` lane: the socket made blocking for the span (the greenlet that
-    owns the connection waits for this call, nothing else touches it), so each ``sendfile``
-    moves up to a GiB in the kernel without the GIL, instead of one socket buffer per turn of
-    the hub; ``SO_SNDTIMEO`` bounds a client that stops reading."""
+def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int) -> int:
+    """In a thread of the ``send`` lane: as many bytes of the span as the client takes before
+    its socket stays full for :data:`_SEND_SLICE`; how many. The socket is made blocking for the
+    call (the greenlet that owns the connection waits for it, nothing else touches it), so each
+    ``sendfile`` moves up to a GiB in the kernel; ``SO_SNDTIMEO`` ends the slice."""
     from gevent import monkey
-
-    def stalled() -> None:
-        raise TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s")
 
     raw_socket = monkey.get_original("socket", "socket")
     sock = raw_socket(fileno=os.dup(sock_fd))  # socket options belong to the socket: set via a dup
+    done = 0
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(int(_STALL_TIMEOUT), 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _SLICE_TIMEVAL)
         os.set_blocking(sock_fd, True)
         try:
-            _sendfile_all(sock_fd, fd, offset, count, stalled)
+            while done < count:
+                want = min(count - done, _SENDFILE_MAX)
+                try:
+                    sent = os.sendfile(sock_fd, fd, offset + done, want)
+                except BlockingIOError:  # full for the whole slice: the hub waits instead
+                    break
+                if sent == 0:
+                    raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
+                done += sent
+                if sent < want:  # the timeout ended the call part-way: the socket is full
+                    break
         finally:
             os.set_blocking(sock_fd, False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(0, 0))
     finally:
         sock.close()  # the dup only: the connection lives on in sock_fd
+    return done

@@ -27,7 +27,7 @@ from typing import IO
 
 import gevent
 from gevent import monkey
-from werkzeug.exceptions import ClientDisconnected
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from webapp.errors import WebappError
 from webapp.settings import Scope, default, values_from_env
@@ -115,3 +115,13 @@ def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,
 def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> bytes:
     """The whole body (see :func:`iter_body`)."""
     return b"".join(iter_body(stream, timeout, length=length))
+
+
+def discard_body(stream: IO[bytes], timeout: float, length: int | None = None) -> None:
+    """Read and drop a refused request's body (in pieces: no memory kept), so the client that
+    is still sending it reads the refusal instead of a reset; errors end it quietly."""
+    try:
+        for _piece in iter_body(stream, timeout, length=length):
+            pass
+    except (BodyError, OSError, HTTPException):
+        pass

@@ -31,11 +31,39 @@ raised, so neither the file nor the session in memory holds the turn. ``fsync`` 
 crash loses nothing answered (the bytes are in the page cache), a machine crash may lose the
 last seconds; with it every turn waits for the disk (docs/session-server-ops.md).
 
-Read: every entry's length chain and checksum are verified. A torn tail — a short header, a
-length past the end of the file, a bad checksum, an unknown kind, or trailing images without
-their turn — is what a crash mid-append leaves: the file is truncated to the last good entry
-and a warning names it. Nothing after a bad entry is served. A file whose header is not ours
-(another format version) is left untouched and not served.
+Read: every entry's length chain and checksum are verified, and no byte is deleted on a
+checksum. Whatever cannot be served is *set aside* first, in a sidecar next to the journal
+(``<id>.journal.damaged.<offset>``: the original bytes from ``offset`` on, 0600), then cut:
+
+- a torn tail — a short header, a length past the end of the file, trailing images without
+  their turn — is what a crash mid-append leaves (a warning names it);
+- a damaged entry — complete, but its checksum fails (or its kind or meta cannot be read) —
+  is not a torn tail: the session is served up to the last turn before it (later turns build
+  on its state, so they cannot be replayed without it), the entry and everything after it go to
+  the sidecar, an error names the session, the offset and how many verified entries were set
+  aside with it;
+- a damaged CREATE entry (the first one) with verified turns after it: the turns do not need
+  it (the first turn builds on the empty state), so the entry is set aside and rewritten in
+  place with the same length (``created_at`` = the first turn's request time), and the whole
+  session is served;
+- nothing of a session verifies: the whole file is renamed to its sidecar; only a file too
+  short to hold a file header (a crash before it was written) is removed.
+
+``JournalStore.set_aside`` counts the sidecars of the store's sessions (on disk at start plus
+written since): ``/health`` reports it as ``journal_damage`` (docs/session-server-ops.md). A
+file whose header is not ours (another format version) is left untouched and not served.
+
+While the server runs, a records GET is sent from the page cache without re-reading it; the
+journal is the server's alone (0600 in a 0700 directory), so any change comes from outside: a
+GET first compares the file's size and mtime with what the last append left and, if they
+differ, verifies every entry and answers :class:`JournalDamaged` (500) instead of serving
+damaged bytes.
+
+Budgets: a session's journal may not grow past ``max_session_bytes`` and the data directory's
+journals past ``max_data_bytes`` (:class:`StorageBudget`, 507, nothing stored). The server-wide
+session count (``max_sessions``) and byte total are kept in ``<data_dir>/usage`` under the
+create lock, shared by every worker, instead of listing the directory per create; the data
+directory's owner removes the file at start and the first user rebuilds it from the files.
 """
 
 from __future__ import annotations
@@ -52,11 +80,11 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, Protocol
 
-from webapp.datadir import sessions_dir
+from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
 from webapp.filebody import FileSpan
 from webapp.offload import run_blocking
 from webapp.samples import TurnRecord
-from webapp.session_errors import InsufficientStorage, SessionExists
+from webapp.session_errors import InsufficientStorage, JournalDamaged, SessionExists, StorageBudget
 from webapp.tito import INITIAL_STATE, TitoState
 
 __all__ = [
@@ -64,11 +92,13 @@ __all__ = [
     "FILE_HEADER",
     "FORMAT_VERSION",
     "MAGIC",
+    "SIDECAR",
     "JournalStore",
     "Kind",
     "RestoredSession",
     "SessionJournal",
     "StoredImage",
+    "Usage",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +109,7 @@ FILE_HEADER = struct.Struct("<4sI")  # magic, version
 ENTRY_HEADER = struct.Struct("<QBI")  # payload length, kind, crc32(kind byte + payload)
 META_LENGTH = struct.Struct("<I")
 SUFFIX = ".journal"
+SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recovery
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
@@ -132,6 +163,7 @@ class RestoredSession:
     records: list[TurnRecord] = field(default_factory=list)
     rollbacks: int = 0
     images: dict[str, StoredImage] = field(default_factory=dict)
+    damaged_create: tuple[int, int] | None = None  # a damaged CREATE entry's bytes, to be rewritten
 
 
 # -- the turn meta: a state delta plus the TurnRecord fields -------------------------------------
@@ -217,13 +249,17 @@ def _meta_payload(meta: bytes, *body: bytes) -> list[bytes]:
 class SessionJournal:
     """One session's file. Appends are serialized by the caller (the session's state lock)."""
 
-    def __init__(self, path: str, size: int, fsync: bool, last_crc: int = 0) -> None:
+    def __init__(self, path: str, size: int, fsync: bool, last_crc: int = 0, *,
+                 usage: Usage | None = None, max_bytes: int | None = None) -> None:
         self.path = path
         self.size = size  # the last good length: everything before it is committed
         self.fsync = fsync
         # The last good entry's checksum: with ``size``, names this version of the session
         # (after a torn tail is cut and another turn written, the size alone may repeat).
         self.last_crc = last_crc
+        self.usage = usage  # the data directory's shared byte total (None: not counted)
+        self.max_bytes = max_bytes  # max_session_bytes (None: no cap)
+        self.mtime_ns = 0  # the file's mtime after our last write: another writer changes it
 
     @property
     def version(self) -> str:
@@ -251,28 +287,40 @@ class SessionJournal:
 
     def _append(self, entries: list[list[bytes]], what: str = "the turn") -> list[int]:
         """Write the entries in one go at the end; returns each entry's offset. Raises
-        :class:`InsufficientStorage` (naming ``what`` was not stored), the file cut back."""
+        :class:`InsufficientStorage` (naming ``what`` was not stored), the file cut back, and
+        :class:`StorageBudget` (nothing written) past a byte budget."""
         starts, pos = [], self.size
         for entry in entries:
             starts.append(pos)
             pos += sum(len(c) for c in entry)
+        grow = pos - self.size
+        if self.max_bytes is not None and pos > self.max_bytes:
+            raise StorageBudget("max_session_bytes", self.max_bytes, pos, f"{what} (the session's journal)")
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = open_private(self.path, os.O_WRONLY)
         except FileNotFoundError:
             raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"{what} was not stored: cannot open the session journal: {exc}") from exc
         chunks = [c for entry in entries for c in entry]
         try:
-            if self.fsync or pos - self.size >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
-                run_blocking("journal", self._write, fd, chunks)
-            else:
-                self._write(fd, chunks)
-        except OSError as exc:
+            if self.usage is not None:
+                self.usage.add(0, grow, what)  # StorageBudget past max_data_bytes: nothing written
             try:
-                os.ftruncate(fd, self.size)
-            except OSError:
-                log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
-            raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
-                                      f"{exc.strerror or exc}") from exc
+                if self.fsync or grow >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
+                    run_blocking("journal", self._write, fd, chunks)
+                else:
+                    self._write(fd, chunks)
+            except OSError as exc:
+                if self.usage is not None:
+                    self.usage.add(0, -grow)
+                try:
+                    os.ftruncate(fd, self.size)
+                except OSError:
+                    log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
+                raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
+                                          f"{exc.strerror or exc}") from exc
+            self.mtime_ns = os.fstat(fd).st_mtime_ns
         finally:
             os.close(fd)
         self.size = pos
@@ -284,11 +332,30 @@ class SessionJournal:
         if self.fsync:
             os.fsync(fd)
 
-    def remove(self) -> None:
+    def check_unchanged(self) -> None:
+        """Raise :class:`JournalDamaged` if the file no longer holds what this server wrote.
+        One ``stat`` when size and mtime are as the last write left them; else every entry up
+        to the committed length is verified (a mere touch passes and is remembered)."""
         try:
-            os.unlink(self.path)
+            st = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
-            pass
+            return  # deleted meanwhile: the caller answers 404 when it opens the file
+        if st.st_size == self.size and st.st_mtime_ns == self.mtime_ns:
+            return
+        problem = f"its size is {st.st_size}, {self.size} bytes were written" if st.st_size < self.size else None
+        if problem is None:
+            fd = open_private(self.path, os.O_RDONLY)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                scan = _Scan(f, lambda: None, end=self.size)
+                for _entry_ in scan:
+                    pass
+                if scan.problem is not None:
+                    problem = f"{scan.problem} at byte {scan.bad_at}"
+        if problem is not None:
+            log.error("journal %s changed while the server runs (%s): its records are not served; a restart "
+                      "keeps what verifies and sets the rest aside", self.path, problem)
+            raise JournalDamaged(f"the session's journal is damaged ({problem}); its records are not served")
+        self.mtime_ns = st.st_mtime_ns
 
 
 def _write_at(fd: int, chunks: list[bytes], offset: int) -> None:
@@ -309,22 +376,93 @@ def _write_at(fd: int, chunks: list[bytes], offset: int) -> None:
 
 # -- the store --------------------------------------------------------------------------------------
 
+class Usage:
+    """The sessions and journal bytes of a whole data directory, shared by every process of the
+    server: two little-endian i64 in ``<data_dir>/usage``, read and written under the create
+    lock (``flock``: a few syscalls, instead of listing the directory per create). A missing or
+    short file is rebuilt from the journals; counts a crash left off are right again at the next
+    server start (the directory's owner removes the file, ``webapp.datadir.lock_data_dir``)."""
+
+    RECORD = struct.Struct("<qq")
+
+    def __init__(self, data_dir: str, journals_dir: str, max_bytes: int | None = None) -> None:
+        self.path = os.path.join(data_dir, USAGE_FILE)
+        self.lock_path = os.path.join(data_dir, "create.lock")
+        self.journals_dir = journals_dir
+        self.max_bytes = max_bytes  # max_data_bytes (None: no budget)
+
+    def add(self, sessions: int, nbytes: int, what: str = "the turn",
+            admit: Callable[[int], None] | None = None, then: Callable[[], Any] | None = None) -> Any:
+        """Under the lock: ``admit(sessions now)`` may refuse (raise); a growth past
+        ``max_bytes`` raises :class:`StorageBudget`; then ``then()`` (its result returned) and,
+        unless it raised, the counts are moved by ``sessions`` and ``nbytes``."""
+        try:
+            lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+            except (DataDirUnsafe, OSError) as exc:
+                raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
+            try:
+                raw = os.pread(fd, self.RECORD.size, 0)
+                count, total = self.RECORD.unpack(raw) if len(raw) == self.RECORD.size else self._scan()
+                if admit is not None:
+                    admit(count)
+                if nbytes > 0 and self.max_bytes is not None and total + nbytes > self.max_bytes:
+                    raise StorageBudget("max_data_bytes", self.max_bytes, total + nbytes,
+                                        f"{what} (the server's journals)")
+                result = then() if then is not None else (count, total)
+                os.pwrite(fd, self.RECORD.pack(max(0, count + sessions), max(0, total + nbytes)), 0)
+                return result
+            finally:
+                os.close(fd)
+        finally:
+            os.close(lock)  # releases the lock
+
+    def _scan(self) -> tuple[int, int]:
+        count = total = 0
+        with os.scandir(self.journals_dir) as it:
+            for e in it:
+                if e.name.endswith(SUFFIX):
+                    try:
+                        total += e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue
+                    count += 1
+        return count, total
+
+    def read(self) -> tuple[int, int]:
+        """(sessions, bytes) now."""
+        counts: tuple[int, int] = self.add(0, 0)
+        return counts
+
+
 class JournalStore:
     """The journals of one data directory (``webapp.datadir``)."""
 
-    def __init__(self, data_dir: str, *, fsync: bool = False) -> None:
+    def __init__(self, data_dir: str, *, fsync: bool = False, max_session_bytes: int | None = None,
+                 max_data_bytes: int | None = None) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.dir = sessions_dir(self.data_dir)
         self.fsync = fsync
-        os.makedirs(self.dir, exist_ok=True)
+        self.max_session_bytes = max_session_bytes
+        ensure_private_dir(self.data_dir, tighten=False)
+        ensure_private_dir(self.dir)
+        self.usage = Usage(self.data_dir, self.dir, max_data_bytes)
+        self.set_aside = 0  # sidecars of this store's sessions: found at restore + written since
 
     def path(self, session_id: str) -> str:
         return os.path.join(self.dir, session_id + SUFFIX)
 
     def count(self) -> int:
         """Sessions on disk, every shard's (the ``max_sessions`` count of the whole server)."""
-        with os.scandir(self.dir) as it:
-            return sum(1 for e in it if e.name.endswith(SUFFIX))
+        return self.usage.read()[0]
+
+    def _journal(self, path: str, size: int, last_crc: int = 0) -> SessionJournal:
+        return SessionJournal(path, size, self.fsync, last_crc, usage=self.usage, max_bytes=self.max_session_bytes)
 
     def create(self, session_id: str, created_at: float,
                admit: Callable[[int], None] | None = None) -> SessionJournal:
@@ -332,29 +470,24 @@ class JournalStore:
         (raise) first; the count and the create hold the data directory's create lock, so
         workers of one server admit against one count. Raises ``SessionExists`` if the file is
         there, :class:`InsufficientStorage` if it cannot be written (no file is left)."""
-        if admit is None:
-            return self._create(session_id, created_at)
-        fd = os.open(os.path.join(self.data_dir, "create.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a listdir and a small write
-            admit(self.count())
-            return self._create(session_id, created_at)
-        finally:
-            os.close(fd)  # releases the lock
+        payload = json.dumps({"session_id": session_id, "created_at": created_at}).encode()
+        entries = [[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])]
+        size = sum(len(c) for entry in entries for c in entry)
+        journal: SessionJournal = self.usage.add(1, size, "the session", admit,
+                                                 lambda: self._create(session_id, entries))
+        return journal
 
-    def _create(self, session_id: str, created_at: float) -> SessionJournal:
+    def _create(self, session_id: str, entries: list[list[bytes]]) -> SessionJournal:
         path = self.path(session_id)
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            os.close(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             raise SessionExists(session_id) from None
-        except OSError as exc:
-            raise InsufficientStorage(f"cannot create the session journal: {exc.strerror or exc}") from exc
-        journal = SessionJournal(path, 0, self.fsync)
-        payload = json.dumps({"session_id": session_id, "created_at": created_at}).encode()
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"cannot create the session journal: {exc}") from exc
+        journal = SessionJournal(path, 0, self.fsync, max_bytes=self.max_session_bytes)  # counted by create
         try:  # the file header, then the CREATE entry: the same append (and fsync) as a turn's
-            journal._append([[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])],
-                            what="the session")
+            journal._append(entries, what="the session")
             if self.fsync:
                 try:
                     _fsync_dir(self.dir)
@@ -364,23 +497,37 @@ class JournalStore:
         except InsufficientStorage:
             os.unlink(path)
             raise
+        journal.usage = self.usage
         return journal
+
+    def remove(self, journal: SessionJournal) -> None:
+        """Delete a session's file (and count it out)."""
+        try:
+            size = os.stat(journal.path, follow_symlinks=False).st_size
+            os.unlink(journal.path)
+        except FileNotFoundError:
+            return
+        self.usage.add(-1, -size)
 
     def restore(self, owns: Callable[[str], bool],
                 pause: Callable[[], object] = lambda: None) -> Iterator[RestoredSession]:
-        """Every session on disk whose id ``owns`` accepts, torn tails cut (see module doc).
-        ``pause()`` is called after every read chunk (a gevent worker yields there, so it
-        answers its heartbeats while it reads GiBs). A file that cannot be read is logged and
-        left alone; the others load."""
+        """Every session on disk whose id ``owns`` accepts, torn tails and damage set aside (see
+        module doc). ``pause()`` is called after every read chunk (a gevent worker yields there,
+        so it answers its heartbeats while it reads GiBs). A file that cannot be read is logged
+        and left alone; the others load."""
         with os.scandir(self.dir) as it:
-            names = sorted(e.name for e in it if e.name.endswith(SUFFIX))
+            all_names = sorted(e.name for e in it)
+        names = [n for n in all_names if n.endswith(SUFFIX)]
+        self.set_aside += sum(1 for n in all_names if SUFFIX + SIDECAR in n and owns(n.split(SUFFIX)[0]))
+        if self.set_aside:
+            log.error("%d journal sidecars (damaged or torn bytes set aside) in %s", self.set_aside, self.dir)
         for name in names:
             session_id = name[:-len(SUFFIX)]
             if not owns(session_id):
                 continue
             try:
                 restored = self._restore(session_id, pause)
-            except (_NotOurs, OSError) as exc:
+            except (_NotOurs, DataDirUnsafe, OSError) as exc:
                 log.error("journal %s not loaded, left as it is: %s", self.path(session_id), exc)
                 continue
             if restored is not None:
@@ -388,19 +535,103 @@ class JournalStore:
 
     def _restore(self, session_id: str, pause: Callable[[], object]) -> RestoredSession | None:
         path = self.path(session_id)
-        with open(path, "rb", buffering=0) as f:
-            entries = _Scan(f, pause)
+        fd = open_private(path, os.O_RDWR)  # every change below goes through this fd: no link followed
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            entries = _Scan(f, pause, first_may_be_damaged=True)
             restored, good, torn = self._replay(session_id, path, entries)
-            torn = torn or entries.torn
-        if restored is None:
-            log.warning("journal %s holds no session (%s); removed", path, torn or "empty")
-            os.unlink(path)
-            return None
-        if torn:
-            log.warning("journal %s: torn tail cut at byte %d of %d (%s)", path, good, os.path.getsize(path), torn)
-            os.truncate(path, good)
+            torn = torn or entries.problem
+            size = entries.size
+            if restored is None:
+                if size <= FILE_HEADER.size:
+                    log.warning("journal %s holds no session (%s); removed", path, torn or "empty")
+                    os.unlink(path)
+                    return None
+                self.usage.add(-1, -size)
+                aside = self._set_aside(f, path, 0, size, whole=True)
+                log.error("journal %s: nothing of a session verifies (%s); the file is set aside as %s and "
+                          "not served", path, torn, aside)
+                return None
+            if restored.damaged_create is not None and not self._repair_create(f, path, restored):
+                self.usage.add(-1, -size)
+                aside = self._set_aside(f, path, 0, size, whole=True)
+                log.error("journal %s: its CREATE entry is damaged and cannot be rewritten; set aside as %s",
+                          path, aside)
+                return None
+            if good < size:
+                aside = self._set_aside(f, path, good, size)
+                after = _verified_after(f, entries.bad_end, size) if entries.damaged and entries.bad_end < size else 0
+                if after:  # verified entries after a bad one: damage, never what a crash leaves
+                    log.error("journal %s: damaged entry at byte %d (%s); session %s served up to byte %d "
+                              "(%d turns), the rest (%d bytes, %d verified entries after the damage) set aside "
+                              "as %s", path, entries.bad_at, torn, session_id, good, len(restored.records),
+                              size - good, after, aside)
+                else:
+                    log.warning("journal %s: torn tail cut at byte %d of %d (%s); the cut bytes are kept in %s",
+                                path, good, size, torn, aside)
+                self.usage.add(0, good - size)  # before the cut: a rebuild now counts the file as it was
+                os.ftruncate(f.fileno(), good)
+            restored.journal.mtime_ns = os.fstat(f.fileno()).st_mtime_ns
         restored.journal.size = good
         return restored
+
+    def _set_aside(self, f: Any, path: str, start: int, end: int, whole: bool = False) -> str:
+        """Keep bytes ``[start, end)`` of the journal in a new sidecar (``whole``: the file is
+        renamed to it instead); its path. Written (and synced) before the journal is cut."""
+        base = f"{path}{SIDECAR}{start}"
+        for n in range(1000):
+            aside = base if n == 0 else f"{base}.{n}"
+            if whole:
+                if not os.path.lexists(aside):
+                    os.rename(path, aside)
+                    break
+                continue
+            try:
+                out = open_private(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                continue
+            try:
+                pos = start
+                while pos < end:
+                    n_copied = os.copy_file_range(f.fileno(), out, end - pos, pos)
+                    if n_copied <= 0:
+                        raise OSError(errno.EIO, f"copying {path} to {aside} stopped at byte {pos}")
+                    pos += n_copied
+                os.fsync(out)
+            except BaseException:
+                os.close(out)
+                os.unlink(aside)
+                raise
+            os.close(out)
+            break
+        else:
+            raise OSError(errno.EEXIST, f"no free sidecar name for {path}")
+        self.set_aside += 1
+        return aside
+
+    def _repair_create(self, f: Any, path: str, restored: RestoredSession) -> bool:
+        """Rewrite a damaged CREATE entry in place, the same length (the turns' offsets stay),
+        after setting its bytes aside; False if a valid one does not fit."""
+        assert restored.damaged_create is not None
+        start, end = restored.damaged_create
+        room = end - start - ENTRY_HEADER.size
+        created_at = restored.records[0].request_timestamp if restored.records else os.fstat(f.fileno()).st_mtime
+        for value in (created_at, round(created_at, 3), int(created_at)):
+            payload = json.dumps({"session_id": restored.session_id, "created_at": value},
+                                 separators=(",", ":")).encode()
+            if len(payload) <= room:
+                break
+        else:
+            return False
+        payload += b" " * (room - len(payload))  # JSON allows trailing whitespace
+        aside = self._set_aside(f, path, start, end)
+        entry = b"".join(_entry(Kind.CREATE, [payload]))
+        _write_at(f.fileno(), [entry], start)
+        if self.fsync:
+            os.fsync(f.fileno())
+        restored.created_at = float(created_at)
+        log.error("journal %s: damaged CREATE entry (bytes %d-%d) set aside as %s and rewritten; session %s "
+                  "served with its %d turns", path, start, end, aside, restored.session_id, len(restored.records))
+        return True
 
     def _replay(self, session_id: str, path: str,
                 entries: _Scan) -> tuple[RestoredSession | None, int, str | None]:
@@ -412,10 +643,13 @@ class JournalStore:
         try:
             for kind, start, end, meta, body_at, crc in entries:
                 if restored is None:
-                    if kind is not Kind.CREATE or meta.get("session_id") != session_id:
+                    if kind is None:  # a damaged CREATE: the turns after it do not need it
+                        restored = RestoredSession(session_id, 0.0, self._journal(path, 0),
+                                                   damaged_create=(start, end))
+                    elif kind is not Kind.CREATE or meta.get("session_id") != session_id:
                         raise _NotOurs(f"the first entry is not session {session_id}'s CREATE")
-                    restored = RestoredSession(session_id, float(meta["created_at"]),
-                                               SessionJournal(path, 0, self.fsync))
+                    else:
+                        restored = RestoredSession(session_id, float(meta["created_at"]), self._journal(path, 0))
                 elif kind is Kind.IMAGE:
                     pending_from = start if pending_from is None else pending_from
                     pending[meta["sha256"]] = StoredImage(meta["sha256"], meta["mime_type"], meta["width"],
@@ -437,16 +671,20 @@ class JournalStore:
                     restored.images.update(pending)
                     pending, pending_from = {}, None
                 else:
-                    raise _Torn(f"a second {kind.name} entry")
+                    raise _Torn(f"a second {kind.name if kind else 'CREATE'} entry")
                 if pending_from is None:
-                    good, restored.journal.last_crc = end, crc
+                    good = end
+                    if kind is not None:
+                        restored.journal.last_crc = crc
                 else:
                     good = pending_from
         except _Torn as exc:
+            entries.mark_damaged(good)
             return restored, good, str(exc)
         except (KeyError, TypeError, ValueError) as exc:
             if restored is None:
                 raise _NotOurs(f"unreadable CREATE entry ({exc})") from exc
+            entries.mark_damaged(good)
             return restored, good, f"an unreadable entry ({exc})"
         return restored, good, "images without the turn they belong to" if pending_from is not None else None
 
@@ -459,19 +697,34 @@ class _Torn(Exception):
     """The entry at hand cannot be applied: the journal ends before it."""
 
 
-class _Scan:
-    """Iterates ``(kind, entry_start, entry_end, meta, body_at, crc)`` of the good entries;
-    ``torn`` says why it stopped early (None: a clean end)."""
+_Item = tuple[Kind | None, int, int, dict[str, Any], int, int]
 
-    def __init__(self, f: Any, pause: Callable[[], object]) -> None:
+
+class _Scan:
+    """Iterates ``(kind, entry_start, entry_end, meta, body_at, crc)`` of the good entries up
+    to ``end`` (the file's size); ``problem`` says why it stopped early (None: a clean end),
+    ``bad_at``/``bad_end`` where the entry it stopped at lies, ``damaged`` whether that entry
+    was complete (a checksum, kind or meta failure: damage, not a torn tail).
+    ``first_may_be_damaged``: a damaged first entry that the length chain passes (more entries
+    follow) is yielded with kind None and the scan goes on."""
+
+    def __init__(self, f: Any, pause: Callable[[], object], *, first_may_be_damaged: bool = False,
+                 end: int | None = None, start: int = FILE_HEADER.size) -> None:
         self.f = f
         self.pause = pause
-        self.torn: str | None = None
-        self.size = os.fstat(f.fileno()).st_size
-        header = f.read(FILE_HEADER.size)
+        self.first_may_be_damaged = first_may_be_damaged
+        self.problem: str | None = None
+        self.bad_at: int | None = None
+        self.bad_end = 0
+        self.damaged = False
+        self.start = start
+        self.size = os.fstat(f.fileno()).st_size if end is None else end
+        if start != FILE_HEADER.size:
+            return
+        header = os.pread(f.fileno(), FILE_HEADER.size, 0)
         if len(header) < FILE_HEADER.size and header == MAGIC[:len(header)]:
-            self.size = 0  # a crash before the header was complete: no session
-            self.torn = "a short file header"
+            self.size = len(header)  # a crash before the header was complete: no session
+            self.problem = "a short file header"
             return
         magic, version = FILE_HEADER.unpack(header) if len(header) == FILE_HEADER.size else (header, None)
         if magic != MAGIC:
@@ -479,66 +732,91 @@ class _Scan:
         if version != FORMAT_VERSION:
             raise _NotOurs(f"journal format version {version}, this server reads {FORMAT_VERSION}")
 
-    def __iter__(self) -> Iterator[tuple[Kind, int, int, dict[str, Any], int, int]]:
-        pos = FILE_HEADER.size
+    def mark_damaged(self, at: int) -> None:
+        """The replay refused an entry the scan passed: damage at ``at`` (not a torn tail)."""
+        if self.bad_at is None:
+            self.damaged, self.bad_at = True, at
+            length = ENTRY_HEADER.unpack(os.pread(self.f.fileno(), ENTRY_HEADER.size, at))[0] \
+                if at + ENTRY_HEADER.size <= self.size else 0
+            self.bad_end = min(self.size, at + ENTRY_HEADER.size + length)
+
+    def _stop(self, pos: int, why: str, damaged: bool, end: int = 0) -> None:
+        self.problem, self.bad_at, self.damaged, self.bad_end = why, pos, damaged, end
+
+    def __iter__(self) -> Iterator[_Item]:
+        pos = self.start if self.size >= FILE_HEADER.size else self.size
         buf = bytearray(_READ_CHUNK)
         while pos < self.size:
             header = os.pread(self.f.fileno(), ENTRY_HEADER.size, pos)
-            if len(header) < ENTRY_HEADER.size:
-                self.torn = "a short entry header"
+            if len(header) < ENTRY_HEADER.size or pos + ENTRY_HEADER.size > self.size:
+                self._stop(pos, "a short entry header", False)
                 return
-            length, kind, crc = ENTRY_HEADER.unpack(header)
+            length, kind_byte, crc = ENTRY_HEADER.unpack(header)
             start, end = pos + ENTRY_HEADER.size, pos + ENTRY_HEADER.size + length
             if end > self.size:
-                self.torn = f"an entry of {length} bytes past the end of the file"
+                self._stop(pos, f"an entry of {length} bytes past the end of the file", False)
                 return
-            try:
-                kind = Kind(kind)
-            except ValueError:
-                self.torn = f"unknown entry kind {kind}"
+            problem = self._verify(start, end, kind_byte, crc, buf)
+            if problem == "short":
+                self._stop(pos, "a short read", False)
                 return
-            got = zlib.crc32(bytes((kind,)))
-            view = memoryview(buf)
-            head = b""
-            at = start
-            while at < end:
-                n = os.preadv(self.f.fileno(), [view[:min(_READ_CHUNK, end - at)]], at)
-                if n <= 0:
-                    self.torn = "a short read"
-                    return
-                got = zlib.crc32(view[:n], got)
-                self.pause()
-                if at == start:
-                    head = bytes(view[:min(n, 1 << 16)])
-                at += n
-            if got != crc:
-                self.torn = "a checksum mismatch"
-                return
-            try:
-                meta, body_at = self._meta(kind, head, start, end)
-            except (TypeError, ValueError, OSError) as exc:
-                self.torn = f"an unreadable {kind.name} entry ({exc})"
+            kind: Kind | None = None
+            meta: dict[str, Any] = {}
+            body_at = start
+            if problem is None:
+                kind = Kind(kind_byte)
+                try:
+                    meta, body_at = self._meta(kind, start, end)
+                except (TypeError, ValueError, OSError) as exc:
+                    problem = f"an unreadable {kind.name} entry ({exc})"
+            if problem is not None:
+                if pos == FILE_HEADER.size and self.first_may_be_damaged and end < self.size:
+                    yield None, pos, end, {}, start, crc  # the replay decides (see the class doc)
+                    pos = end
+                    continue
+                self._stop(pos, problem, True, end)
                 return
             yield kind, pos, end, meta, body_at, crc
             pos = end
 
-    def _meta(self, kind: Kind, head: bytes, start: int, end: int) -> tuple[dict[str, Any], int]:
-        """The entry's meta JSON (a CREATE's whole payload) and where its body starts; from the
-        payload's first bytes already read (``head``), else read again."""
+    def _verify(self, start: int, end: int, kind_byte: int, crc: int, buf: bytearray) -> str | None:
+        """None if the entry's kind is known and its checksum holds; else why not ("short": the
+        file ended while reading)."""
+        if kind_byte not in Kind._value2member_map_:
+            return f"unknown entry kind {kind_byte}"
+        got = zlib.crc32(bytes((kind_byte,)))
+        view = memoryview(buf)
+        at = start
+        while at < end:
+            n = os.preadv(self.f.fileno(), [view[:min(_READ_CHUNK, end - at)]], at)
+            if n <= 0:
+                return "short"
+            got = zlib.crc32(view[:n], got)
+            self.pause()
+            at += n
+        return None if got == crc else "a checksum mismatch"
+
+    def _meta(self, kind: Kind, start: int, end: int) -> tuple[dict[str, Any], int]:
+        """The entry's meta JSON (a CREATE's whole payload) and where its body starts."""
         if kind is Kind.CREATE:
             meta_at, n = start, end - start
         else:
-            (n,) = META_LENGTH.unpack(head[:META_LENGTH.size])
+            if end - start < META_LENGTH.size:
+                raise ValueError("no meta length")
+            (n,) = META_LENGTH.unpack(os.pread(self.f.fileno(), META_LENGTH.size, start))
             meta_at = start + META_LENGTH.size
             if meta_at + n > end:
                 raise ValueError("meta past the entry")
-        lo = meta_at - start
-        meta_bytes = head[lo:lo + n] if lo + n <= len(head) else os.pread(self.f.fileno(), n, meta_at)
-        body_at = meta_at + n
-        meta = json.loads(meta_bytes)
+        meta = json.loads(os.pread(self.f.fileno(), n, meta_at))
         if not isinstance(meta, dict):
             raise TypeError("meta is not an object")
-        return meta, body_at
+        return meta, meta_at + n
+
+
+def _verified_after(f: Any, pos: int, size: int) -> int:
+    """How many entries from ``pos`` on still verify (reported with a damaged entry)."""
+    scan = _Scan(f, lambda: None, start=pos, end=size)
+    return sum(1 for _ in scan)
 
 
 def _fsync_dir(path: str) -> None:

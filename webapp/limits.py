@@ -70,7 +70,10 @@ _SWEEP_INTERVAL = 1.0  # idle sessions are looked for at most this often
 _PAIR = re.compile(rb"\[\]|\{\}")
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: 16x faster on base64
 # A \uD800-\uDFFF escape: the only way a surrogate gets into a decoded JSON string.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
+# The same patterns over the decoded text (loads_strict decodes once and scans the text).
+_PAIR_TEXT = re.compile(r"\[\]|\{\}")
+_JSON_STRING_TEXT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 class LimitExceeded(BodyTooLarge):
@@ -103,44 +106,57 @@ def _refuse_constant(name: str) -> Any:
     raise InvalidJSON(f"invalid JSON body: {name} is not a JSON number")
 
 
-def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
-    """True if the valid JSON ``body`` nests arrays/objects deeper than ``max_depth``.
+def json_depth_exceeds(body: bytes | str, max_depth: int) -> bool:
+    """True if the valid JSON ``body`` (bytes or its decoded text) nests arrays/objects deeper
+    than ``max_depth``.
 
     Runs at C speed: strings are cut out, then each pass removes the innermost ``[]``/``{}``
     pairs, exactly one level per pass.
     """
-    if body.count(b"[") + body.count(b"{") <= max_depth:  # the common case: nothing to scan
+    opened = body.count("[") + body.count("{") if isinstance(body, str) else body.count(b"[") + body.count(b"{")
+    if opened <= max_depth:  # the common case: nothing to scan
         return False
-    brackets = re.sub(rb"[^\[\]{}]", b"", _JSON_STRING.sub(b"", body))
+    brackets: str | bytes
+    if isinstance(body, str):
+        brackets = re.sub(r"[^\[\]{}]", "", _JSON_STRING_TEXT.sub("", body))
+        pair: re.Pattern[Any] = _PAIR_TEXT
+    else:
+        brackets = re.sub(rb"[^\[\]{}]", b"", _JSON_STRING.sub(b"", body))
+        pair = _PAIR
     for _ in range(max_depth):
-        brackets = _PAIR.sub(b"", brackets)
+        brackets = pair.sub(brackets[:0], brackets)
         if not brackets:
             return False
     return True
 
 
-def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode a UTF-8 JSON request body, refusing ``NaN``/``Infinity`` and deep nesting.
 
-    Raises ``InvalidJSON`` (400) for anything else than strict JSON of bounded depth, and
-    :class:`LimitExceeded` (413) for a body with more than :data:`MAX_JSON_CONTAINERS` brackets
-    (before decoding it).
+    ``body`` may be any bytes-like object (a worker passes a view of its receive buffer: no
+    copy of the body is made besides its decoded text). Raises ``InvalidJSON`` (400) for
+    anything else than strict JSON of bounded depth, and :class:`LimitExceeded` (413) for a
+    body with more than :data:`MAX_JSON_CONTAINERS` brackets (before decoding the JSON).
     """
-    containers = body.count(b"[") + body.count(b"{")
+    try:
+        text = str(body, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    containers = text.count("[") + text.count("{")
     if containers > MAX_JSON_CONTAINERS:
         raise LimitExceeded("max_json_containers", MAX_JSON_CONTAINERS, containers,
                             "the '[' and '{' characters in the request body")
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise InvalidJSON(f"invalid JSON body: nests deeper than {max_depth} levels") from None
-    except (UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:
         if isinstance(exc, InvalidJSON):
             raise
         raise InvalidJSON(f"invalid JSON body: {exc}") from exc
-    if json_depth_exceeds(body, max_depth):
+    if json_depth_exceeds(text, max_depth):
         raise InvalidJSON(f"invalid JSON body: nests deeper than {max_depth} levels")
-    if _SURROGATE_ESCAPE.search(body):  # rare: only then pay for a full re-encode
+    if _SURROGATE_ESCAPE_TEXT.search(text):  # rare: only then pay for a full re-encode
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -164,7 +180,10 @@ def _message_texts(message: Any) -> Iterable[str]:
             yield value
         elif key == "content" and isinstance(value, list):
             yield from (p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
-    for call in message.get("tool_calls") or ():
+    calls = message.get("tool_calls")
+    # Any JSON type may arrive here (5, "x", {}, true): only a list is walked; the turn's own
+    # validation (webapp.tito.normalize_message) then refuses the others by name (400).
+    for call in calls if isinstance(calls, list) else ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             yield from (v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))

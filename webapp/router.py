@@ -15,7 +15,6 @@ gunicorn). See ``docs/session-server-ops.md``.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -28,12 +27,14 @@ from flask import Flask, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
+from webapp.auth import require_api_key
 from webapp.backend_liveness import probe_backend
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
-from webapp.http_limits import HttpLimits, iter_body
+from webapp.http_limits import HttpLimits, discard_body, iter_body
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import (
@@ -217,10 +218,10 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     app.extensions[_EXTENSION] = supervisor
     app.config["SHINKEN_ROUTER"] = config
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES  # refused (413) before reading more
-    expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
     # miles' session_server_instance_id: the data directory's (webapp.datadir), so it changes
     # exactly when the sessions a client holds are gone, not when the server restarts.
     instance_id = data_dir_instance_id(data_dir)
+    inflight = InflightBudget(config.core["max_inflight_bytes"])
 
     def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
@@ -237,16 +238,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             return _error(exc.status, text, shard=shard)
         return _relay(reply)
 
-    @app.before_request
-    def _check_api_key() -> Response | None:
-        if expected_auth is None or request.path == "/health" or is_viewer_path(request.path):
-            return None  # the viewer checks the same key itself (bearer or its login cookie)
-        given = request.headers.get("Authorization", "").encode()
-        if hmac.compare_digest(given, expected_auth):
-            return None
-        response = _error(401, "missing or invalid API key (expected 'Authorization: Bearer <key>')")
-        response.headers["WWW-Authenticate"] = "Bearer"
-        return response
+    require_api_key(app, config.api_key, _error, checks_itself=is_viewer_path)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
@@ -263,12 +255,20 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
 
     @app.get("/health")
     def health() -> Response:
+        damage: dict[int, int] = {}  # journal sidecars per shard (webapp.journal): ops must see them
+
         def ask(shard: int) -> str | None:
             try:
                 reply = supervisor.request(shard, {"op": Op.HEALTH}, timeout=config.health_timeout)
             except WebappError as exc:
                 return str(exc)
-            return None if reply.status == 200 else f"health status {reply.status}"
+            if reply.status != 200:
+                return f"health status {reply.status}"
+            try:
+                damage[shard] = int(json.loads(reply.body).get("journal_damage") or 0)
+            except (TypeError, ValueError, AttributeError):
+                pass
+            return None
 
         jobs = [gevent.spawn(ask, shard) for shard in range(supervisor.workers)]
         backend_job = gevent.spawn(probe_backend, config.backend_url, config.health_timeout)
@@ -298,7 +298,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         if backend_problem is not None:
             return _error(503, backend_problem, unhealthy_shards=[], backend="unreachable")
         return Response(json.dumps({"status": "ok", "backend": "ok", "session_server_instance_id": instance_id,
-                                    "instance": config.instance}),
+                                    "instance": config.instance, "journal_damage": sum(damage.values())}),
                         status=200, content_type="application/json")
 
     @app.post("/sessions")
@@ -316,13 +316,20 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     @app.post("/sessions/<session_id>/v1/chat/completions")
     def chat(session_id: str) -> Response:
         length = request.content_length
-        pieces = iter_body(request.stream, http_limits.body_timeout, length=length)
-        if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
-            return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
-                        budget=config.chat_budget)
-        # Streamed on to the worker as it arrives: the router never holds a whole large body.
-        return call(session_id, Op.CHAT, body_stream=pieces, body_length=length, timeout=config.chat_timeout,
-                    budget=config.chat_budget)
+        try:  # the server's bodies in flight, across its workers (webapp.inflight)
+            with inflight.admit(length) as grant:
+                pieces = grant.metered(iter_body(request.stream, http_limits.body_timeout, length=length))
+                if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
+                    return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
+                                budget=config.chat_budget)
+                # Streamed on to the worker as it arrives: the router never holds a whole large body.
+                return call(session_id, Op.CHAT, body_stream=pieces, body_length=length,
+                            timeout=config.chat_timeout, budget=config.chat_budget)
+        except InflightRefused as exc:
+            discard_body(request.stream, http_limits.body_timeout, length)
+            response = _error(exc.status, str(exc))
+            response.headers.extend(refusal_headers(exc))
+            return response
 
     def _small_body() -> bytes:
         # A body relayed in one frame, read within the body timeout like a chat's.

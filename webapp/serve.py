@@ -52,7 +52,7 @@ from shinken_sync.childproc import parse_ready_line
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
-from webapp.datadir import DataDirInUse, check_free, default_data_dir
+from webapp.datadir import DataDirInUse, DataDirUnsafe, check_free, default_data_dir
 from webapp.engines import EngineConfigError, ReplayRequest, dialect_for
 from webapp.engines.probe import (
     BackendURLError,
@@ -371,8 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(values["tokenizer"])
     except (TokenizerLoadError, OSError, ValueError) as exc:
         parser.error(f"--tokenizer {values['tokenizer']}: {exc}")
-    if api_key and workers == 0:
-        parser.error("--api-key is enforced by the router: use --workers >= 1")
     if values["instance"] is not None and workers == 0:
         parser.error("--instance is minted by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
@@ -386,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         values["data_dir"] = default_data_dir(f"{host}-{port}")
     try:
         check_free(values["data_dir"])
-    except (DataDirInUse, OSError) as exc:
+    except (DataDirInUse, DataDirUnsafe, OSError) as exc:
         parser.error(str(exc))
     backend = None
     backend_url = values["backend_url"]

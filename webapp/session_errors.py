@@ -15,6 +15,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── BadRequest                    400  the client broke the rules; nothing is stored
     │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
     │   ├── InvalidField              400  a field is missing or has the wrong type/value
+    │   │   └── UnknownField          400  a top-level field the server neither forwards nor uses
     │   ├── BodyTooLarge              413  request body over the named limit, refused unread
     │   │   └── LimitExceeded         413  the request would make the core do more work than a limit allows (webapp.limits)
     │   ├── ImageRefused              400  an image part the server does not take (webapp.images)
@@ -29,7 +30,9 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
     ├── TooManySessions               429  the open-session cap is reached (webapp.limits)
-    ├── InsufficientStorage           507  the journal could not be written (disk full, I/O error)
+    ├── InsufficientStorage           507  the journal could not be written; nothing stored
+    │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
+    ├── JournalDamaged                500  the journal changed under the server; not served
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     ├── BackendError                  502  the backend failed us
@@ -63,6 +66,7 @@ __all__ = [
     "InsufficientStorage",
     "InvalidField",
     "InvalidJSON",
+    "JournalDamaged",
     "MalformedReplyField",
     "RemoteImageURL",
     "RollbackTooDeep",
@@ -71,8 +75,10 @@ __all__ = [
     "SessionError",
     "SessionExists",
     "SessionNotFound",
+    "StorageBudget",
     "TokenPrefixMismatch",
     "TooManyImages",
+    "UnknownField",
     "UpstreamStatus",
 ]
 
@@ -110,6 +116,11 @@ class InvalidField(BadRequest):
 
     def __str__(self) -> str:
         return f"invalid field {self.field!r}: {self.problem}"
+
+
+class UnknownField(InvalidField):
+    """A top-level request field the server neither forwards to the engine nor uses itself
+    (``webapp.request_fields``): refused by name rather than stored every turn."""
 
 
 class BodyTooLarge(BadRequest):
@@ -190,6 +201,25 @@ class InsufficientStorage(SessionError):
     the turn or session was not stored, in the file or in memory; retry when there is room."""
 
     status = 507
+
+
+class StorageBudget(InsufficientStorage):
+    """507: storing this would take the session's journal past ``max_session_bytes`` or the
+    server's journals past ``max_data_bytes`` (``limit`` names which); nothing was stored."""
+
+    def __init__(self, limit: str, allowed: int, needed: int, what: str) -> None:
+        super().__init__(f"{what} was not stored: it needs {needed} bytes, over the limit {limit}={allowed}")
+        self.limit = limit
+        self.allowed = allowed
+        self.needed = needed
+
+
+class JournalDamaged(SessionError):
+    """The session's journal no longer holds what the server wrote (changed or damaged on disk
+    while it runs): its records are not served; a restart keeps what verifies and sets the rest
+    aside (docs/session-server-ops.md)."""
+
+    status = 500
 
 
 class TokenPrefixMismatch(SessionError):

@@ -136,6 +136,13 @@ SETTINGS: tuple[Setting, ...] = (
        "$XDG_STATE_HOME/shinken/session-server/HOST-PORT, see docs/session-server-ops.md)"),
     _S("fsync", bool, False, _C, "fsync each journal append before the reply: a machine crash then loses "
        "no answered turn either (off: a process crash loses none; each turn waits for the disk)"),
+    _S("max_session_bytes", int, 8 << 30, _C, "507 for a turn that would grow one session's journal past this "
+       "many bytes (every turn stores its whole request)", minimum=1),
+    _S("max_data_bytes", int, None, _C, "507 for a turn or session that would grow all the server's journals "
+       "past this many bytes (unset: the disk is the bound)", minimum=1),
+    _S("max_inflight_bytes", int, 1 << 30, _C, "503 with Retry-After for a request body that would take the "
+       "bytes of request bodies being handled past this, per server process and per session worker",
+       minimum=1),
     _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
     _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 from shinken_sync.lifetime import die_with_parent
 from webapp.errors import WebappError
 from webapp.filebody import encode_layout, has_spans
+from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import WORKER_BOOT_ERROR, Op
 
 __all__ = ["EXIT_BOOT_ERROR", "PROCESS_TITLE", "WorkerBootError", "run"]
@@ -169,6 +170,9 @@ class SessionOps:
         self._shards = shards
         self._shard_for = shard_for
         self._json_response = core_module.json_response
+        self._openai_error_response = core_module.openai_error_response
+        self._inflight = InflightBudget(config.max_inflight_bytes if config is not None
+                                        else core_module.CoreConfig("").max_inflight_bytes)
         self._error_response = core_module.error_response
         # The ops that name a session, each a method taking (session_id, meta, body).
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
@@ -231,7 +235,15 @@ class SessionOps:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not budget > 0):
             return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
-        return self._core.chat(session_id, bytes(body), budget)
+        try:
+            with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
+                # The receive buffer's view itself: the core only parses it (no copy of the body)
+                # and keeps nothing of it past this call, when the buffer goes back to the pool.
+                return self._core.chat(session_id, body, budget)
+        except InflightRefused as exc:
+            reply = self._openai_error_response(exc.status, str(exc), "server_error", "overloaded")
+            reply.headers = refusal_headers(exc)
+            return reply
 
     def _proxy(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
         method, path, query, headers = (meta.get(k) for k in ("method", "path", "query", "headers"))

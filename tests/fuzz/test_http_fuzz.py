@@ -71,6 +71,36 @@ def _junk(rng: random.Random, n: int) -> bytes:
     return bytes(rng.randrange(256) for _ in range(n))
 
 
+def _json_value(rng: random.Random, depth: int = 0) -> object:
+    """Any JSON value: every type, nested a little."""
+    kinds = ["int", "float", "str", "bool", "null"] + (["list", "object"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "list":
+        return [_json_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "object":
+        keys = ["function", "name", "arguments", "id", "type", "text", "url", "x"]
+        return {rng.choice(keys): _json_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return {"int": lambda: rng.choice([0, 5, -1, 1 << 70]), "float": lambda: rng.choice([1.5, -0.0, 1e300]),
+            "str": lambda: rng.choice(["", "x", "user", "\u0000"]), "bool": lambda: rng.random() < 0.5,
+            "null": lambda: None}[kind]()
+
+
+MESSAGE_FIELDS = ("tool_calls", "content", "name", "role", "tool_call_id")
+
+
+def _typed_body(rng: random.Random) -> bytes:
+    """A chat whose message fields and top-level fields hold generated JSON of any type, plus
+    sometimes a field the server does not know (400 naming it, never stored)."""
+    message: dict = {"role": rng.choice(["user", "assistant", "tool"]), "content": "x"}
+    for _ in range(rng.randrange(1, 3)):
+        message[rng.choice(MESSAGE_FIELDS)] = _json_value(rng)
+    body: dict = {"messages": [{"role": "user", "content": "q"}, message]}
+    if rng.random() < 0.5:
+        body[rng.choice(["padding", "input_ids", "image_data", "tools", "stop", "top_k", "zz" * 30])] = \
+            _json_value(rng)
+    return json.dumps(body).encode()
+
+
 def _chat_body(rng: random.Random) -> bytes:
     shapes = [
         lambda: b'{"messages": [{"role": "user", "content": "hi"}]}',
@@ -223,6 +253,34 @@ def test_malformed_http_requests(server) -> None:
     assert rss1 - rss0 <= RSS_SLACK, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
     output = server.output()
     assert "Traceback" not in output, output[-4000:]
+
+
+TYPED_CASES = 1500
+
+
+@pytest.mark.timeout(240)
+def test_message_and_request_fields_of_every_json_type(server) -> None:
+    """Generated chats whose message fields (tool_calls, content, name, role, tool_call_id) and
+    top-level fields hold every JSON type, and fields the server does not know: each answered
+    below 500 (400 naming what is wrong), on its own RNG so the malformed-HTTP cases stay as
+    they were."""
+    rng = random.Random(SEED + 2)
+    sid = requests.post(f"{server.url}/sessions", timeout=30).json()["session_id"]
+    bodies = [_typed_body(rng) for _ in range(TYPED_CASES)]
+
+    def send(body: bytes) -> tuple[int, bytes]:
+        resp = requests.post(f"{server.url}/sessions/{sid}/v1/chat/completions", data=body, timeout=60,
+                             headers={"Content-Type": "application/json"})
+        return resp.status_code, resp.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, bodies))
+    bad = [(body[:300], status, out[:300]) for body, (status, out) in zip(bodies, answers) if status >= 500]
+    assert not bad, f"{len(bad)} of {TYPED_CASES} typed cases answered 5xx (seed {SEED + 2}), first: {bad[0]}"
+    unknown = [out for body, (status, out) in zip(bodies, answers) if b'"padding"' in body]
+    assert unknown and all(b"unknown_field" in out for out in unknown)
+    serve_normal_client(server.url)
+    assert "Traceback" not in server.output()
 
 
 @pytest.mark.timeout(120)

@@ -14,12 +14,14 @@ from typing import Any
 from webapp.backend import BackendReply
 from webapp.errors import WebappError
 from webapp.images import RequestImages
+from webapp.request_fields import Policy, fields_with
 
 __all__ = ["CLIENT_ONLY_FIELDS", "Dialect", "EngineConfigError", "EngineRequest", "EngineTurn", "ReplayRequest",
            "dumps"]
 
-# Client fields that only concern the client-facing transport (the engine always answers whole).
-CLIENT_ONLY_FIELDS = ("stream", "stream_options")
+# Client fields that only concern the client-facing transport (the engine always answers whole):
+# webapp.request_fields' table says which.
+CLIENT_ONLY_FIELDS = fields_with(Policy.CLIENT)
 
 
 def dumps(obj: Any) -> bytes:
