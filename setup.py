@@ -41,7 +41,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
-    package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"]},
+    package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"], "shinken_sync.daemon.display": ["openbox-rc.xml"]},
     # The SDK and shinkend alone: `pip install shinken` brings no server and no demo stack.
     install_requires=SDK,
     extras_require={
@@ -65,6 +65,9 @@ setup(
             "Jinja2>=3.1",
             "psutil>=5.9",
             "pydantic>=2",
+            # Docker's own Dockerfile parser (Go, in the wheel): the desktop image's
+            # Dockerfile is checked without a Docker daemon (tests/desktop/test_desktop_image.py).
+            "dockerfile>=3.3,<4",
         ],
         "lint": ["ruff==0.17.6", "mypy==2.4.1"],
     },

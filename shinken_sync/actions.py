@@ -110,6 +110,12 @@ def exec(
     )
 
 
+def launch(app: str, args: list[str] | None = None, timeout_ms: int | None = None) -> Action:
+    """Open a desktop app (``browser``, ``terminal``, ``editor``) with extra arguments (URLs,
+    files); the reply comes once its window is up and focused: ``{app, pid, window}``."""
+    return _action("launch", app=app, args=args, timeout_ms=timeout_ms)
+
+
 def read_file(path: str, offset: int | None = None, max_bytes: int | None = None) -> Action:
     return _action("read_file", path=path, offset=offset, max_bytes=max_bytes)
 

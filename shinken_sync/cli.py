@@ -21,6 +21,11 @@ DISPLAY_HELP = ("virtual: a cheap drawn desktop in each daemon; xvfb: a real X s
                 "terminal on it (needs Xvfb, xdotool, xterm and the [xvfb] extra)")
 
 
+PROVIDER_HELP = ("where sandboxes run: 'local' (shinkend processes on this host) or 'isolated' (each in its "
+                 "own namespaces and cgroup; root, bubblewrap; docs/sandboxes.md), or a provider config as "
+                 "JSON, inline or @FILE")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="shinken", description="Rollout infrastructure for computer-use agents.", version=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -36,6 +41,7 @@ def build_parser() -> Parser:
                       help=f"worker processes of the session server the demo starts; 0 = single process "
                            f"(default: {DEMO_WORKERS})")
     demo.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
+    demo.add_argument("--provider", default="local", metavar="TYPE|JSON|@FILE", help=PROVIDER_HELP)
     demo.add_argument("--port", type=port, default=None,
                       help="port of the session server the demo starts (on 127.0.0.1, in Ray mode on this "
                            "node's cluster address); 0 = any free port (default: 0)")
@@ -63,14 +69,15 @@ def build_parser() -> Parser:
                                        "({url, token}) and keep them up until Ctrl-C.")
     boxes.add_argument("-n", type=positive_int, default=1, help="how many sandboxes")
     boxes.add_argument("--display", choices=DISPLAYS, default="virtual", help=DISPLAY_HELP)
+    boxes.add_argument("--provider", default="local", metavar="TYPE|JSON|@FILE", help=PROVIDER_HELP)
     return parser
 
 
 def _sandboxes(args: argparse.Namespace) -> int:
-    from shinken_sync.demo import display_args
-    from shinken_sync.providers.local import LocalProvider
+    from shinken_sync.demo import provider_config
+    from shinken_sync.providers.config import make_provider
 
-    with LocalProvider(display=args.display, extra_args=display_args(args.display)) as provider:
+    with make_provider(provider_config(args.provider, args.display)) as provider:
         for handle in provider.create_many(args.n):
             url, token = provider.endpoint(handle)
             print(json.dumps({"url": url, "token": token}), flush=True)

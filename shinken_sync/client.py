@@ -203,7 +203,9 @@ async def aconnect(
     Args:
         url: ``ws://`` or ``wss://`` endpoint. TLS is dialed by the SDK itself
             (no proxy is consulted); ``ssl`` is an ``ssl.SSLContext`` for
-            ``wss://`` (None = the system defaults).
+            ``wss://`` (None = the system defaults). ``ws+unix://<percent-encoded
+            socket path>/<path>`` dials a unix socket (an isolated sandbox's;
+            always with the websockets transport: picows dials TCP only).
         token: the bearer token, sent in the ``Authorization`` header.
         ping_jitter: the keepalive interval is ``20 + uniform(0, ping_jitter)``
             seconds, drawn once here, so a fleet dialed together does not ping
@@ -223,7 +225,7 @@ async def aconnect(
             :data:`GLOBAL_FRAME_BUDGET_BYTES` if this is its first connection.
 
     Raises:
-        InvalidURL: ``url`` is no ``ws://``/``wss://`` endpoint; nothing was dialed.
+        InvalidURL: ``url`` is no ``ws://``/``wss://``/``ws+unix://`` endpoint; nothing was dialed.
         AuthRefused: the daemon answered HTTP 401.
         ConnectError: anything else that kept the connection from opening.
     """
@@ -237,10 +239,19 @@ async def aconnect(
     ping_interval = DEFAULT_PING_INTERVAL + (random.uniform(0.0, ping_jitter) if ping_jitter else 0.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + open_timeout
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {
+        "additional_headers": {"Authorization": f"Bearer {token}"} if token else None,
+        "compression": None,  # images do not compress; deflate costs ~12x the CPU
+        "max_size": protocol.MAX_MESSAGE_SIZE,
+        "open_timeout": open_timeout,
+        "ping_interval": ping_interval,
+        "close_timeout": close_timeout,
+    }
     if ssl is not None:
         options["ssl"] = ssl
-    transport = transports.choose()
+    unix = protocol.split_unix_url(url)  # an isolated sandbox's socket: ws+unix://
+    transport = transports.choose(unix=unix is not None)
+    options["user_agent_header"] = f"shinken-sync ({transport.name})"
     # asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
     dial_errors: tuple[type[BaseException], ...] = (
         asyncio.TimeoutError,
@@ -248,22 +259,13 @@ async def aconnect(
         *transport.handshake_errors,
     )
     try:
+        if unix is None:
+            dial = transport.connect(url, proxy=None, **options)
+        else:
+            assert transport.connect_unix is not None  # choose(unix=True) answers a transport that has it
+            dial = transport.connect_unix(unix[0], unix[1], **options)
         # The outer bound covers TCP + TLS too (picows bounds only the handshake itself).
-        ws = await asyncio.wait_for(
-            transport.connect(
-                url,
-                additional_headers={"Authorization": f"Bearer {token}"} if token else None,
-                compression=None,  # images do not compress; deflate costs ~12x the CPU
-                max_size=protocol.MAX_MESSAGE_SIZE,
-                open_timeout=open_timeout,
-                ping_interval=ping_interval,
-                close_timeout=close_timeout,
-                proxy=None,
-                user_agent_header=f"shinken-sync ({transport.name})",
-                **options,
-            ),
-            open_timeout,
-        )
+        ws = await asyncio.wait_for(dial, open_timeout)
     except transport.invalid_status as exc:
         status = exc.response.status_code  # type: ignore[attr-defined]
         if status == 401:
@@ -298,18 +300,30 @@ _URL_HINT = "a sandbox URL looks like ws://127.0.0.1:PORT/sb/0 (`shinken sandbox
 
 def check_url(url: object) -> None:
     """:class:`InvalidURL` unless ``url`` is a ``ws://`` or ``wss://`` URL with a host and, if
-    given, a numeric port in range (urllib's own errors here are bare ``ValueError`` s, and the
+    given, a numeric port in range, or a ``ws+unix://`` URL naming an absolute socket path (urllib's own errors here are bare ``ValueError`` s, and the
     WebSocket libraries' are handshake errors: one typed error, before any dial)."""
     if not isinstance(url, str):
         raise InvalidURL(f"{url!r} is not a URL string; {_URL_HINT}", str(url))
+    if url.startswith(f"{protocol.UNIX_SCHEME}://"):  # an isolated sandbox's socket
+        try:
+            socket_path, _ = protocol.split_unix_url(url) or ("", "")
+        except ValueError as exc:
+            raise InvalidURL(f"{exc}; {_URL_HINT}", url) from None
+        if not socket_path.startswith("/") or "\x00" in socket_path:
+            raise InvalidURL(f"{url!r} names no absolute socket path; {_URL_HINT}", url)
+        return
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (urllib checks the port only when it is read)
     except ValueError as exc:
         raise InvalidURL(f"{url!r} is not a valid URL ({exc}); {_URL_HINT}", url) from exc
+    if parts.scheme == protocol.UNIX_SCHEME:  # an isolated sandbox's socket (protocol.unix_url)
+        if not parts.netloc or "/" in parts.netloc:
+            raise InvalidURL(f"{url!r} names no percent-encoded socket path; {_URL_HINT}", url)
+        return
     if parts.scheme not in ("ws", "wss"):
         got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
-        raise InvalidURL(f"{url!r} has {got}, not ws:// or wss://; {_URL_HINT}", url)
+        raise InvalidURL(f"{url!r} has {got}, not ws://, wss:// or ws+unix://; {_URL_HINT}", url)
     if not parts.hostname:
         raise InvalidURL(f"{url!r} names no host; {_URL_HINT}", url)
     if any(c.isspace() for c in url):
@@ -598,6 +612,16 @@ class AsyncSandbox:
         """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
         return cast(ExecResult, await self._act(build.exec(cmd, timeout_ms, cwd, env, stdin, max_output, encoding), timeout))
+
+    async def launch(
+        self, app: str, args: list[str] | None = None, timeout_ms: int | None = None, *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Open a desktop app (``browser``, ``terminal``, ``editor``: shinkend ``--desktop``)
+        with extra arguments (URLs, files) and wait for its window, which gets the focus.
+        Returns ``{"app", "pid", "window"}``; ``ActionError`` (with the app's log tail) if
+        it exits first, ``ActionTimeout`` if no window shows within ``timeout_ms``."""
+        return cast("dict[str, Any]", await self._act(build.launch(app, args, timeout_ms), timeout))
 
     async def read_file(
         self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None | UseDefault = DEFAULT

@@ -5,7 +5,7 @@ asks anyone to match message strings. The tree::
 
     ShinkenError
     ├── ConnectError               dialing failed: refused, DNS, TLS, handshake, no hello in time
-    │   ├── InvalidURL (ValueError)  the URL is no ws:// or wss:// endpoint (bad scheme, host, port);
+    │   ├── InvalidURL (ValueError)  the URL is no ws://, wss:// or ws+unix:// endpoint (bad scheme, host, port);
     │   │                          nothing was dialed
     │   ├── AuthRefused            the daemon answered the handshake with HTTP 401
     │   └── ProtocolMismatch       the hello announced another protocol version (daemon, client)
@@ -38,7 +38,10 @@ asks anyone to match message strings. The tree::
     └── ProviderError              a provider could not create, reach or destroy a sandbox
         ├── DaemonStartError       shinkend exited, or stayed silent, before its ready line
         ├── ProviderExhausted      every sandbox of a fixed-size provider is handed out
-        └── UnknownHandle          a handle this provider did not create, or already destroyed
+        ├── UnknownHandle          a handle this provider did not create, or already destroyed
+        ├── IsolationUnavailable   an isolated sandbox cannot be built on this host (says what is missing)
+        │   └── CgroupUnavailable  the sandbox's cgroup (memory, CPU, pids limits) cannot be made or set
+        └── ProviderConfigError (ValueError)  a provider config: unknown type or key, wrong-typed value
 
 ``tests/test_error_trees.py`` checks this drawing against the classes.
 

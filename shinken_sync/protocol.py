@@ -155,6 +155,7 @@ class Frame:
     y0: int
     ts: float
     image: bytes | memoryview
+    pointer: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,37 @@ ServerMessage = Hello | Reply | Frame | StreamEnd
 #: Longest piece of a client's input quoted back in an error message: an error
 #: reply must never be bigger than what one bad value can fill.
 MAX_QUOTE_CHARS = 80
+
+
+# ---------------------------------------------------------------------------
+# Endpoints
+
+#: A daemon on a unix socket: ``ws+unix://<the socket's path, percent-encoded>/sb/0`` (the
+#: ``http+unix`` convention of requests-unixsocket: the authority is the socket, the rest the
+#: WebSocket path). Isolated sandboxes listen only there: no address on any network.
+UNIX_SCHEME = "ws+unix"
+
+
+def unix_url(socket_path: str, path: str = "/") -> str:
+    """The URL of WebSocket ``path`` served on the unix socket ``socket_path``."""
+    from urllib.parse import quote as percent
+
+    return f"{UNIX_SCHEME}://{percent(socket_path, safe='')}{path}"
+
+
+def split_unix_url(url: str) -> tuple[str, str] | None:
+    """``(socket_path, ws_uri)`` for a :func:`unix_url`, None for any other URL. The URI
+    (``ws://localhost/<path>``) is what the handshake names; the socket is what is dialed."""
+    from urllib.parse import unquote
+
+    prefix = f"{UNIX_SCHEME}://"
+    if not url.startswith(prefix):
+        return None
+    authority, slash, path = url[len(prefix):].partition("/")
+    socket_path = unquote(authority)
+    if not socket_path:
+        raise ValueError(f"{url!r} names no socket: write {UNIX_SCHEME}://<percent-encoded path>/<ws path>")
+    return socket_path, f"ws://localhost/{path}" if slash else "ws://localhost/"
 
 
 # ---------------------------------------------------------------------------
@@ -402,7 +434,7 @@ def encode_error(call_id: CallId | None, kind: str, message: str, outcome: str =
 
 
 def encode_image_reply(call_id: CallId, result: dict[str, Any], image: bytes | memoryview) -> bytes:
-    """A screenshot reply: ``result`` holds format, width, height, scale, x0, y0."""
+    """A screenshot reply: ``result`` holds shinken_sync.verbs.IMAGE_FIELDS."""
     return pack_binary({"type": "reply", "call_id": call_id, "outcome": OK, "result": result}, image)
 
 
@@ -412,7 +444,7 @@ def encode_frame(
     meta: dict[str, Any],
     image: bytes | memoryview,
 ) -> bytes:
-    """One screencast frame; ``meta`` holds format, width, height, scale, x0, y0, ts."""
+    """One screencast frame; ``meta`` holds shinken_sync.verbs.IMAGE_FIELDS and ts."""
     return pack_binary({"type": "frame", "stream_id": stream_id, "seq": seq, **meta}, image)
 
 
@@ -456,6 +488,7 @@ def _image_meta(obj: dict[str, Any], what: str) -> dict[str, Any]:
         "scale": float(scale),
         "x0": int(obj.get("x0", 0)),
         "y0": int(obj.get("y0", 0)),
+        "pointer": obj.get("pointer") is True,
     }
 
 

@@ -25,6 +25,8 @@ class Screenshot:
     The daemon captured the screen region starting at ``(x0, y0)`` and scaled
     it down by ``scale`` (screen pixels per image pixel, >= 1.0), so image
     pixel ``(x, y)`` shows screen pixel ``(x0 + x * scale, y0 + y * scale)``.
+    ``pointer`` says whether the pixels show the mouse pointer where it lies
+    (False: they never do; ask :meth:`~shinken_sync.client.AsyncSandbox.cursor`).
     """
 
     data: bytes = field(repr=False)
@@ -34,6 +36,7 @@ class Screenshot:
     scale: float = 1.0
     x0: int = 0
     y0: int = 0
+    pointer: bool = False
 
     def to_image(self) -> Image.Image:
         """Decode into a Pillow image (imported lazily: decoding is optional)."""
@@ -57,6 +60,7 @@ class Screenshot:
             scale=float(meta.get("scale", 1.0)),
             x0=int(meta.get("x0", 0)),
             y0=int(meta.get("y0", 0)),
+            pointer=meta.get("pointer") is True,
         )
 
 
@@ -85,6 +89,7 @@ class Frame(Screenshot):
             scale=frame.scale,
             x0=frame.x0,
             y0=frame.y0,
+            pointer=frame.pointer,
             stream_id=frame.stream_id,
             seq=frame.seq,
             ts=frame.ts,

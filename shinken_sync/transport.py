@@ -98,6 +98,9 @@ class Transport:
     handshake_errors: tuple[type[BaseException], ...]
     #: called after a large message was dispatched: drop what the library still holds of it
     release_message: Callable[[Any], None] = _no_release
+    #: ``(socket_path, uri, **options)``: dial a ``ws+unix://`` endpoint; None when the
+    #: library dials TCP only (then ``choose`` answers websockets for such URLs)
+    connect_unix: Callable[..., Any] | None = None
 
 
 def fast_available() -> bool:
@@ -105,12 +108,12 @@ def fast_available() -> bool:
 
 
 def _websockets() -> Transport:
-    from websockets.asyncio.client import connect
+    from websockets.asyncio.client import connect, unix_connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
     return Transport(
         WEBSOCKETS, connect, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI),
-        _release_websockets_frame,
+        _release_websockets_frame, unix_connect,
     )  # fmt: skip
 
 
@@ -128,9 +131,13 @@ def _fast() -> Transport:
 _cache: dict[str, Transport] = {}
 
 
-def choose(setting: str | None = None) -> Transport:
-    """The transport ``setting`` (default :data:`TRANSPORT`) names."""
+def choose(setting: str | None = None, *, unix: bool = False) -> Transport:
+    """The transport ``setting`` (default :data:`TRANSPORT`) names. ``unix``: for a
+    ``ws+unix://`` endpoint, which picows does not dial: websockets then, whatever the
+    setting (an isolated sandbox's socket carries no WAN latency for picows to save)."""
     setting = TRANSPORT if setting is None else setting
+    if unix:
+        setting = WEBSOCKETS
     if setting == AUTO:
         setting = FAST if fast_available() else WEBSOCKETS
     if setting not in (WEBSOCKETS, FAST):

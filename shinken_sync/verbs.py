@@ -41,6 +41,13 @@ class Result(str, Enum):
     STREAM = "stream"  # a ScreencastStream
 
 
+#: The fields of a screenshot reply's ``result``, which a screencast frame's header
+#: carries too, in this order: how the image maps to the screen (``screen_x = x0 +
+#: image_x * scale``) and ``pointer``, whether the pixels show the mouse pointer where
+#: it lies (false: never; a daemon that predates the field sends none, read as false).
+IMAGE_FIELDS = ("format", "width", "height", "scale", "x0", "y0", "pointer")
+
+
 @dataclass(frozen=True)
 class Verb:
     """One verb of the protocol.
@@ -72,6 +79,9 @@ class Verb:
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: exec kills a command still running after this long unless told otherwise.
 DEFAULT_EXEC_TIMEOUT_MS = 30_000
+#: launch gives up on an app's window after this long unless told otherwise
+#: (Chromium's first window takes 1-2 s here idle, several under load).
+DEFAULT_LAUNCH_TIMEOUT_MS = 20_000
 
 #: What a screenshot or a screencast frame is unless told otherwise: the SDK's signatures
 #: (``actions.py``, ``AsyncSandbox``), the daemon's argument defaults (``daemon/args.py``), its
@@ -111,6 +121,8 @@ _TABLE = (
         default_wait_ms=DEFAULT_EXEC_TIMEOUT_MS,
         binary_arg="stdin",
     ),
+    Verb("launch", ("app", "args", "timeout_ms"), Result.DICT, waits_on="timeout_ms",
+         default_wait_ms=DEFAULT_LAUNCH_TIMEOUT_MS),
     Verb("read_file", ("path", "offset", "max_bytes"), Result.FILE),
     Verb("write_file", ("path", "data", "append", "make_dirs", "mode"), Result.DICT, binary_arg="data"),
     Verb("screencast_start", _STREAM, Result.STREAM, method="screencast", action=False, opens_stream=True),

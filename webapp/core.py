@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import requests
@@ -70,6 +70,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.records import IdsText, RecordParts, Rows
 from webapp.request_fields import check_request_fields
 from webapp.routes import PROXY_HEADERS, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
@@ -221,13 +222,21 @@ class Session:
     images: dict[str, StoredImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
+    ids_cache: tuple[TitoState, IdsText] | None = None  # the text of the state's token ids (records GET)
+
+    def ids_text(self, state: TitoState) -> IdsText:
+        """The JSON text of ``state``'s token ids: every record's prompt ids are a prefix of it."""
+        cached = self.ids_cache
+        if cached is None or cached[0] is not state:
+            cached = self.ids_cache = (state, IdsText(state.token_ids))
+        return cached[1]
 
     @classmethod
     def restored(cls, r: RestoredSession) -> Session:
         return cls(r.session_id, r.journal, created_at=r.created_at, state=r.state, previous=r.previous,
                    records=r.records, rollbacks=r.rollbacks, images=r.images)
 
-    def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: list[bytes],
+    def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
                images: dict[str, DecodedImage] | None = None) -> bool:
         """Store a finished turn, journal first; False (nothing stored) if the session was
         closed meanwhile. Raises ``InsufficientStorage`` (nothing stored) if the journal
@@ -240,7 +249,11 @@ class Session:
         with self.state_lock:  # a GET snapshots before or after the append, never during it
             if self.closed:
                 return False
+            # The record whose state the turn builds on: the journal stores what this one adds.
+            base = (self.records[-2] if len(self.records) > 1 else None) if plan.rollback \
+                else (self.records[-1] if self.records else None)
             turn, stored = self.journal.append_turn(plan.base, new_state, plan.rollback, turn, record,
+                                                    base.record if base is not None else None,
                                                     list((images or {}).values()))
             self.previous, self.state = plan.base, new_state
             if plan.rollback:
@@ -471,14 +484,15 @@ class SessionCore:
             session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
         except SessionError as exc:
             return error_reply(exc)
-        records, _state, _metadata, encoded, version = self._snapshot(session)
+        records, state, _metadata, encoded, version = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
+        ids = session.ids_text(state)
         for i, record in enumerate(records):
             assert record.record is not None, "a committed record is in the journal"
             if i:
                 body.append(b",")
-            body.append(record.record)
+            body += record.record.pieces(ids.prefix)
         body += (b'],"metadata":', encoded)
         if include_images:
             body += _images_json(session)
@@ -573,11 +587,15 @@ class SessionCore:
             plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
-            engine_request = self.dialect.build_request(request, plan.prompt_ids, images)
+            held = self._rows_held(session, plan)
+            engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
+                                                        replay_from=held[0] if held else 0)
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images))
+            if held:
+                record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
@@ -587,23 +605,35 @@ class SessionCore:
             session.turn_lock.release()
         return self._client_reply(turn, request)
 
+    def _rows_held(self, session: Session, plan: TurnPlan) -> tuple[int, int] | None:
+        """(rows, bytes per row) of the routed experts the session holds for the turn's base
+        state, when the dialect can ask for the rest only; None: a full request."""
+        if not (self.dialect.incremental_replay and self.dialect.replay.routed_experts):
+            return None
+        records = session.records
+        base = (records[-2] if len(records) > 1 else None) if plan.rollback else (records[-1] if records else None)
+        rows = len(plan.base.token_ids) - 1
+        if base is None or base.record is None or rows <= 0:
+            return None
+        held = next((f for f in base.record.fields if isinstance(f, Rows) and f.key == "routed_experts"), None)
+        if held is None or held.length % rows or not held.length:
+            return None  # a first-format record or a payload of another shape: ask for every row
+        return rows, held.length // rows
+
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
-                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, list[bytes]]:
-        """The record's summary and its bytes, as pieces (the reply is not copied)."""
+                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, RecordParts]:
+        """The record's summary and its parts (the reply is not copied)."""
         timestamp = time.time()
         head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                            "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
                           separators=(",", ":"))
-        chunks = [head[:-1].encode() + b',"request":', payload, b',"response":', turn.record_response, b"}"]
-        at = len(chunks[0]) + len(payload) + len(chunks[2])  # the reply's offset in the record
-        replay: dict[str, tuple[int, int]] = {}
-        for key, start, end in turn.replay_spans:
-            replay.setdefault(key, (at + start, at + end))
+        parts = RecordParts(head[:-1].encode() + b',"request":', payload, turn.record_response, turn.replay_spans)
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
-                             timestamp=timestamp, request_timestamp=request_timestamp, replay=replay, images=images)
-        return summary, chunks
+                             timestamp=timestamp, request_timestamp=request_timestamp,
+                             replay=tuple(dict.fromkeys(k for k, _s, _e in turn.replay_spans)), images=images)
+        return summary, parts
 
     def _client_reply(self, turn: EngineTurn, request: dict[str, Any]) -> Reply:
         completion = turn.completion

@@ -28,6 +28,7 @@ stalled clients never hold the pool.
 
 from __future__ import annotations
 
+import binascii
 import os
 import select
 import socket
@@ -44,6 +45,7 @@ from webapp.offload import gevent_active, run_blocking
 
 __all__ = [
     "READ_CHUNK",
+    "B64Span",
     "FileSpan",
     "Piece",
     "body_length",
@@ -56,6 +58,9 @@ __all__ = [
 ]
 
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
+_B64_CHUNK = 3 << 20  # packed bytes read per piece of a B64Span (a multiple of 3: the texts join)
+_BATCH = 2 << 20  # small pieces are gathered into writes of about this size
+_SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter ones join the batch
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
@@ -88,11 +93,35 @@ class FileSpan:
             os.close(fd)
 
 
-Piece = bytes | FileSpan
+@dataclass(frozen=True)
+class B64Span:
+    """The base64 text (standard alphabet, padded) of ``length`` bytes of the file at ``path``
+    from ``offset``: a replay payload the journal keeps packed and serves as the engine sent it.
+    Texts of consecutive pieces concatenate only when each but the last is a multiple of 3
+    bytes long (``webapp.records.Rows`` keeps them so)."""
+
+    path: str
+    offset: int
+    length: int  # packed bytes
+
+    def __len__(self) -> int:
+        return 4 * ((self.length + 2) // 3)
+
+    def read(self, start: int = 0, end: int | None = None) -> bytes:
+        end = len(self) if end is None else end
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return _b64_slice(fd, self, start, end)
+        finally:
+            os.close(fd)
+
+
+Piece = bytes | FileSpan | B64Span
+_SPANS = (FileSpan, B64Span)
 
 
 def has_spans(pieces: Iterable[Any]) -> bool:
-    return any(isinstance(p, FileSpan) for p in pieces)
+    return any(isinstance(p, _SPANS) for p in pieces)
 
 
 def body_length(pieces: Iterable[Piece]) -> int:
@@ -109,6 +138,11 @@ def slice_pieces(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
         if lo < hi:
             if isinstance(piece, FileSpan):
                 out.append(FileSpan(piece.path, piece.offset + lo, hi - lo))
+            elif isinstance(piece, B64Span):
+                if lo == 0 and hi == size:
+                    out.append(piece)
+                else:  # a range inside the text: its quanta encoded now (a Range request only)
+                    out.append(piece.read(lo, hi))
             else:
                 out.append(piece[lo:hi])
         pos += size
@@ -119,16 +153,17 @@ def slice_pieces(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
 
 def read_pieces(pieces: Iterable[Piece]) -> bytes:
     """The whole body in memory (tests, small bodies)."""
-    return b"".join(p.read() if isinstance(p, FileSpan) else p for p in pieces)
+    return b"".join(p.read() if isinstance(p, _SPANS) else p for p in pieces)
 
 
 # -- across the router/worker channel ------------------------------------------------------------
 
 def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
     """``pieces`` -> (the inline bytes joined, the layout): ``{"path": str, "pieces": [n |
-    [offset, length]]}``, where ``n`` is the next ``n`` inline bytes and a pair a span of
-    ``path``. One file per body (a session's journal)."""
-    paths = {p.path for p in pieces if isinstance(p, FileSpan)}
+    [offset, length] | [offset, length, 1]]}``, where ``n`` is the next ``n`` inline bytes, a
+    pair a span of ``path`` and a triple a :class:`B64Span` of it. One file per body (a
+    session's journal)."""
+    paths = {p.path for p in pieces if isinstance(p, _SPANS)}
     if len(paths) != 1:
         raise ValueError(f"a file body names exactly one file, got {sorted(paths)}")
     layout: list[Any] = []
@@ -136,6 +171,8 @@ def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
     for piece in pieces:
         if isinstance(piece, FileSpan):
             layout.append([piece.offset, piece.length])
+        elif isinstance(piece, B64Span):
+            layout.append([piece.offset, piece.length, 1])
         else:
             layout.append(len(piece))
             inline.append(piece)
@@ -156,6 +193,9 @@ def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
             pos += entry
         elif (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)):
             pieces.append(FileSpan(path, entry[0], entry[1]))
+        elif (isinstance(entry, list) and len(entry) == 3 and entry[2] == 1
+              and all(type(v) is int and v >= 0 for v in entry)):
+            pieces.append(B64Span(path, entry[0], entry[1]))
         else:
             raise ValueError(f"malformed file layout entry {entry!r}")
     if pos != len(inline):
@@ -228,7 +268,7 @@ class _FileBody:
         self._fds: dict[str, int] = {}
         try:
             for piece in pieces:
-                if isinstance(piece, FileSpan) and piece.path not in self._fds:
+                if isinstance(piece, _SPANS) and piece.path not in self._fds:
                     # A journal is a regular file of ours: a link in its place is not followed.
                     self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -238,22 +278,75 @@ class _FileBody:
         self._headers_out = False
 
     def __iter__(self) -> Iterator[bytes]:
-        for piece in self._pieces:
-            if not isinstance(piece, FileSpan):
+        # Small pieces (inline bytes, spans under _SENDFILE_MIN, base64 spans) are gathered and
+        # written in _BATCH-sized pieces: a records GET is many short spans (each turn's share
+        # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
+        # are encoded together (each but the last a whole number of quanta: the texts join).
+        out: list[bytes] = []
+        packed: list[bytes] = []
+        size = 0
+
+        def encoded() -> None:
+            nonlocal size
+            if packed:
+                text = binascii.b2a_base64(b"".join(packed), newline=False)
+                packed.clear()
+                out.append(text)
+
+        def flush() -> Iterator[bytes]:
+            nonlocal size
+            encoded()
+            if out:
                 self._headers_out = True
-                yield piece
-            elif self._sock is not None and self._headers_out:
-                _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
-            else:
+                yield b"".join(out)
+                out.clear()
+            size = 0
+
+        for piece in self._pieces:
+            if isinstance(piece, B64Span):
+                fd = self._fds[piece.path]
+                for pos in range(0, piece.length, _B64_CHUNK):
+                    packed.append(_pread_all(fd, min(_B64_CHUNK, piece.length - pos), piece.offset + pos))
+                    size += min(_B64_CHUNK, piece.length - pos)
+                    if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
+                        yield from flush()
+                continue
+            encoded()
+            if not isinstance(piece, FileSpan):
+                out.append(piece)
+                size += len(piece)
+            elif piece.length < _SENDFILE_MIN or self._sock is None:
                 fd = self._fds[piece.path]
                 for pos in range(0, piece.length, READ_CHUNK):
+                    out.append(_pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos))
+                    size += min(READ_CHUNK, piece.length - pos)
+                    if size >= _BATCH:
+                        yield from flush()
+                continue
+            else:
+                yield from flush()
+                if self._headers_out:
+                    _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
+                else:  # nothing went through the server yet: its headers are not on the wire
                     self._headers_out = True
-                    yield _pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos)
+                    yield _pread_all(self._fds[piece.path], piece.length, piece.offset)
+                continue
+            if size >= _BATCH:
+                yield from flush()
+        yield from flush()
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:
+    """Characters ``[start, end)`` of the span's base64 text: only the quanta they fall in."""
+    first, last = start // 4, (end + 3) // 4  # quanta: 3 bytes -> 4 characters
+    lo, hi = first * 3, min(span.length, last * 3)
+    text = binascii.b2a_base64(_pread_all(fd, hi - lo, span.offset + lo), newline=False)
+    return text[start - first * 4:end - first * 4]
 
 
 def _pread_all(fd: int, size: int, offset: int) -> bytes:

@@ -6,22 +6,25 @@ when a worker starts (after a crash, a hang, a channel teardown, a whole server 
 with a different ``--workers``: every worker loads the files whose ids hash to its shard, so
 re-sharding is a start-up with another N and moves no file).
 
-Format, version 1 (all integers little-endian)::
+Format, version 2 (all integers little-endian; docs/session-server-ops.md *Sessions on disk*)::
 
     file    = header entry*
-    header  = "SHKJ" u32:version                        8 bytes
+    header  = "SHKJ" u32:version                        8 bytes (version 1 files are read too)
     entry   = u64:length u8:kind u32:crc32 payload      crc32 of the kind byte + payload
     payload = CREATE: JSON {"session_id", "created_at"}
-              TURN:   u32:meta_length meta-JSON record
+              DELTA:  u32:meta_length meta-JSON [u32 ids] [f64 logprobs] field-bytes*
               IMAGE:  u32:meta_length meta-JSON image-file-bytes
+              TURN:   u32:meta_length meta-JSON record  (version 1 only, never written)
 
-A TURN's ``record`` is miles' ``SessionRecord`` JSON exactly as a records GET serves it (the
-GET sends these bytes from the file), its meta the turn's TITO state as a delta on the state
-it built on (``webapp.tito``; prefix lengths + suffixes, so a turn costs its own size, not the
-conversation's) and the small fields samples read (``webapp.samples.TurnRecord``; the output
-ids are the state's ids past ``prompt_len``). A turn's new images are IMAGE entries just
-before its TURN entry, written with it in one ``writev``; images not followed by their TURN
-are an unfinished commit.
+A DELTA holds what its turn adds on the turn it builds on (the last, or for a rollback the one
+before): the TITO state as a delta (``webapp.tito``; the new token ids as u32), the small
+fields samples read (``webapp.samples.TurnRecord``; logprobs as f64 when all are floats) and
+miles' ``SessionRecord`` as fields (``webapp.records``): text shared with the base record's same
+field by prefix and suffix plus the new bytes between, the prompt ids (generated from the token
+ids, never stored as text) and replay payloads as packed rows (the base record's first bytes
+plus the new tokens' rows). A version 1 TURN's record is the whole record, served as it is.
+A turn's new images are IMAGE entries just before its DELTA entry, written with it in one
+``writev``; images not followed by their turn are an unfinished commit.
 
 Write: the entries of a turn go out before the reply does (a large or fsync'ed append in a
 thread, so the worker's other sessions go on meanwhile); on any error (a full disk, EFBIG,
@@ -68,6 +71,7 @@ directory's owner removes the file at start and the first user rebuilds it from 
 
 from __future__ import annotations
 
+import binascii
 import errno
 import fcntl
 import json
@@ -80,9 +84,12 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, Protocol
 
+import numpy as np
+
 from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
-from webapp.filebody import FileSpan
+from webapp.filebody import FileSpan, read_pieces, slice_pieces
 from webapp.offload import run_blocking
+from webapp.records import Field, Ids, IdsText, RecordBody, RecordParts, Rows, Text, b64_length
 from webapp.samples import TurnRecord
 from webapp.session_errors import InsufficientStorage, JournalDamaged, SessionExists, StorageBudget
 from webapp.tito import INITIAL_STATE, TitoState
@@ -104,7 +111,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = b"SHKJ"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what a new file's header says
+READ_VERSIONS = (1, 2)  # what is read (a version 1 file is served and continued with DELTA entries)
 FILE_HEADER = struct.Struct("<4sI")  # magic, version
 ENTRY_HEADER = struct.Struct("<QBI")  # payload length, kind, crc32(kind byte + payload)
 META_LENGTH = struct.Struct("<I")
@@ -117,8 +125,9 @@ _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread und
 
 class Kind(IntEnum):
     CREATE = 1
-    TURN = 2
+    TURN = 2  # version 1: meta + the whole record (read, never written)
     IMAGE = 3
+    DELTA = 4  # version 2: meta + what the turn adds (see the module doc)
 
 
 class _Image(Protocol):
@@ -189,27 +198,6 @@ def _text_delta(base: str, new: str) -> list[Any]:
     return [k, new[k:]]
 
 
-def encode_turn_meta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord) -> bytes:
-    assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
-    meta = {
-        "rollback": rollback,
-        "messages": _delta(base.messages, state.messages),
-        "token_ids": _delta(base.token_ids, state.token_ids),
-        "rendered_prompt": _text_delta(base.rendered_prompt, state.rendered_prompt),
-        "tools_key": state.tools_key,
-        "eos": state.output_ended_with_eos,
-        "prompt_len": turn.prompt_len,
-        "logprobs": list(turn.logprobs),
-        "finish_reason": turn.finish_reason,
-        "meta": turn.meta,
-        "timestamp": turn.timestamp,
-        "request_timestamp": turn.request_timestamp,
-        "replay": {k: list(v) for k, v in turn.replay.items()},
-        "images": list(turn.images),
-    }
-    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def _apply(base: Sequence[Any], delta: list[Any]) -> tuple[Any, ...]:
     k, suffix = delta
     if not (type(k) is int and 0 <= k <= len(base)) or not isinstance(suffix, list):
@@ -218,6 +206,7 @@ def _apply(base: Sequence[Any], delta: list[Any]) -> tuple[Any, ...]:
 
 
 def decode_turn_meta(meta: dict[str, Any], base: TitoState, record: FileSpan) -> tuple[TitoState, TurnRecord]:
+    """A version 1 TURN entry: the state delta (JSON) and the whole record in ``record``."""
     k, text = meta["rendered_prompt"]
     if not (type(k) is int and 0 <= k <= len(base.rendered_prompt)) or not isinstance(text, str):
         raise ValueError("bad rendered_prompt delta")
@@ -225,15 +214,265 @@ def decode_turn_meta(meta: dict[str, Any], base: TitoState, record: FileSpan) ->
                       token_ids=_apply(base.token_ids, meta["token_ids"]),
                       rendered_prompt=base.rendered_prompt[:k] + text, output_ended_with_eos=bool(meta["eos"]))
     prompt_len = meta["prompt_len"]
+    v1_replay = {k: (s, e) for k, (s, e) in meta["replay"].items()}
     turn = TurnRecord(prompt_len=prompt_len, output_ids=state.token_ids[prompt_len:],
                       logprobs=tuple(meta["logprobs"]), finish_reason=meta["finish_reason"], meta=meta["meta"],
                       timestamp=meta["timestamp"], request_timestamp=meta["request_timestamp"],
-                      record=record, replay={k: (s, e) for k, (s, e) in meta["replay"].items()},
+                      record=RecordBody((Text((record,)),), v1_replay), replay=tuple(v1_replay),
+                      images=tuple(meta["images"]))
+    return state, turn
+
+
+# -- version 2: a turn's entry holds what it adds --------------------------------------------------
+
+_INPUT_IDS = b'"input_ids":['
+_U32 = np.dtype("<u4")
+_F64 = np.dtype("<f8")
+
+
+def _lcp(a: bytes | memoryview, b: bytes | memoryview) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (memcmp-sized steps, not a byte loop)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lcs(a: bytes | memoryview, b: bytes | memoryview, limit: int) -> int:
+    """Length of the common suffix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n == 0 or a[len(a) - n:] == b[len(b) - n:]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[len(a) - mid:len(a) - lo] == b[len(b) - mid:len(b) - lo]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _canonical_b64(text: bytes) -> bytes | None:
+    """The packed bytes of ``text`` if encoding them gives ``text`` back exactly; else None
+    (the payload is then kept as text). Checked by re-encoding: base64 has other texts for
+    the same bytes (newlines, non-zero padding bits) that must not be normalized away."""
+    try:
+        packed = binascii.a2b_base64(text)
+    except binascii.Error:
+        return None
+    if b64_length(len(packed)) != len(text) or binascii.b2a_base64(packed, newline=False) != text:
+        return None
+    return packed
+
+
+_Raw = tuple[str, str | None, bytes]  # ("t", None, text) | ("i", None, b"") | ("r", key, packed)
+
+
+def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None) -> list[_Raw]:
+    """The record's fields: its head, the request around the prompt ids (generated on read),
+    the rest of the text around the replay payloads (kept packed; an incremental payload
+    after the base record's first ``parts.replay_prefix[key]`` bytes of it)."""
+    fields: list[_Raw] = [("t", None, parts.head)]
+    req = parts.request
+    ids = IdsText(prompt_ids).text
+    at = req.rfind(_INPUT_IDS + ids + b"]")
+    if at >= 0:
+        cut = at + len(_INPUT_IDS)
+        fields += [("t", None, req[:cut]), ("i", None, b"")]
+        rest = [req[cut + len(ids):]]
+    else:
+        rest = [req]
+    rest.append(b',"response":')
+    resp, pos = parts.response, 0
+    for key, start, end in sorted(parts.replay_spans, key=lambda span: span[1]):
+        if start < pos or any(f[1] == key for f in fields):
+            continue
+        packed = _canonical_b64(resp[start:end])
+        if packed is None:
+            continue
+        prefix = parts.replay_prefix.get(key, 0)
+        if prefix:
+            held = next((f for f in base.fields if isinstance(f, Rows) and f.key == key), None) if base else None
+            if held is None or held.length < prefix:
+                raise ValueError(f"an incremental {key} payload on a base record without {prefix} bytes of it")
+            packed = read_pieces(slice_pieces(held.pieces, 0, prefix)) + packed
+        rest.append(resp[pos:start])
+        fields += [("t", None, b"".join(rest)), ("r", key, packed)]
+        rest, pos = [], end
+    rest += (resp[pos:], b"}")
+    fields.append(("t", None, b"".join(rest)))
+    return fields
+
+
+def _base_field(base: RecordBody | None, i: int, kind: str, key: str | None) -> Text | Rows | None:
+    if base is None or i >= len(base.fields) or base.v1_replay:
+        return None  # a version 1 record shares nothing (the turn after it stores its fields whole)
+    f = base.fields[i]
+    if kind == "t" and isinstance(f, Text):
+        return f
+    if kind == "r" and isinstance(f, Rows) and f.key == key:
+        return f
+    return None
+
+
+def _encode_fields(raw: list[_Raw], base: RecordBody | None) -> tuple[list[Any], list[bytes]]:
+    """Each field as (meta, new bytes): text as [``t``, prefix, suffix, n] shared with the base
+    record's same field, replay rows as [``r``, key, prefix, n] (prefix a multiple of 3)."""
+    metas: list[Any] = []
+    bodies: list[bytes] = []
+    for i, (kind, key, data) in enumerate(raw):
+        if kind == "i":
+            metas.append(["i"])
+            continue
+        old = _base_field(base, i, kind, key)
+        old_bytes = read_pieces(old.pieces) if old is not None else b""
+        p = _lcp(old_bytes, data)
+        if kind == "t":
+            s = _lcs(old_bytes, data, min(len(old_bytes), len(data)) - p)
+            middle = data[p:len(data) - s]
+            metas.append(["t", p, s, len(middle)])
+        else:
+            p -= p % 3  # the shared part and the new one each a whole number of base64 quanta
+            middle = data[p:]
+            metas.append(["r", key, p, len(middle)])
+        bodies.append(middle)
+    return metas, bodies
+
+
+def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end: int,
+                   prompt_len: int) -> tuple[RecordBody, int]:
+    """The record body of a DELTA entry whose field bytes start at ``at``; (body, bytes used)."""
+    fields: list[Field] = []
+    pos = at
+    if not isinstance(metas, list):
+        raise TypeError("fields is not a list")
+    for i, m in enumerate(metas):
+        if m == ["i"]:
+            fields.append(Ids(prompt_len))
+            continue
+        if not (isinstance(m, list) and len(m) == 4 and m[0] in ("t", "r")):
+            raise ValueError(f"bad field {m!r}")
+        kind = m[0]
+        key = m[1] if kind == "r" else None
+        p, s, n = (m[1], m[2], m[3]) if kind == "t" else (m[2], 0, m[3])
+        if not all(type(v) is int and v >= 0 for v in (p, s, n)) or (kind == "r" and not isinstance(key, str)):
+            raise ValueError(f"bad field {m!r}")
+        old = _base_field(base, i, kind, key)
+        old_len = old.length if old is not None else 0
+        if p + s > old_len or pos + n > end:
+            raise ValueError(f"field {i} reaches past its base or its entry")
+        old_pieces = old.pieces if old is not None else ()
+        pieces = [*slice_pieces(old_pieces, 0, p), FileSpan(path, pos, n),
+                  *slice_pieces(old_pieces, old_len - s, old_len)]
+        pieces = [q for q in pieces if len(q)]
+        pos += n
+        if kind == "t":
+            fields.append(Text(tuple(pieces)))
+        else:
+            assert key is not None
+            fields.append(Rows(key, tuple(q for q in pieces if isinstance(q, FileSpan))))
+    return RecordBody(tuple(fields)), pos - at
+
+
+def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | None, list[int]]:
+    """(prefix kept, the new ids as u32 (None: not all fit), the new ids)."""
+    k = _common_prefix(base, new)
+    tail = list(new[k:])
+    try:
+        return k, np.asarray(tail, dtype=_U32).tobytes() if tail else b"", tail
+    except (OverflowError, ValueError, TypeError):
+        return k, None, tail
+
+
+def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord, parts: RecordParts,
+                 base_record: RecordBody | None) -> tuple[list[bytes], list[Any]]:
+    """A DELTA entry's payload (meta length, meta, sections) and its field metas."""
+    assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
+    k, packed_ids, tail = _id_delta(base.token_ids, state.token_ids)
+    sections: list[bytes] = []
+    if packed_ids is not None:
+        sections.append(packed_ids)
+        ids_meta: list[Any] = [k, len(tail)]
+    else:
+        ids_meta = [k, tail]
+    if all(type(lp) is float for lp in turn.logprobs):
+        sections.append(np.asarray(turn.logprobs, dtype=_F64).tobytes())
+        lp_meta: Any = len(turn.logprobs)
+    else:  # None or int logprobs: kept as the engine gave them
+        lp_meta = list(turn.logprobs)
+    field_metas, bodies = _encode_fields(_split_record(parts, state.token_ids[:turn.prompt_len], base_record),
+                                        base_record)
+    meta = {
+        "rollback": rollback,
+        "messages": _delta(base.messages, state.messages),
+        "ids": ids_meta,
+        "rendered_prompt": _text_delta(base.rendered_prompt, state.rendered_prompt),
+        "tools_key": state.tools_key,
+        "eos": state.output_ended_with_eos,
+        "prompt_len": turn.prompt_len,
+        "logprobs": lp_meta,
+        "finish_reason": turn.finish_reason,
+        "meta": turn.meta,
+        "timestamp": turn.timestamp,
+        "request_timestamp": turn.request_timestamp,
+        "images": list(turn.images),
+        "fields": field_metas,
+    }
+    encoded = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    return [META_LENGTH.pack(len(encoded)), encoded, *sections, *bodies], field_metas
+
+
+def decode_delta(meta: dict[str, Any], base: TitoState, base_record: RecordBody | None, fd: int, path: str,
+                 at: int, end: int) -> tuple[TitoState, TurnRecord]:
+    """A DELTA entry whose sections start at ``at`` (``end``: the entry's end)."""
+    k, ids = meta["ids"]
+    if not (type(k) is int and 0 <= k <= len(base.token_ids)):
+        raise ValueError(f"bad ids prefix {k!r}")
+    pos = at
+    if isinstance(ids, int):
+        raw = os.pread(fd, 4 * ids, pos)
+        if len(raw) != 4 * ids or pos + 4 * ids > end:
+            raise ValueError("ids past the entry")
+        ids, pos = np.frombuffer(raw, dtype=_U32).tolist(), pos + 4 * ids
+    lp = meta["logprobs"]
+    if isinstance(lp, int):
+        raw = os.pread(fd, 8 * lp, pos)
+        if len(raw) != 8 * lp or pos + 8 * lp > end:
+            raise ValueError("logprobs past the entry")
+        lp, pos = np.frombuffer(raw, dtype=_F64).tolist(), pos + 8 * lp
+    t, text = meta["rendered_prompt"]
+    if not (type(t) is int and 0 <= t <= len(base.rendered_prompt)) or not isinstance(text, str):
+        raise ValueError("bad rendered_prompt delta")
+    state = TitoState(messages=_apply(base.messages, meta["messages"]), tools_key=meta["tools_key"],
+                      token_ids=(*base.token_ids[:k], *ids), rendered_prompt=base.rendered_prompt[:t] + text,
+                      output_ended_with_eos=bool(meta["eos"]))
+    prompt_len = meta["prompt_len"]
+    if not (type(prompt_len) is int and 0 <= prompt_len <= len(state.token_ids)):
+        raise ValueError(f"bad prompt_len {prompt_len!r}")
+    body, used = _decode_fields(meta["fields"], base_record, path, pos, end, prompt_len)
+    if pos + used != end:
+        raise ValueError(f"the entry holds {end - pos - used} bytes its fields do not name")
+    turn = TurnRecord(prompt_len=prompt_len, output_ids=state.token_ids[prompt_len:], logprobs=tuple(lp),
+                      finish_reason=meta["finish_reason"], meta=meta["meta"], timestamp=meta["timestamp"],
+                      request_timestamp=meta["request_timestamp"], record=body, replay=body.replay_keys(),
                       images=tuple(meta["images"]))
     return state, turn
 
 
 # -- writing ---------------------------------------------------------------------------------------
+
+def _sections(meta: dict[str, Any]) -> int:
+    """How many binary sections (ids, logprobs) precede a DELTA entry's field bytes."""
+    return int(isinstance(meta["ids"][1], int)) + int(isinstance(meta["logprobs"], int))
+
 
 def _entry(kind: Kind, payload: Sequence[bytes]) -> list[bytes]:
     crc = zlib.crc32(bytes((kind,)))
@@ -266,24 +505,31 @@ class SessionJournal:
         return f"{self.size:x}-{self.last_crc:08x}"
 
     def append_turn(self, base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord,
-                    record: Sequence[bytes], images: Sequence[_Image] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
-        """Append a turn (and its new images); returns the turn and images as the session keeps
-        them (pointing into the file). Raises :class:`InsufficientStorage`: nothing written."""
+                    parts: RecordParts, base_record: RecordBody | None = None,
+                    images: Sequence[_Image] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
+        """Append a turn (and its new images) as a DELTA entry on ``base_record`` (the record
+        whose state is ``base``; None: the first turn); returns the turn and images as the
+        session keeps them (pointing into the file). Raises :class:`InsufficientStorage`:
+        nothing written."""
         entries: list[list[bytes]] = []
         for image in images:
             meta = json.dumps({"sha256": image.sha256, "mime_type": image.mime_type, "width": image.width,
                                "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(meta, image.data)))
-        meta = encode_turn_meta(base, state, rollback, turn)
-        entries.append(_entry(Kind.TURN, _meta_payload(meta, *record)))
+        payload, _fields = encode_delta(base, state, rollback, turn, parts, base_record)
+        entries.append(_entry(Kind.DELTA, payload))
         starts = self._append(entries)
         stored = {}
         for image, entry, start in zip(images, entries, starts):
             data_at = start + ENTRY_HEADER.size + META_LENGTH.size + len(entry[2])
             stored[image.sha256] = StoredImage(image.sha256, image.mime_type, image.width, image.height,
                                                FileSpan(self.path, data_at, len(image.data)))
-        record_at = starts[-1] + ENTRY_HEADER.size + META_LENGTH.size + len(meta)
-        return replace(turn, record=FileSpan(self.path, record_at, sum(len(c) for c in record))), stored
+        meta = json.loads(payload[1])
+        at = starts[-1] + ENTRY_HEADER.size + META_LENGTH.size + len(payload[1])
+        end = starts[-1] + ENTRY_HEADER.size + sum(len(c) for c in payload)
+        body_at = at + sum(len(c) for c in payload[2:2 + _sections(meta)])
+        body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
+        return replace(turn, record=body, replay=body.replay_keys()), stored
 
     def _append(self, entries: list[list[bytes]], what: str = "the turn") -> list[int]:
         """Write the entries in one go at the end; returns each entry's offset. Raises
@@ -654,13 +900,19 @@ class JournalStore:
                     pending_from = start if pending_from is None else pending_from
                     pending[meta["sha256"]] = StoredImage(meta["sha256"], meta["mime_type"], meta["width"],
                                                           meta["height"], FileSpan(path, body_at, end - body_at))
-                elif kind is Kind.TURN:
+                elif kind in (Kind.TURN, Kind.DELTA):
                     rollback = bool(meta.get("rollback"))
                     base = restored.previous if rollback else restored.state
                     if base is None:
                         raise _Torn("a rollback with no turn to roll back")
+                    recs = restored.records
+                    base_record = (recs[-2] if len(recs) > 1 else None) if rollback else (recs[-1] if recs else None)
                     try:
-                        state, turn = decode_turn_meta(meta, base, FileSpan(path, body_at, end - body_at))
+                        if kind is Kind.TURN:
+                            state, turn = decode_turn_meta(meta, base, FileSpan(path, body_at, end - body_at))
+                        else:
+                            state, turn = decode_delta(meta, base, base_record.record if base_record else None,
+                                                       entries.f.fileno(), path, body_at, end)
                     except (KeyError, TypeError, ValueError) as exc:
                         raise _Torn(f"an unreadable turn ({exc})") from exc
                     if rollback:
@@ -729,8 +981,8 @@ class _Scan:
         magic, version = FILE_HEADER.unpack(header) if len(header) == FILE_HEADER.size else (header, None)
         if magic != MAGIC:
             raise _NotOurs("not a session journal (bad magic)")
-        if version != FORMAT_VERSION:
-            raise _NotOurs(f"journal format version {version}, this server reads {FORMAT_VERSION}")
+        if version not in READ_VERSIONS:
+            raise _NotOurs(f"journal format version {version}, this server reads {READ_VERSIONS}")
 
     def mark_damaged(self, at: int) -> None:
         """The replay refused an entry the scan passed: damage at ``at`` (not a torn tail)."""

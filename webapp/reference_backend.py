@@ -120,24 +120,30 @@ def _expert_block(num_experts: int) -> bytes:
     return block.tobytes()
 
 
-def _routed_experts_base64(digest: bytes, num_tokens: int, shape: R3Shape) -> bytes:
+def _routed_experts_base64(token_ids: Sequence[int], num_tokens: int, shape: R3Shape, start: int = 0) -> bytes:
+    """Rows ``[start, num_tokens)``; row ``i`` is a function of ``i`` and ``token_ids[i]`` alone,
+    so, as in a causal model, a prefix's rows do not change when tokens follow it."""
     fixed = _expert_block(shape.num_experts)
-    offset = 4 * (int.from_bytes(digest[:8], "big") % _R3_BLOCK_INTS)  # the prompt picks a rotation
-    raw = fixed[offset:] + fixed[:offset]
-    size = max(num_tokens, 0) * shape.layers * shape.top_k * 4
-    full, rest = divmod(size, len(raw))
-    return base64.b64encode(raw) * full + base64.b64encode(raw[:rest])
+    row = shape.layers * shape.top_k
+    doubled = fixed + fixed[:4 * row]  # any rotation offset has a whole row after it
+    rows = []
+    for i in range(max(start, 0), max(num_tokens, 0)):
+        at = 4 * ((token_ids[i] * 2654435761 + i * 40503) % _R3_BLOCK_INTS)
+        rows.append(doubled[at:at + 4 * row])
+    return base64.b64encode(b"".join(rows))
 
 
-def routed_experts_b64(digest: bytes, num_tokens: int, shape: R3Shape) -> str:
-    """Base64 of ``num_tokens x layers x top_k`` little-endian int32 expert ids, deterministic."""
-    return _routed_experts_base64(digest, num_tokens, shape).decode("ascii")
+def routed_experts_b64(token_ids: Sequence[int], num_tokens: int, shape: R3Shape, start: int = 0) -> str:
+    """Base64 of rows ``[start, num_tokens)`` of ``num_tokens x layers x top_k`` little-endian
+    int32 expert ids for the sequence ``token_ids`` (prompt + output), deterministic."""
+    return _routed_experts_base64(token_ids, num_tokens, shape, start).decode("ascii")
 
 
 def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, max_tokens: int | None = None,
                          want_r3: bool = False, r3: R3Shape = R3Shape(),
-                         images: Sequence[bytes] = ()) -> dict[str, Any]:
-    """The full backend reply for ``input_ids`` and the image bytes (pure, except ``created``)."""
+                         images: Sequence[bytes] = (), r3_start: int = 0) -> dict[str, Any]:
+    """The full backend reply for ``input_ids`` and the image bytes (pure, except ``created``);
+    ``r3_start``: SGLang's ``routed_experts_start_len``, the first R3 row returned."""
     digest = _digest(input_ids, images)
     text = json.dumps(choose_action(digest), separators=(", ", ": "))
     output_ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
@@ -154,7 +160,8 @@ def reference_completion(input_ids: Sequence[int], tokenizer: ChatTokenizer, *, 
         "finish_reason": {"type": finish_reason},
     }
     if want_r3 and r3.layers > 0:
-        meta["routed_experts"] = routed_experts_b64(digest, len(input_ids) + len(output_ids) - 1, r3)
+        meta["routed_experts"] = routed_experts_b64([*input_ids, *output_ids], len(input_ids) + len(output_ids) - 1,
+                                                    r3, r3_start)
     return {
         "id": "chatcmpl-" + digest.hex(),
         "object": "chat.completion",
@@ -176,7 +183,7 @@ _R3_MARK = "\u2063R3\u2063"  # placeholder, spliced with the base64 bytes after 
 
 def reference_completion_json(input_ids: Sequence[int], tokenizer: ChatTokenizer, *,
                               max_tokens: int | None = None, want_r3: bool = False,
-                              r3: R3Shape = R3Shape(), images: Sequence[bytes] = ()) -> bytes:
+                              r3: R3Shape = R3Shape(), images: Sequence[bytes] = (), r3_start: int = 0) -> bytes:
     """``json.dumps(reference_completion(...))`` without running the encoder over the R3 string."""
     reply = reference_completion(input_ids, tokenizer, max_tokens=max_tokens, want_r3=False, r3=r3, images=images)
     if not (want_r3 and r3.layers > 0):
@@ -185,7 +192,8 @@ def reference_completion_json(input_ids: Sequence[int], tokenizer: ChatTokenizer
     meta["routed_experts"] = _R3_MARK
     head, tail = json.dumps(reply).encode().split(json.dumps(_R3_MARK).encode())
     tokens = meta["prompt_tokens"] + meta["completion_tokens"] - 1
-    return b"".join((head, b'"', _routed_experts_base64(_digest(input_ids, images), tokens, r3), b'"', tail))
+    ids = [*input_ids, *(tid for _lp, tid in meta["output_token_logprobs"])]
+    return b"".join((head, b'"', _routed_experts_base64(ids, tokens, r3, r3_start), b'"', tail))
 
 
 class _BadRequest(Exception):
@@ -277,9 +285,12 @@ class _Handler(BaseHTTPRequestHandler):
             ids = _input_ids(request, self.server.tokenizer)
             images = _images(request, ids, self.server.tokenizer)
             max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
+            start = request.get("routed_experts_start_len", 0)
+            if type(start) is not int or start < 0:
+                raise _BadRequest("routed_experts_start_len must be a non-negative integer")
             reply = reference_completion_json(ids, self.server.tokenizer, max_tokens=max_tokens,
                                               want_r3=bool(request.get("return_routed_experts")),
-                                              r3=self.server.r3, images=images)
+                                              r3=self.server.r3, images=images, r3_start=start)
         except (ValueError, _BadRequest) as exc:
             self._send(400, {"error": str(exc)})
             return

@@ -37,7 +37,6 @@ Wire format (one safetensors payload): per sample ``i`` the tensors ``<field>.<i
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
-from webapp.filebody import FileSpan
+from webapp.records import RecordBody
 from webapp.session_errors import SampleAssemblyError
 from webapp.tokenizers import ChatTokenizer, decode_lenient
 
@@ -94,9 +93,9 @@ class TurnRecord:
     meta: dict[str, Any]  # SAMPLE_META_KEYS present in choices[0].meta_info
     timestamp: float
     request_timestamp: float
-    replay: dict[str, tuple[int, int]]  # replay key -> span of its base64 text in the record's bytes
+    replay: tuple[str, ...]  # the replay keys the record holds (its payloads: ``record.replay(key)``)
     images: tuple[str, ...] = ()  # sha256 of each image in the prompt, in order of appearance
-    record: FileSpan | None = None  # the record's bytes in the session journal (None: not written yet)
+    record: RecordBody | None = None  # the record's bytes in the session journal (None: not written yet)
 
 
 @dataclass
@@ -259,7 +258,6 @@ def assemble_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], to
 def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, layers: int) -> np.ndarray:
     turn = turns[payload.turn]
     key = next(k for k, v in R3_FIELD.items() if v == name)
-    start, end = turn.replay[key]
     if key == "indexer_topk":
         layers = turn.meta.get("indexer_topk_num_layers") or 0
         if not layers:
@@ -268,7 +266,7 @@ def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, lay
         raise SampleAssemblyError("routed_experts in the records but no routing-replay layer count is set "
                                   "(--routing-replay-layers)")
     assert turn.record is not None, "a committed record is in the journal"
-    values = np.frombuffer(base64.b64decode(turn.record.read(start, end)), dtype="<i4").astype(np.int32, copy=False)
+    values = np.frombuffer(turn.record.replay(key), dtype="<i4").astype(np.int32, copy=False)
     rows = turn.prompt_len + len(turn.output_ids) - 1
     if rows <= 0:
         return np.empty((0, layers, 0), dtype=np.int32)

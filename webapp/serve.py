@@ -38,10 +38,12 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -375,12 +377,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--instance is minted by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
     # after the backend is already up.
+    ephemeral = port == 0
     try:
         listener = _listen(host, port)
     except OSError as exc:
         parser.error(f"cannot listen on {host}:{port}: {exc.strerror}; pass --bind with a free port (or port 0)")
     port = listener.getsockname()[1]
-    if values["data_dir"] is None:  # one per address: a restart on it finds its sessions again
+    scratch = None  # a data directory of this run only, removed at exit
+    if values["data_dir"] is None and ephemeral:
+        # No address to find the sessions again by: one per run would pile up under the state
+        # directory, so the journals live in a private temporary directory for this run.
+        scratch = values["data_dir"] = tempfile.mkdtemp(prefix="shinken-session-server-")
+    elif values["data_dir"] is None:  # one per address: a restart on it finds its sessions again
         values["data_dir"] = default_data_dir(f"{host}-{port}")
     try:
         check_free(values["data_dir"])
@@ -392,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             values["backend_kind"] = _check_engine(backend_url, values, tokenizer)
         except (EngineCheckFailed, EngineConfigError) as exc:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             return _not_ready(str(exc))
     else:
         values["backend_kind"] = "sglang"  # the reference backend's dialect
@@ -446,13 +456,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(_POLL)
         url_host = f"[{host}]" if ":" in host else host
         print(json.dumps({"ready": True, "url": f"http://{url_host}:{port}", "workers": workers,
-                          "backend_url": backend_url, "pid": os.getpid(), "instance": values["instance"]}),
+                          "backend_url": backend_url, "pid": os.getpid(), "instance": values["instance"],
+                          "data_dir": values["data_dir"], "data_dir_removed_at_exit": scratch is not None}),
               flush=True)
         return gunicorn.wait()
     finally:
         _terminate(gunicorn, 30.0)
         if backend is not None:
             backend.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

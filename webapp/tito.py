@@ -143,12 +143,20 @@ def normalize_messages(raw: Any) -> tuple[Message, ...]:
 
 
 def tools_key(tools: Any) -> str | None:
-    """The canonical JSON of a request's tools; None for absent or ``[]`` (the same thing)."""
+    """The JSON of a request's tools, keys in the client's order; None for absent or ``[]``
+    (the same thing).
+
+    The order is kept because templates render it: Qwen2.5's ``tool | tojson`` writes the keys
+    as given, as ``transformers`` does and as the engines' chat APIs do for the OpenAI field
+    order; sorted keys made a prompt the engine would never render (found against a real vLLM).
+    Two requests whose tools differ only in key order render differently, so they count as a
+    change of tools (allowed between turns).
+    """
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise InvalidField("tools", "expected a list")
-    return json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else None
+    return json.dumps(tools, ensure_ascii=False) if tools else None
 
 
 def tools_of(key: str | None) -> list[Any] | None:

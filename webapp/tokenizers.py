@@ -39,6 +39,7 @@ __all__ = [
     "content_text",
     "decode_lenient",
     "load_tokenizer",
+    "template_messages",
 ]
 
 Message = dict[str, Any]
@@ -218,6 +219,37 @@ class ByteChatTokenizer:
         return "".join(parts)
 
 
+def template_messages(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` as a model's chat template expects them: each tool call's ``arguments`` (a JSON
+    string on the OpenAI wire) as the object it encodes.
+
+    Tool-use templates (Qwen2.5's: ``tool_call.arguments | tojson``) are written for objects, and
+    the engines render so before applying them (vLLM's ``_postprocess_messages``, per
+    transformers' docs); a string would render JSON-escaped inside a string, a prompt the model
+    never saw in training and not what the engine's own chat API renders. A string that is not
+    a JSON object stays as it is (nothing is lost; vLLM would render ``{}``).
+    """
+    out: list[Message] = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if isinstance(calls, list) and calls:
+            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}} if isinstance(parsed, dict) else call
+
+
 def _token_content(value: Any) -> str | None:
     # tokenizer_config.json stores special tokens as a string or as an AddedToken dict.
     if isinstance(value, dict):
@@ -234,7 +266,8 @@ class HFChatTokenizer:
     file, as Qwen2-VL models ship it). The end-of-turn token is
     ``tokenizer_config.json``'s ``eos_token``. Rendering follows ``transformers``: a sandboxed
     environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``
-    and a ``tojson`` filter that keeps non-ASCII text.
+    and a ``tojson`` filter that keeps non-ASCII text; tool-call arguments reach the template as
+    objects (:func:`template_messages`), as the engines pass them.
     """
 
     def __init__(self, path: str) -> None:
@@ -336,7 +369,7 @@ class HFChatTokenizer:
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
         return self._template.render(
-            messages=self._special_text.escape(list(messages)),
+            messages=self._special_text.escape(template_messages(messages)),
             tools=self._special_text.escape(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from webapp.core import Reply, Session, SessionCore, error_reply, error_response, json_response
+from webapp.filebody import read_pieces, slice_pieces
 from webapp.offload import run_blocking
+from webapp.records import Text
 from webapp.samples import TurnRecord, assemble_samples
 from webapp.session_errors import SampleAssemblyError, SessionError
 from webapp.tito import MAX_TRIM_TOKENS
@@ -129,29 +131,34 @@ def _load_record(turn: TurnRecord, ids_bytes: int) -> dict[str, Any]:
     """The record's JSON without its input ids and replay payloads, which are never read.
 
     The ids are the one part that grows with the session (every record repeats the whole
-    prompt), so their bytes are skipped by length: ``ids_bytes``, computed from the session's
-    accumulated ids (the prompt is their prefix); the bytes before them (messages, tools) are
-    read until ``"input_ids":[`` shows, and those after them around the replay spans."""
-    span = turn.record
-    assert span is not None, "a committed record is in the journal"
+    prompt). A record of journal format 2 keeps them (and each replay payload) as a field of
+    its own, left out here (``"input_ids":[]``, ``""``); a format-1 record is one text whose ids
+    are skipped by length: ``ids_bytes``, computed from the session's accumulated ids (the
+    prompt is their prefix), and whose replay payloads are cut at their spans."""
+    body = turn.record
+    assert body is not None, "a committed record is in the journal"
+    if not body.v1_replay and not (len(body.fields) == 1 and isinstance(body.fields[0], Text)):
+        return _parsed(read_pieces([p for f in body.fields if isinstance(f, Text) for p in f.pieces]))
+    (whole,) = (f for f in body.fields if isinstance(f, Text))
+    pieces, length = whole.pieces, whole.length
     head, want = b"", 64 << 10
     at = -1
-    while at < 0 and len(head) < span.length:
-        head = span.read(0, min(span.length, want))
+    while at < 0 and len(head) < length:
+        head = read_pieces(slice_pieces(pieces, 0, min(length, want)))
         at = head.find(_INPUT_IDS)
         want *= 4
     if at < 0:  # a record without ids (never written by this core): parse what is there
         return _parsed(head)
     ids_end = at + len(_INPUT_IDS) + ids_bytes
-    pieces, pos = [head[:at + len(_INPUT_IDS)]], ids_end
-    for s, e in sorted(turn.replay.values()):  # base64 text inside "...": left as ""
+    kept, pos = [head[:at + len(_INPUT_IDS)]], ids_end
+    for s, e in sorted(body.v1_replay.values()):  # base64 text inside "...": left as ""
         if s >= pos:
-            pieces.append(span.read(pos, s))
+            kept.append(read_pieces(slice_pieces(pieces, pos, s)))
             pos = e
-    pieces.append(span.read(pos, span.length))
-    if not pieces[1].startswith(b"]"):  # not where the length says (an odd client field): read it all
-        return _parsed(span.read())
-    return _parsed(b"".join(pieces))
+    kept.append(read_pieces(slice_pieces(pieces, pos, length)))
+    if not kept[1].startswith(b"]"):  # not where the length says (an odd client field): read it all
+        return _parsed(read_pieces(pieces))
+    return _parsed(b"".join(kept))
 
 
 def _parsed(data: bytes) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from shinken_sync.verbs import (
     DEFAULT_EXEC_TIMEOUT_MS,
     DEFAULT_IMAGE_FORMAT,
     DEFAULT_IMAGE_QUALITY,
+    DEFAULT_LAUNCH_TIMEOUT_MS,
     DEFAULT_SCREENCAST_FPS,
     DEFAULT_WAIT_TIMEOUT_MS,
     VERBS,
@@ -50,6 +51,9 @@ MAX_FPS = 30.0
 MAX_LONG_EDGE = 16_384
 MIN_LONG_EDGE = 16
 MAX_ENV_VARS = 256
+MAX_LAUNCH_ARGS = 64
+MAX_LAUNCH_ARG_CHARS = 8192
+MAX_LAUNCH_TIMEOUT_MS = 120_000
 BUTTONS = ("left", "middle", "right")
 OUTPUT_ENCODINGS = ("utf-8", "base64")
 
@@ -197,6 +201,17 @@ def _env(name: str, value: Any, screen: Screen) -> dict[str, str]:
     return dict(value)
 
 
+def _str_list(max_items: int, max_len: int) -> Checker:
+    item = _str(max_len, nonempty=False)
+
+    def check(name: str, value: Any, screen: Screen) -> list[str]:
+        if not isinstance(value, list) or len(value) > max_items:
+            raise BadArgs(f"{name} must be a list of at most {max_items} strings")
+        return [item(f"{name}[{i}]", v, screen) for i, v in enumerate(value)]
+
+    return check
+
+
 _X, _Y = Arg(_coord("x")), Arg(_coord("y"))
 _BUTTON = Arg(_choice(BUTTONS), "left")
 _IMAGE = {
@@ -237,6 +252,13 @@ SPECS: dict[str, dict[str, Arg]] = {
         "stdin": Arg(_optional(_base64(MAX_EXEC_STDIN)), None),
         "max_output": Arg(_int(0, MAX_EXEC_OUTPUT), DEFAULT_EXEC_OUTPUT),
         "encoding": Arg(_choice(OUTPUT_ENCODINGS), "utf-8"),
+    },
+    "launch": {
+        # Which names exist is the display's business (a desktop's app table): an
+        # unknown one is a bad_args reply from there.
+        "app": Arg(_str(64)),
+        "args": Arg(_str_list(MAX_LAUNCH_ARGS, MAX_LAUNCH_ARG_CHARS), []),
+        "timeout_ms": Arg(_int(1, MAX_LAUNCH_TIMEOUT_MS), DEFAULT_LAUNCH_TIMEOUT_MS),
     },
     "read_file": {
         "path": Arg(_path),

@@ -433,13 +433,14 @@ class PngBands(BandedEncoding):
 BANDED: dict[str, type[BandedEncoding]] = {"jpeg": JpegRows, "png": PngBands}
 
 
-def encoded(image: Image.Image, params: EncodeParams) -> EncodedImage:
+def encoded(image: Image.Image, params: EncodeParams, *, pointer: bool = False) -> EncodedImage:
     """Encode an image already rendered to ``params.geometry``."""
-    return described(encode(image, params.format, params.quality), params)
+    return described(encode(image, params.format, params.quality), params, pointer=pointer)
 
 
-def described(data: bytes, params: EncodeParams) -> EncodedImage:
-    """Encoded bytes of ``params.geometry`` with the metadata that maps them to the screen."""
+def described(data: bytes, params: EncodeParams, *, pointer: bool = False) -> EncodedImage:
+    """Encoded bytes of ``params.geometry`` with the metadata that maps them to the screen;
+    ``pointer``: the pixels show the mouse pointer (where it lies inside them)."""
     geo = params.geometry
     return EncodedImage(
         data=data,
@@ -449,4 +450,5 @@ def described(data: bytes, params: EncodeParams) -> EncodedImage:
         scale=geo.scale,
         x0=geo.x0,
         y0=geo.y0,
+        pointer=pointer,
     )

@@ -9,10 +9,14 @@ Everything else goes to stderr. Each sandbox is served on its own URL path
 ``/sb/<index>``: ``/sb/0`` in single mode, ``/sb/0`` .. ``/sb/N-1`` with
 ``--fleet N`` (N virtual sandboxes in one process sharing one encode cache,
 for scale tests). One bearer token guards them all, read from ``--token-file``
-(a regular file the group and others cannot read) or, without that option, from
-the ``SHINKEND_TOKEN`` environment variable (removed from the daemon's
-environment at once, so ``exec`` children never see it). Never from the
-command line, where ``ps`` shows it. docs/protocol.md is the reference.
+(a regular file the group and others cannot read), from ``--token-fd`` (a pipe
+read to EOF, what the providers use: the token is then in no file, argument or
+environment) or, without either, from the ``SHINKEND_TOKEN`` environment
+variable (moved into a pipe at once and the daemon re-executed without it, so
+neither ``exec`` children nor ``/proc/PID/environ`` see it). Never from the
+command line, where ``ps`` shows it. ``--unix PATH`` serves on a unix socket
+instead of TCP; ``--exec-user`` runs the agent's processes apart from the
+daemon (daemon/identity.py). docs/protocol.md is the reference.
 
 Exit codes: 0 after a clean shutdown, 2 for bad command-line options or a token
 that cannot be used (missing, unreadable, empty, shorter than
@@ -39,14 +43,16 @@ import stat
 import sys
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.http11 import Request, Response
 
 from shinken_sync import cliargs
-from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote
+from shinken_sync.protocol import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, quote, unix_url
 
+from . import identity
 from .connection import serve_connection
-from .display import make_display
+from .display import DisplayError, make_display
+from .display.desktop import DESKTOPS
 from .screencast import DEFAULT_GRACE_S, StreamRegistry
 from .verbs import SandboxState
 
@@ -128,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=None,
                    help=f"file holding the bearer token (at least {MIN_TOKEN_BYTES} bytes), mode 0600 or "
                         f"stricter (default: ${TOKEN_ENV}, the same rule)")
+    p.add_argument("--token-fd", type=int, default=None, metavar="FD",
+                   help="read the bearer token from this inherited descriptor (a pipe) up to EOF, then close "
+                        "it: no path, no environment variable (default: off)")
+    p.add_argument("--unix", default=None, metavar="PATH",
+                   help="listen on this unix socket instead of --host/--port (its directory should be "
+                        "private: mode 0700); the ready line's url is ws+unix://... (default: off)")
+    p.add_argument("--exec-user", default=None, metavar="UID[:GID]",
+                   help="run exec children (and programs launched for the agent) as this uid/gid, apart from "
+                        "the daemon, which also makes itself the first OOM victim (isolated sandboxes; "
+                        "see daemon/identity.py) (default: as the daemon)")
+    p.add_argument("--exec-home", default="/home/agent", metavar="DIR",
+                   help="with --exec-user: the agent's home, created if missing and its default cwd")
     p.add_argument("--display", choices=("virtual", "xvfb"), default="virtual",
                    help="virtual: a drawn desktop in this process; xvfb: a real X server with xdotool input "
                         "(needs Xvfb, xdotool and the [xvfb] extra) (default: virtual)")
@@ -141,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", default="", metavar="COMMAND",
                    help="xvfb: start this program on the screen once it is up (e.g. xterm) and focus it "
                         "(default: none)")
+    p.add_argument("--desktop", choices=tuple(DESKTOPS), default=None,
+                   help="xvfb: a real desktop on the screen: "
+                        + "; ".join(f"{d.name}: {d.description}" for d in DESKTOPS.values())
+                        + " (docs/desktop.md) (default: none, a bare screen)")
     p.add_argument("--log-level", default="INFO",
                    help="stderr log threshold: DEBUG, INFO, WARNING or ERROR (default: INFO)")
     return p
@@ -150,41 +172,57 @@ class TokenError(Exception):
     """The bearer token cannot be used; the daemon exits with :data:`EXIT_USAGE`."""
 
 
-def _read_token(path: str | None) -> str:
+def _read_token(path: str | None, fd: int | None = None) -> str:
     # Popped whether used or not: exec children inherit os.environ and must
     # never see a token.
     from_env = os.environ.pop(TOKEN_ENV, "").strip()
-    if path is None:
-        token = from_env
+    if fd is not None:
+        where = f"token descriptor {fd}"
+        raw = _read_token_fd(fd, where)
+    elif path is None:
         where = f"${TOKEN_ENV}"
-        if not token:
-            raise TokenError(f"no token: pass --token-file PATH or set {where}")
+        if not from_env:
+            raise TokenError(f"no token: pass --token-file PATH, --token-fd FD or set {where}")
+        raw = from_env.encode("utf-8", "surrogateescape")
     else:
         where = f"token file {path}"
-        try:
-            # O_NONBLOCK: a FIFO planted at the path must not hang the start.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise TokenError(f"{where} is not a regular file")
-            if info.st_mode & 0o077:
-                raise TokenError(
-                    f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
-                    f"chmod 600 it"
-                )
-            raw = f.read(64 * 2**10)
-        try:
-            token = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise TokenError(f"{where} is not UTF-8 text") from None
+        raw = _read_token_file(path, where)
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise TokenError(f"{where} is not UTF-8 text") from None
     if not token:
         raise TokenError(f"{where} is empty")
     if len(token.encode()) < MIN_TOKEN_BYTES:
         raise TokenError(f"the token in {where} is shorter than {MIN_TOKEN_BYTES} bytes")
     return token
+
+
+def _read_token_fd(fd: int, where: str) -> bytes:
+    # Read to EOF and closed: nothing of the token stays reachable through this descriptor.
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(64 * 2**10)
+    except OSError as exc:
+        raise TokenError(f"cannot read {where}: {exc.strerror or exc}") from None
+
+
+def _read_token_file(path: str, where: str) -> bytes:
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise TokenError(f"cannot open {where}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TokenError(f"{where} is not a regular file")
+        if info.st_mode & 0o077:
+            raise TokenError(
+                f"{where} is readable or writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}); "
+                f"chmod 600 it"
+            )
+        return f.read(64 * 2**10)
 
 
 async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
@@ -201,6 +239,8 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
         options: dict[str, Any] = {"seed": args.seed} if args.display == "virtual" else {}
         if args.launch:
             options["launch"] = shlex.split(args.launch)
+        if args.desktop:
+            options["desktop"] = args.desktop
         specs = [(base_id, options)]
     sandboxes: list[SandboxState] = []
     try:
@@ -211,6 +251,10 @@ async def _make_sandboxes(args: argparse.Namespace) -> list[SandboxState]:
     except BaseException:
         await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
         raise
+    x_display = getattr(sandboxes[0].display, "display_name", None)
+    if x_display and not args.fleet:
+        # exec's commands (xdotool, a program the agent starts itself) reach this screen.
+        os.environ["DISPLAY"] = x_display
     return sandboxes
 
 
@@ -221,30 +265,39 @@ async def run(args: argparse.Namespace, token: str) -> int:
         loop.add_signal_handler(signum, stop.set)
     try:
         sandboxes = await _make_sandboxes(args)
+    except DisplayError as exc:  # says what failed, with the fix or the program's log tail
+        log.error("could not start the %s display: %s", args.display, exc)
+        return EXIT_BOOT_ERROR
     except Exception:
         log.exception("could not start the %s display", args.display)
         return EXIT_BOOT_ERROR
     daemon = Daemon(sandboxes, token, args.rtt_ms)
     server: Server | None = None
     try:
+        options: dict[str, Any] = {
+            "process_request": daemon.process_request,
+            "compression": None,
+            "max_size": MAX_MESSAGE_SIZE,
+            "max_queue": WS_MAX_QUEUE,
+            "close_timeout": CLOSE_TIMEOUT_S,
+            "logger": logging.getLogger("shinkend.ws"),
+        }
+        where = args.unix or f"{args.host}:{args.port}"
         try:
-            server = await serve(
-                daemon.handle,
-                args.host,
-                args.port,
-                process_request=daemon.process_request,
-                compression=None,
-                max_size=MAX_MESSAGE_SIZE,
-                max_queue=WS_MAX_QUEUE,
-                close_timeout=CLOSE_TIMEOUT_S,
-                logger=logging.getLogger("shinkend.ws"),
-            )
+            if args.unix:
+                server = await unix_serve(daemon.handle, args.unix, **options)
+            else:
+                server = await serve(daemon.handle, args.host, args.port, **options)
         except OSError as exc:
-            log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+            log.error("cannot listen on %s: %s", where, exc)
             return EXIT_BOOT_ERROR
-        port = server.sockets[0].getsockname()[1]
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]
+        if args.unix:
+            port = None
+            urls = [unix_url(args.unix, sandbox_path(i)) for i in range(len(sandboxes))]
+        else:
+            port = server.sockets[0].getsockname()[1]
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            urls = [f"ws://{host}:{port}{sandbox_path(i)}" for i in range(len(sandboxes))]
         display = sandboxes[0].display
         ready: dict[str, Any] = {
             "event": "ready",
@@ -260,6 +313,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         x_display = getattr(display, "display_name", None)
         if x_display:
             ready["x_display"] = x_display
+        desktop = getattr(display, "desktop_status", None)
+        if desktop:
+            ready["desktop"] = desktop
         if args.fleet:
             ready["urls"] = urls
         sys.stdout.write(json.dumps(ready) + "\n")
@@ -290,9 +346,26 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _reexec_with_token_pipe() -> None:
+    """Move a ``$SHINKEND_TOKEN`` into a pipe and execute this daemon again without it.
+
+    The kernel keeps a process's initial environment in ``/proc/PID/environ`` whatever
+    ``os.environ`` becomes, so popping the variable hid it from children only. Run from
+    the command line only (never replaces a process that called :func:`main`)."""
+    token = os.environ.pop(TOKEN_ENV).encode("utf-8", "surrogateescape")
+    read_end, write_end = os.pipe()
+    os.write(write_end, token[: 60 * 2**10])  # fits a pipe's buffer; longer is no token anyway
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    os.execv(sys.executable, [sys.executable, "-m", "shinken_sync.daemon.server", *sys.argv[1:],
+                              "--token-fd", str(read_end)])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and args.token_file is None and args.token_fd is None and os.environ.get(TOKEN_ENV):
+        _reexec_with_token_pipe()
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
@@ -308,14 +381,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rtt-ms must be between 0 and {MAX_RTT_MS}")
     if args.launch and args.display != "xvfb":
         parser.error("--launch needs --display xvfb")
+    if args.desktop and args.display != "xvfb":
+        parser.error("--desktop needs --display xvfb")
     if not 0 <= args.stream_grace < math.inf:  # NaN fails both: a NaN timer breaks the loop's heap
         parser.error("--stream-grace must be a finite number >= 0")
     _raise_fd_limit()
     try:
-        token = _read_token(args.token_file)
+        token = _read_token(args.token_file, args.token_fd)
     except TokenError as exc:
         log.error("refusing to start: %s", exc)
         return EXIT_USAGE
+    # The token is in this process's memory now: no other uid may read it.
+    identity.harden_daemon(oom_first=args.exec_user is not None)
+    if args.exec_user is not None:
+        try:
+            uid, gid = identity.parse_exec_user(args.exec_user)
+        except ValueError as exc:
+            parser.error(str(exc))
+        user = identity.AgentUser(uid, gid, args.exec_home)
+        try:
+            identity.prepare_home(user)
+        except OSError as exc:
+            log.error("cannot prepare the agent's home %s: %s", user.home, exc)
+            return EXIT_BOOT_ERROR
+        identity.set_agent(user)
     return asyncio.run(run(args, token))
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from shinken_sync.protocol import ERR_FAILED, ERR_NOT_FOUND
 
+from . import identity
 from .deadline import within
 from .errors import VerbError, VerbTimeout
 
@@ -53,18 +54,26 @@ class Shell:
         self._groups: set[int] = set()
 
     async def exec(self, p: dict[str, Any]) -> dict[str, Any]:
+        user = identity.agent()
+        argv = ["/bin/sh", "-c", p["cmd"]]
         env = None if p["env"] is None else {**os.environ, **p["env"]}
+        options: dict[str, Any] = {}
+        cwd = p["cwd"]
+        if user is not None:  # an isolated sandbox: the command runs as the agent, never as the daemon
+            argv = user.argv(argv)
+            env = {**os.environ, **user.environment(), **(p["env"] or {})}
+            options = user.popen_options()
+            cwd = cwd or user.home
         started = time.monotonic()
-        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            p["cmd"],
+        spawn = asyncio.ensure_future(_start(
+            argv,
             stdin=asyncio.subprocess.PIPE if p["stdin"] is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            cwd=p["cwd"],
+            cwd=cwd,
             env=env,
             start_new_session=True,
+            **options,
         ))
         try:
             proc = await asyncio.shield(spawn)
@@ -76,7 +85,7 @@ class Shell:
             with contextlib.suppress(Exception):
                 started_proc = await spawn
                 _kill_group(started_proc.pid)
-                await within(started_proc.wait(), 1.0)
+                await within(_exited(started_proc), 1.0)
             raise
         except FileNotFoundError as exc:
             raise VerbError(f"cannot run command: {exc}", ERR_NOT_FOUND) from None
@@ -94,7 +103,7 @@ class Shell:
         timeout_s = p["timeout_ms"] / 1000
         try:
             try:
-                await within(proc.wait(), timeout_s)
+                await within(_exited(proc), timeout_s)
             except asyncio.TimeoutError:  # noqa: UP041 (not TimeoutError on 3.10)
                 _kill_group(proc.pid)
                 raise VerbTimeout(
@@ -110,10 +119,14 @@ class Shell:
             if proc.returncode is None:  # cancelled: the connection went away mid-command
                 _kill_group(proc.pid)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await within(proc.wait(), 1.0)
+                    await within(_exited(proc), 1.0)
             # Background processes the command left may outlive it in the group.
             if proc.returncode is not None and not _group_alive(proc.pid):
                 self._groups.discard(proc.pid)
+            # Our ends of its pipes: a background process may still hold the others, and the
+            # transport would stay open (and complain when collected after its loop closed).
+            if proc.returncode is not None:
+                _protocol(proc).close()
         rc = proc.returncode
         stdout, stdout_cut = _encode(out.data, p["encoding"])
         stderr, stderr_cut = _encode(err.data, p["encoding"])
@@ -133,6 +146,49 @@ class Shell:
         for pgid in self._groups:
             _kill_group(pgid)
         self._groups.clear()
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Also resolves ``exited`` when the process exits. ``Process.wait()`` on Python 3.11
+    returns only once every pipe is closed too (3.12 fixed it): a command leaving a
+    background process on its stdout (``sleep 60 &``) would hold the reply that long."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._process_transport = transport
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def close(self) -> None:
+        """Close the pipes (the process has exited: nothing else is done to it)."""
+        self._process_transport.close()
+
+
+async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec`` with :class:`_ExitProtocol`."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitProtocol(limit=2**16, loop=loop), *argv, **options
+    )
+    return asyncio.subprocess.Process(transport, protocol, loop)
+
+
+def _protocol(proc: asyncio.subprocess.Process) -> _ExitProtocol:
+    protocol = proc._protocol  # type: ignore[attr-defined]  # set by _start, ours
+    assert isinstance(protocol, _ExitProtocol)
+    return protocol
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Until ``proc`` has exited (its pipes may stay open: see :class:`_ExitProtocol`)."""
+    await asyncio.shield(_protocol(proc).exited)
 
 
 class _Capture:
@@ -236,12 +292,15 @@ def write_file(p: dict[str, Any]) -> dict[str, Any]:
     path = p["path"]
     try:
         if p["make_dirs"]:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _make_dirs(os.path.dirname(os.path.abspath(path)))
         with contextlib.suppress(FileNotFoundError):  # refused before O_TRUNC can touch it
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise VerbError(f"{path} is not a regular file (the file verbs refuse FIFOs, sockets and devices)")
+        existed = os.path.lexists(path)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if p["append"] else os.O_TRUNC)
         with open(_open_regular(path, flags), "ab" if p["append"] else "wb") as f:
+            if not existed:  # created by this call: the agent's file
+                identity.chown_to_agent(f.fileno())
             f.write(p["data"])
             if p["mode"] is not None:
                 os.fchmod(f.fileno(), p["mode"])
@@ -250,3 +309,15 @@ def write_file(p: dict[str, Any]) -> dict[str, Any]:
     except OSError as exc:
         raise VerbError(f"cannot write {path}: {exc.strerror or exc}", ERR_FAILED) from None
     return {"path": os.path.abspath(path), "bytes_written": len(p["data"])}
+
+
+def _make_dirs(path: str) -> None:
+    """``os.makedirs``, each directory it creates given to the agent (if any)."""
+    missing = []
+    while path and not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+            identity.chown_to_agent(directory)

@@ -219,6 +219,12 @@ async def _exec(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str
     return await sb.shell.exec(p)
 
 
+async def _launch(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
+    timeout = p["timeout_ms"] / 1000
+    # The display gives up at the timeout with the app's log tail; this bound is the backstop.
+    return await _on_display(sb.display.launch(p["app"], p["args"], timeout), "launch", timeout + 5.0)
+
+
 async def _read_file(sb: SandboxState, outbox: Outbox, p: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.get_running_loop().run_in_executor(FILE_THREADS, read_file, p)
 
@@ -253,6 +259,7 @@ HANDLERS: dict[str, Handler] = {
     "cursor": _cursor,
     "screen_size": _screen_size,
     "exec": _exec,
+    "launch": _launch,
     "read_file": _read_file,
     "write_file": _write_file,
     "screencast_start": _screencast_start,

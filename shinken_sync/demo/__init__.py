@@ -502,6 +502,36 @@ def check_display(display: str) -> None:
         raise DemoError(f"--display xvfb: {problem}; or use --display virtual")
 
 
+def provider_config(spec: str, display: str) -> Any:
+    """The ``--provider`` value as a provider config: a type name (``local``, ``isolated``)
+    gets the demo's screen and ``--display`` with its programs; a JSON object (inline, or
+    ``@FILE``) is taken as written (docs/sandboxes.md), its display fields defaulting to
+    the same. :class:`DemoError` for anything else."""
+    from shinken_sync.providers.config import CONFIGS, config_from_dict
+    from shinken_sync.providers.errors import ProviderConfigError
+
+    text = spec
+    if spec.startswith("@"):
+        try:
+            text = Path(spec[1:]).read_text()
+        except OSError as exc:
+            raise DemoError(f"--provider {spec}: cannot read {spec[1:]}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if text.lstrip().startswith("{") else {"type": text}
+    except ValueError as exc:
+        raise DemoError(f"--provider {spec}: not a provider type nor a JSON object ({exc})") from None
+    if not isinstance(data, dict):
+        raise DemoError(f"--provider {spec}: a provider config is a JSON object")
+    if data.get("type") not in ("local", "isolated"):
+        raise DemoError(f"--provider runs episodes on 'local' or 'isolated' sandboxes, not {data.get('type')!r} "
+                        f"(known provider types: {sorted(CONFIGS)}; for Ray use --ray)")
+    data = {"display": display, "screen": list(SCREEN), "extra_args": display_args(display), **data}
+    try:
+        return config_from_dict(data)
+    except ProviderConfigError as exc:
+        raise DemoError(f"--provider: {exc}") from None
+
+
 _held_out: dict[Path, int] = {}  # output folder -> the fd holding its lock, for this process's life
 
 
@@ -560,17 +590,19 @@ def prepare_out(path: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     """The single-process rollout; ``shinken demo --ray`` runs :mod:`shinken_sync.demo.ray_cluster` instead
     (chosen by ``shinken_sync.cli``: that module builds on this one, so this one never imports it)."""
-    from shinken_sync.providers.local import LocalProvider
+    from shinken_sync.providers.config import make_provider
     from webapp.settings import BY_NAME
 
     # Every check before anything is created or started.
     check_display(args.display)
+    config = provider_config(getattr(args, "provider", "local"), args.display)
     if args.port:
         _check_port_free("127.0.0.1", args.port)
     overrides = environment_overrides()
     out = prepare_out(args.out)
 
-    print(f"shinken demo: {plural(args.sandboxes, args.display + ' sandbox', args.display + ' sandboxes')} x "
+    kind = config.display if config.type == "local" else f"{config.type} {config.display}"
+    print(f"shinken demo: {plural(args.sandboxes, kind + ' sandbox', kind + ' sandboxes')} x "
           f"{plural(args.turns, 'turn')}, session server with {plural(args.workers, 'worker')} -> {out}/",
           file=sys.stderr)
     report_environment(overrides)
@@ -586,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
         viewer = None  # shinken_sync.fleet_view.FleetPublisher with --view
         http = requests.Session()
         try:
-            provider = LocalProvider(display=args.display, screen=SCREEN, extra_args=display_args(args.display))
+            provider = make_provider(config)
             handles = provider.create_many(args.sandboxes)
             url = wait_ready(server)
             for i, handle in enumerate(handles):

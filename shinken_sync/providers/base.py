@@ -29,6 +29,24 @@ class Provider(abc.ABC, Generic[Handle]):
     def create(self, **options: Any) -> Handle:
         """Start one sandbox and return its handle once it accepts connections."""
 
+    def create_many(self, n: int, parallelism: int = 8, **options: Any) -> list[Handle]:
+        """Start ``n`` sandboxes (at most ``parallelism`` booting at once, where the
+        provider starts anything) and return their handles. All or nothing: on a
+        failure the ones already created are destroyed and the error raised.
+        This default creates them one by one; providers that boot sandboxes
+        override it to start them in parallel."""
+        if n < 0 or parallelism < 1:
+            raise ValueError(f"create_many needs n >= 0 and parallelism >= 1, not n={n}, parallelism={parallelism}")
+        handles: list[Handle] = []
+        try:
+            for _ in range(n):
+                handles.append(self.create(**options))
+        except BaseException:
+            for handle in handles:
+                self.destroy(handle)
+            raise
+        return handles
+
     @abc.abstractmethod
     def endpoint(self, handle: Handle) -> tuple[str, str]:
         """The ``(url, token)`` to dial this sandbox with."""

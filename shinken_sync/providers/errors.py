@@ -4,6 +4,11 @@
     └── ProviderError                  a provider could not do what was asked
         ├── DaemonStartError           a shinkend process did not report ready
         │                              (exit_code / signal / stderr_tail say why)
+        ├── IsolationUnavailable       an isolated sandbox cannot be built here: what is missing
+        │   │                          and the fix, in one line (no bwrap, no root filesystem,
+        │   │                          namespaces refused)
+        │   └── CgroupUnavailable      its cgroup limits cannot be set up or removed
+        ├── ProviderConfigError        a provider config is malformed (unknown key, wrong type)
         ├── ProviderExhausted          a fixed-size provider has no sandbox left to hand out
         └── UnknownHandle              the handle was not created by this provider
 """
@@ -46,3 +51,16 @@ class ProviderExhausted(ProviderError):
 
 class UnknownHandle(ProviderError):
     """The handle does not belong to this provider (or was already destroyed and forgotten)."""
+
+
+class IsolationUnavailable(ProviderError):
+    """An isolated sandbox cannot be built on this host; the message names what is
+    missing and the fix (and quotes bubblewrap's own words when it refused)."""
+
+
+class CgroupUnavailable(IsolationUnavailable):
+    """The sandbox's cgroup (memory, CPU, pids limits) cannot be created, set or removed."""
+
+
+class ProviderConfigError(ProviderError, ValueError):
+    """A provider config is malformed: an unknown ``type`` or key, or a value of the wrong type."""

@@ -175,7 +175,9 @@ class LocalFleetProvider(Provider[LocalSandbox]):
                 raise ProviderExhausted(f"all {self.size} fleet sandboxes are handed out")
             return self._free.pop()
 
-    def create_many(self, n: int, parallelism: int = 8) -> list[LocalSandbox]:
+    def create_many(self, n: int, parallelism: int = 8, **options: Any) -> list[LocalSandbox]:
+        if options:
+            raise TypeError("fleet sandboxes are configured when the fleet starts")
         with self._lock:
             if len(self._free) < n:
                 raise ProviderExhausted(f"{n} sandboxes asked, {len(self._free)} left of {self.size}")

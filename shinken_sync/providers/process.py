@@ -2,8 +2,9 @@
 
 :func:`start_daemons` launches ``sys.executable -m shinken_sync.daemon.server``
 children with bounded parallelism and waits for each one's ready line. Every
-child gets a fresh random token in a 0600 file (deleted as soon as the child
-reported ready: it reads the token before binding), and its stderr goes to an
+child gets a fresh random token through a pipe it reads to EOF at start
+(``--token-fd``: the token is in no file, argument or environment variable,
+so nothing in ``/proc/PID/{cmdline,environ}`` names it), and its stderr goes to an
 already-unlinked temporary file whose descriptor the parent keeps, so a failed
 start can quote the daemon's last words and a crash leaves nothing on disk.
 
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import IO, Any
 
 from shinken_sync.childproc import ReadyLineBuffer, ReadyLineTooLong, StdoutClosed, parse_ready_line
@@ -103,28 +105,46 @@ def _spawn_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class DaemonProcess:
-    """One shinkend child: its process, token and ready line."""
+    """One shinkend child: its process, token and ready line.
+
+    Subclasses change how the daemon is launched through the hooks
+    :meth:`_prepare` (before the spawn), :meth:`_command`, :meth:`_popen` (in
+    the spawner thread), :meth:`_spawned` (right after) and :meth:`_abandon`
+    (a failed start); :mod:`.isolated` runs it inside a bubblewrap sandbox.
+    """
 
     def __init__(self, argv: list[str], name: str):
         self.name = name
         self.token = secrets.token_urlsafe(32)
-        fd, self._token_path = tempfile.mkstemp(prefix=f"shinkend-{name}-", suffix=".token")  # mode 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(self.token)
+        self._token_fd: int | None = None  # the child's end of the token pipe, until the spawn
         self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
         self.ready: dict[str, Any] = {}
         self._stdout = ReadyLineBuffer()
-        cmd = [sys.executable, "-m", "shinken_sync.daemon.server", "--token-file", self._token_path, *argv]
+        self._oom_counter: str | None = None
+        self._oom_kills_at_start: int | None = None
         try:
+            self._prepare()
+            cmd = self._command(argv)
             self.process: subprocess.Popen[bytes] = _spawn_thread().submit(self._popen, cmd).result()
+            self._spawned()
         except BaseException:
-            self._forget_token()
-            self._stderr.close()
+            self._abandon()
             raise
-        # The kernel counts OOM kills per memory cgroup; the child starts in ours.
-        self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
-        self._oom_kills_at_start = read_oom_kills(self._oom_counter)
         _live.add(self)
+
+    def _prepare(self) -> None:
+        self._token_fd, write_end = os.pipe()
+        try:
+            os.write(write_end, self.token.encode())  # 43 bytes: far below a pipe's buffer, never blocks
+        finally:
+            os.close(write_end)
+
+    def _command(self, argv: list[str]) -> list[str]:
+        return [sys.executable, "-m", "shinken_sync.daemon.server", "--token-fd", str(self._token_fd), *argv]
+
+    def _pass_fds(self) -> list[int]:
+        """Descriptors the child inherits (at their numbers)."""
+        return [] if self._token_fd is None else [self._token_fd]
 
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -133,9 +153,27 @@ class DaemonProcess:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             close_fds=True,
+            pass_fds=self._pass_fds(),
             start_new_session=True,
             preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
+
+    def _spawned(self) -> None:
+        self._forget_token()  # the child holds its end now
+        # The kernel counts OOM kills per memory cgroup; the child starts in ours.
+        self._oom_counter = memory_cgroup_oom_counter(self.process.pid)
+        self._oom_kills_at_start = read_oom_kills(self._oom_counter)
+
+    def _abandon(self) -> None:
+        """Undo a start that failed before the daemon was tracked."""
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(TERMINATE_TIMEOUT_S)
+        if process is not None and process.stdout is not None:
+            process.stdout.close()
+        self._forget_token()
+        self._stderr.close()
 
     @property
     def pid(self) -> int:
@@ -166,16 +204,19 @@ class DaemonProcess:
 
     def _started(self) -> None:
         self.process.stdout.close()  # the daemon writes nothing else to stdout
-        self._forget_token()  # read before the daemon bound its port
 
     def start_error(self, message: str) -> DaemonStartError:
         self.terminate()
         rc = self.process.returncode
+        tail = self.stderr_tail()
+        # The daemon's last words (a traceback's last line names the exception) on the first
+        # line too: what failed, without reading the whole tail.
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
         return DaemonStartError(
-            f"shinkend {self.name}: {message}",
+            f"shinkend {self.name}: {message}" + (f": {last[:300]}" if last else ""),
             exit_code=rc if rc is not None and rc >= 0 else None,
             signal=-rc if rc is not None and rc < 0 else None,
-            stderr_tail=self.stderr_tail(),
+            stderr_tail=tail,
         )
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
@@ -234,8 +275,10 @@ class DaemonProcess:
         self._stderr.close()
 
     def _forget_token(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._token_path)
+        if self._token_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._token_fd)
+            self._token_fd = None
 
 
 def start_daemons(
@@ -244,6 +287,7 @@ def start_daemons(
     *,
     parallelism: int = 8,
     timeout: float = DEFAULT_START_TIMEOUT_S,
+    spawn: Callable[[list[str], str], DaemonProcess] = DaemonProcess,
 ) -> list[DaemonProcess]:
     """Start one daemon per argv, at most ``parallelism`` starting at once.
 
@@ -262,7 +306,7 @@ def start_daemons(
             while todo or deadlines:
                 while todo and len(deadlines) < parallelism:
                     argv, name = todo.pop()
-                    daemon = DaemonProcess(argv, name)
+                    daemon = spawn(argv, name)
                     started.append(daemon)
                     deadlines[daemon] = time.monotonic() + timeout
                     sel.register(daemon.process.stdout, selectors.EVENT_READ, daemon)

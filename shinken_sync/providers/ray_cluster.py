@@ -203,8 +203,9 @@ class RayProvider(Provider[RaySandbox]):
     def create(self, **options: Any) -> RaySandbox:
         return self.create_many(1, **options)[0]
 
-    def create_many(self, n: int, **options: Any) -> list[RaySandbox]:
-        """``n`` sandboxes, placed together (one placement group). All or nothing."""
+    def create_many(self, n: int, parallelism: int = 8, **options: Any) -> list[RaySandbox]:
+        """``n`` sandboxes, placed together (one placement group). All or nothing.
+        ``parallelism`` is Ray's to choose: every host actor starts at once."""
         if options:
             raise TypeError("RayProvider sandboxes are configured in the constructor")
         if n < 1:

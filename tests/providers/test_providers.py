@@ -57,11 +57,17 @@ def test_local_provider_lifecycle(aci):
     assert all(_gone(pid) for pid in pids)
 
 
-def test_token_files_do_not_outlive_startup():
+def test_the_token_is_in_no_file_argument_or_environment():
     with LocalProvider(screen=SCREEN) as provider:
         handle = provider.create()
-        # the daemon read its token before binding; the file is gone once it is ready
-        assert not os.path.exists(handle.daemon._token_path)
+        # it came through a pipe the daemon read to EOF and closed before binding
+        for name in ("cmdline", "environ"):
+            with open(f"/proc/{handle.pid}/{name}", "rb") as f:
+                text = f.read().decode(errors="replace")
+            assert handle.token not in text and "--token-file" not in text and "SHINKEND_TOKEN" not in text
+        fds = [os.readlink(f"/proc/{handle.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{handle.pid}/fd")]
+        assert len([fd for fd in fds if fd.startswith("pipe:")]) <= 1  # stdout only (stderr is a file)
+        assert handle.daemon._token_fd is None
 
 
 def test_check_alive_reports_the_killing_signal():

@@ -76,17 +76,34 @@ def test_restart_serves_the_same_bytes_and_continues_with_the_same_token_ids(tmp
             "tito_session_mismatch"] == []
 
 
-def test_the_file_is_the_documented_format_and_records_are_its_bytes(tmp_path):
+def test_the_file_is_the_documented_format_and_a_turn_stores_what_it_adds(tmp_path):
     core = core_on(tmp_path)
     sid = new_session(core)
     play(core, sid, 2)
     path = tmp_path / "sessions" / f"{sid}.journal"
-    kinds = [kind for _pos, kind, _size in entries(path)]
-    assert kinds == [Kind.CREATE, Kind.TURN, Kind.TURN]
+    found = entries(path)
+    assert [kind for _pos, kind, _size in found] == [Kind.CREATE, Kind.DELTA, Kind.DELTA]
     records = body_of(core.get_session(sid))["records"]
     data = path.read_bytes()
-    for record_json in (json.dumps(r, separators=(",", ":")) for r in records):
-        assert record_json.encode()[:40] in data  # the served record starts inside the file
+    pos, _kind, size = found[2]
+    (meta_len,) = struct.unpack_from("<I", data, pos + ENTRY_HEADER.size)
+    meta = json.loads(data[pos + ENTRY_HEADER.size + 4:pos + ENTRY_HEADER.size + 4 + meta_len])
+    # The documented meta: the token ids as a prefix kept plus u32s, the record as fields.
+    assert meta["ids"][0] == records[0]["request"]["input_ids"].__len__() + len(
+        records[0]["response"]["choices"][0]["meta_info"]["output_token_logprobs"])
+    assert [f[0] for f in meta["fields"]] == ["t", "t", "i", "t", "r", "t"]
+    # What the second turn adds: its request shares the first's messages (prefix) and the
+    # fields after them (suffix); its R3 holds only the rows past the first turn's.
+    _t, prefix, suffix, _n = meta["fields"][1]
+    assert prefix > 0 and suffix > 0
+    row = 4 * R3.layers * R3.top_k
+    first_rows = meta["ids"][0] - 1  # the first turn's prompt + output - 1
+    r3 = next(f for f in meta["fields"] if f[0] == "r")
+    assert r3[1] == "routed_experts" and r3[2] == first_rows * row // 3 * 3
+    second_rows = len(records[1]["request"]["input_ids"]) + len(
+        records[1]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]) - 1
+    assert r3[3] == second_rows * row - r3[2]
+    assert size < len(json.dumps(records[1], separators=(",", ":")))
 
 
 def test_rollback_replays_to_the_same_records_and_state(tmp_path):

@@ -94,3 +94,34 @@ def test_start_session_server_says_why_it_is_not_ready(reference_backend_factory
     # could not boot, with a traceback per worker).
     assert exc.value.exit_code == 2 and "is not a directory" in exc.value.detail
     assert str(missing) in str(exc.value) and "Traceback" not in exc.value.detail
+
+
+@pytest.mark.timeout(120)
+def test_an_ephemeral_port_without_data_dir_keeps_its_journals_in_a_directory_removed_at_exit(tmp_path):
+    """``--bind HOST:0`` and no ``--data-dir``: no per-port folder is left under the state dir."""
+    import json
+    import os
+    import signal
+
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.Popen(server_argv(1), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        data_dir = ready["data_dir"]
+        assert ready["data_dir_removed_at_exit"] and data_dir.startswith(str(tmp_path / "tmp")), ready
+        sid = requests.post(f"{ready['url']}/sessions", timeout=30).json()["session_id"]
+        chat = requests.post(f"{ready['url']}/sessions/{sid}/v1/chat/completions", timeout=60,
+                             json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200, chat.text[:300]
+        assert os.path.exists(os.path.join(data_dir, "sessions", f"{sid}.journal"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not os.path.exists(data_dir)
+        assert not (tmp_path / "state").exists()  # nothing under the user's state directory
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

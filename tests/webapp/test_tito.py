@@ -180,6 +180,35 @@ def test_template_that_rerenders_earlier_turns_is_a_prefix_mismatch():
                                          {"role": "user", "content": "c"}], None, tok)
 
 
+class ToolsSeen(ByteChatTokenizer):
+    """Keeps the tools each render was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def render(self, messages, *, add_generation_prompt, tools=None):
+        self.seen.append(tools)
+        return super().render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+def test_the_template_gets_the_tools_keys_in_the_clients_order():
+    """Templates render tool keys as given (Qwen2.5's ``tool | tojson``), so must the server:
+    sorted keys made a prompt neither transformers nor the engine renders."""
+    tok = ToolsSeen()
+    tools = [{"type": "function", "function": {"name": "click", "description": "d", "parameters": {
+        "type": "object", "properties": {"y": {"type": "integer"}, "x": {"type": "integer"}}}}}]
+    s = Session()
+    s.turn([{"role": "user", "content": "a"}], "b", tools=tools)
+    plan = plan_turn(s.state, s.previous, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                           {"role": "user", "content": "c"}], tools, tok)
+    assert plan.tools_key == s.state.tools_key  # the same tools: no change between the turns
+    assert tok.seen and all(seen == tools and list(seen[0]) == ["type", "function"]
+                            and list(seen[0]["function"]) == ["name", "description", "parameters"]
+                            and list(seen[0]["function"]["parameters"]["properties"]) == ["y", "x"]
+                            for seen in tok.seen)
+
+
 @pytest.mark.parametrize("messages", [
     None, [], "hi", [{"content": "no role"}], [{"role": 3, "content": "x"}], [{"role": "user", "content": 5}],
     [{"role": "assistant", "content": None, "tool_calls": [{"function": "x"}]}],

@@ -148,3 +148,18 @@ def test_template_text_without_fields_is_tokenized_as_before(hf_tokenizer_dir):
     tok = load_tokenizer(hf_tokenizer_dir)
     text = tok.render([{"role": "user", "content": "the agent clicks"}], add_generation_prompt=True)
     assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(hf_tokenizer_dir):
+    """The OpenAI wire carries ``arguments`` as a JSON string; tool-use templates (Qwen2.5's
+    ``arguments | tojson``) and the engines' own chat rendering take the object. A string
+    that is not a JSON object is left as it is."""
+    tok = HFChatTokenizer(hf_tokenizer_dir)
+
+    def call(arguments: str) -> dict:
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "click", "arguments": arguments}}]}
+
+    text = tok.render([call('{"x": 1, "y": "é"}')], add_generation_prompt=False)
+    assert '{"name": "click", "arguments": {"x": 1, "y": "é"}}' in text
+    assert '"arguments": "not json"' in tok.render([call("not json")], add_generation_prompt=False)

@@ -2,8 +2,8 @@
 against real session servers in both modes, with real sessions through the reference backend:
 screenshots, a client-written tool call, a one-step rollback and a message full of markup.
 
-One browser for the module; the router-mode server has an API key (the viewer's login), the
-single-process one has none (the launcher refuses a key there, and the viewer follows the API).
+One browser for the module; both servers have an API key (the viewer's login): the viewer
+follows the API's auth, which is the same in both modes.
 """
 
 from __future__ import annotations
@@ -50,14 +50,11 @@ def browser() -> Iterator[Browser]:
 @pytest.fixture(scope="module", params=[0, 2], ids=["single-process", "router"])
 def served(request: pytest.FixtureRequest, session_server_factory, tmp_path_factory) -> Iterator[Served]:
     workers = request.param
-    flags: list[str] = []
-    key = None
-    if workers:
-        key = KEY
-        key_file = tmp_path_factory.mktemp("key") / "api-key"
-        key_file.write_text(KEY)
-        key_file.chmod(0o600)
-        flags = ["--api-key-file", str(key_file)]
+    key = KEY
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(KEY)
+    key_file.chmod(0o600)
+    flags = ["--api-key-file", str(key_file)]
     server = session_server_factory.launch(workers, None, *flags)
     rollout = drive(server.url, TURNS, key=key)
     for _ in range(2):  # other sessions, so the list has something to sort and filter
@@ -99,8 +96,6 @@ def _pixel_of_image(p: Page, selector: str) -> list[int]:
 
 
 def test_wrong_key_is_401_and_the_login_sets_an_httponly_strict_cookie(browser: Browser, served: Served) -> None:
-    if not served.key:
-        pytest.skip("the single-process server has no API key")
     p = browser.new_page()
     try:
         p.send("Network.clearBrowserCookies")

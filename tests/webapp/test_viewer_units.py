@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,9 +183,41 @@ def test_timeline_skips_the_ids_unread_and_matches_the_records(core_with_a_sessi
     monkeypatch.setattr(viewer_data, "_parsed", lambda data: (parsed.append(data), real_parsed(data))[1])
     fast = json.loads(viewer_data.ViewerData(core).timeline(sid).read())
     assert len(parsed) == 3 and all(b'"input_ids":[]' in d for d in parsed)  # the ids were cut, not parsed
-    monkeypatch.setattr(viewer_data, "_INPUT_IDS", b"\x00never")  # forces the whole-record parse
+    # The same timeline from each record parsed whole, ids and replay payloads included.
+    from webapp.filebody import read_pieces
+    from webapp.records import IdsText
+
+    _records, state, _rollbacks, _version = core.registry.get(sid).snapshot()
+    ids = IdsText(state.token_ids)
+    monkeypatch.setattr(viewer_data, "_load_record",
+                        lambda turn, _ids_bytes: real_parsed(read_pieces(turn.record.pieces(ids.prefix))))
     whole = json.loads(viewer_data.ViewerData(core).timeline(sid).read())
     assert fast == whole and [len(t["messages"]) for t in fast["turns"]] == [2, 1, 1]
     records = json.loads(core.get_session(sid).read())["records"]
     assert [t["reply"]["parts"][0]["text"] for t in fast["turns"]] == [
         r["response"]["choices"][0]["message"]["content"] for r in records]
+
+
+def test_timelines_of_format_1_journals_match_their_records(tmp_path) -> None:
+    """A data dir written by the first journal format (its records one text each, ids and R3
+    inside): the timeline skips them by length and says what the records GET says."""
+    import shutil
+
+    from tests.webapp import journal_conversations as jc
+    from webapp.viewer_data import ViewerData
+
+    fixture = Path(__file__).parent / "journal_v1" / "data"
+    shutil.copytree(fixture, tmp_path / "data")
+    core = jc.core_on(str(tmp_path / "data"))
+    try:
+        data = ViewerData(core)
+        sids = sorted(core.registry.ids())
+        assert sids, "the fixture holds sessions"
+        for sid in sids:
+            timeline = json.loads(data.timeline(sid).read())
+            records = json.loads(core.get_session(sid).read())["records"]
+            assert timeline["summary"]["turns"] == len(records) == len(timeline["turns"])
+            assert [t["reply"]["parts"][0]["text"] if t["reply"]["parts"] else "" for t in timeline["turns"]] == [
+                r["response"]["choices"][0]["message"]["content"] or "" for r in records], sid
+    finally:
+        core.close()

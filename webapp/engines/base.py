@@ -15,6 +15,7 @@ from webapp.backend import BackendReply
 from webapp.errors import WebappError
 from webapp.images import RequestImages
 from webapp.request_fields import Policy, fields_with
+from webapp.session_errors import MalformedReplyField
 
 __all__ = ["CLIENT_ONLY_FIELDS", "Dialect", "EngineConfigError", "EngineRequest", "EngineTurn", "ReplayRequest",
            "dumps"]
@@ -71,15 +72,40 @@ class Dialect(ABC):
     """One engine's wire. ``kind`` is its ``--backend-kind`` name."""
 
     kind: str
+    # Whether the engine can be asked for the routed-expert rows past the first N only
+    # (``replay_from`` in :meth:`build_request`); the reply's payload then holds those rows.
+    incremental_replay: bool = False
+    routed_experts_field = "routed_experts"  # where the reply holds them (named in errors)
 
     def __init__(self, replay: ReplayRequest) -> None:
         self.replay = replay
 
     @abstractmethod
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages) -> EngineRequest:
+                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
         """The engine request for one turn: the client's parsed chat body, our prompt ids and
-        the turn's images. Raises a ``BadRequest`` for what this engine cannot take."""
+        the turn's images; ``replay_from`` (only with :attr:`incremental_replay`): ask for the
+        routed-expert rows from that row on, the recorded request staying a full request's.
+        Raises a ``BadRequest`` for what this engine cannot take."""
+
+    def replay_prefix(self, turn: EngineTurn, held: tuple[int, int], prompt_len: int) -> dict[str, int]:
+        """After a request with ``replay_from=held[0]`` (``held``: rows, bytes per row): the
+        bytes of routed experts the reply's payload leaves out (``webapp.records.RecordParts``):
+        ``rows x bytes`` when it holds the rest, none when the engine sent every row anyway.
+        Raises :class:`MalformedReplyField` for any other size."""
+        span = next(((s, e) for k, s, e in turn.replay_spans if k == "routed_experts"), None)
+        if span is None:
+            return {}
+        rows, row_bytes = held
+        text = turn.record_response[span[0]:span[1]]
+        packed = len(text) // 4 * 3 - text[-2:].count(b"=") if text else 0
+        total = prompt_len + len(turn.output_ids) - 1
+        if packed == (total - rows) * row_bytes:
+            return {"routed_experts": rows * row_bytes}
+        if packed == total * row_bytes:
+            return {}
+        raise MalformedReplyField(self.routed_experts_field, f"{packed} bytes of routed experts for rows "
+                                  f"{rows}..{total} of {row_bytes} bytes each")
 
     @abstractmethod
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:

@@ -50,6 +50,8 @@ def parse_assistant_message(raw_message: Any, where: str) -> dict[str, Any]:
 
 class SglangDialect(Dialect):
     kind = "sglang"
+    incremental_replay = True  # miles' ``routed_experts_start_len`` (its additional-R3 mode)
+    routed_experts_field = "choices[0].meta_info.routed_experts"
 
     def __init__(self, replay: ReplayRequest) -> None:
         super().__init__(replay)
@@ -60,14 +62,16 @@ class SglangDialect(Dialect):
             self.forced_fields["return_indexer_topk"] = True
 
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages) -> EngineRequest:
-        """One serialization; with images, the data URLs / references spliced in after it."""
+                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
+        """One serialization; with images, the data URLs / references spliced in after it.
+        ``replay_from``: ``routed_experts_start_len`` is sent (the last field), not recorded."""
         payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
         payload.update(self.forced_fields)
         payload["input_ids"] = prompt_ids
+        start = b',"routed_experts_start_len":%d}' % replay_from if replay_from and self.replay.routed_experts else None
         if not images.images:
             encoded = dumps(payload)
-            return EngineRequest(CHAT_PATH, encoded, encoded, prompt_ids)
+            return EngineRequest(CHAT_PATH, encoded if start is None else encoded[:-1] + start, encoded, prompt_ids)
         payload["messages"] = wire_messages(images.messages)
         payload["image_data"] = [_IMAGE_MARK] * len(images.images)
         pieces = dumps(payload).split(_IMAGE_MARK_JSON)
@@ -75,7 +79,8 @@ class SglangDialect(Dialect):
         for (image, url), piece in zip(images.images, pieces[1:]):
             sent += (b'"', url.encode("ascii"), b'"', piece)  # checked: the base64 alphabet needs no escape
             recorded += (b'"', image.ref.encode("ascii"), b'"', piece)
-        return EngineRequest(CHAT_PATH, b"".join(sent), b"".join(recorded), prompt_ids)
+        body = b"".join(sent)
+        return EngineRequest(CHAT_PATH, body if start is None else body[:-1] + start, b"".join(recorded), prompt_ids)
 
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
         parsed = reply.parsed

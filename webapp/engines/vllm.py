@@ -116,7 +116,7 @@ class VllmDialect(Dialect):
         self.parse_tool_calls: ToolCallParser = TOOL_CALL_PARSERS[tool_call_parser]
 
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages) -> EngineRequest:
+                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
         if images.images:
             raise InvalidField("messages", "images are not supported with --backend-kind vllm: vLLM's completions "
                                            "API takes no image with a token-id prompt")

@@ -16,8 +16,8 @@ import abc
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from shinken_sync.protocol import ERR_FAILED
-from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
+from shinken_sync.protocol import ERR_FAILED, ERR_UNSUPPORTED
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY, IMAGE_FIELDS
 
 
 class DisplayError(Exception):
@@ -31,7 +31,8 @@ class DisplayError(Exception):
 @dataclass(frozen=True)
 class EncodedImage:
     """An encoded screenshot and how its pixels map back to the screen:
-    ``screen_x = x0 + image_x * scale`` (likewise y)."""
+    ``screen_x = x0 + image_x * scale`` (likewise y). ``pointer``: the pixels show the
+    mouse pointer where it lies (False: they never show it)."""
 
     data: bytes
     format: str  # "png" | "jpeg"
@@ -40,16 +41,11 @@ class EncodedImage:
     scale: float
     x0: int = 0
     y0: int = 0
+    pointer: bool = False
 
     def meta(self) -> dict:
-        return {
-            "format": self.format,
-            "width": self.width,
-            "height": self.height,
-            "scale": self.scale,
-            "x0": self.x0,
-            "y0": self.y0,
-        }
+        """The reply's ``result`` (a screencast frame's header fields): shinken_sync.verbs.IMAGE_FIELDS."""
+        return {name: getattr(self, name) for name in IMAGE_FIELDS}
 
 
 class Display(abc.ABC):
@@ -108,3 +104,9 @@ class Display(abc.ABC):
 
     @abc.abstractmethod
     async def cursor(self) -> tuple[int, int]: ...
+
+    async def launch(self, app: str, args: list[str], timeout: float) -> dict:
+        """Open ``app`` (a name of ``display.desktop.APPS``) with extra ``args`` and wait up to
+        ``timeout`` seconds for its window, which gets the focus. Only a real desktop can."""
+        raise DisplayError(f"the {self.kind} display has no apps to launch (start shinkend with --desktop)",
+                           ERR_UNSUPPORTED)

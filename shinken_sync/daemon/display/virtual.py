@@ -788,9 +788,9 @@ class VirtualDisplay(Display):
         scene = _scene(self.width, self.height, self.seed)
         image, changed = scene.frame(state, params.geometry)
         if changed is None:
-            return imaging.encoded(image, params)
+            return imaging.encoded(image, params, pointer=True)
         encoding = scene.initial_encoding(params).patched(image, params.quality, changed)
-        return imaging.described(encoding.tobytes(), params)
+        return imaging.described(encoding.tobytes(), params, pointer=True)
 
     async def change_token(self) -> Hashable:
         return self._state

@@ -164,16 +164,34 @@ class SpareKeycodes:
             _libc.free(reply)
         spare = [low + i for i in range(count) if not any(syms[i * per : (i + 1) * per])]
         self.pool = KeycodePool({s for s in syms if s}, spare)
+        #: The keymap as this connection last set it: the first keycode, keysyms per
+        #: keycode, and every keycode's keysyms in a row.
+        self._low, self._per, self._table = low, per, syms
 
     def bind(self, bindings: dict[int, int]) -> None:
-        """Bind keycode -> keysym on the server; returns once the server did it."""
+        """Bind keycode -> keysym on the server; returns once the server did it.
+
+        ONE request for all of them (the span from the lowest to the highest keycode,
+        the others rewritten as they are): every request makes the server send each
+        client a MappingNotify, and a window manager re-grabs its keys on each one.
+        openbox, sent one per character of a 40-character Unicode text, fell seconds
+        behind, holding the pointer frozen in its click grab meanwhile (clicks and
+        drags right after the typing did not move the pointer).
+        """
+        if not bindings:
+            return
+        low, per = self._low, self._per
         for keycode, keysym in bindings.items():
-            sym = _KeySym(keysym)
-            cookie = self._xcb.xcb_change_keyboard_mapping_checked(self._conn, 1, keycode, 1, ctypes.byref(sym))
-            error = self._xcb.xcb_request_check(self._conn, cookie)
-            if error:
-                _libc.free(error)
-                raise DisplayError(f"binding keycode {keycode} failed", ERR_FAILED)
+            row = (keycode - low) * per
+            self._table[row : row + per] = [keysym] + [0] * (per - 1)
+        first, last = min(bindings), max(bindings)
+        span = self._table[(first - low) * per : (last - low + 1) * per]
+        keysyms = (_KeySym * len(span))(*span)
+        cookie = self._xcb.xcb_change_keyboard_mapping_checked(self._conn, last - first + 1, first, per, keysyms)
+        error = self._xcb.xcb_request_check(self._conn, cookie)
+        if error:
+            _libc.free(error)
+            raise DisplayError(f"binding keycodes {first}..{last} failed", ERR_FAILED)
         if self._xcb.xcb_connection_has_error(self._conn):
             raise DisplayError("the X connection broke while binding keycodes", ERR_FAILED)
 

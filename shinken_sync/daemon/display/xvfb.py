@@ -6,6 +6,12 @@ owned by the display, so the event loop never waits on X and the X client
 every child: ``PR_SET_PDEATHSIG`` fires when the forking *thread* exits, and
 this one lives exactly as long as the display.
 
+With ``desktop=NAME`` the screen is a real desktop (:mod:`.desktop`): openbox
+and the desktop's apps start with it, the window manager is restarted if it
+dies, and :meth:`XvfbDisplay.launch` opens more apps. Screenshots include the
+mouse pointer (XFixes' cursor image, composited by mss) unless
+``draw_pointer=False``.
+
 Children (Xvfb, the optional window manager, the optional ``launch`` program)
 each start in their own session under ``setpriv --pdeathsig KILL``, so a
 SIGKILLed daemon takes them with it; :meth:`XvfbDisplay.close` stops their
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -38,13 +45,15 @@ from typing import Any, TypeVar
 
 from PIL import Image
 
-from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT
+from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT, ERR_UNSUPPORTED
 from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
 
-from .. import imaging
+from .. import identity, imaging
+from . import desktop as desktops
 from .base import Display, DisplayError, EncodedImage
 from .errors import DisplayUnavailable
 from .keys import parse_combo
+from .procs import exit_status, signal_group
 from .xkeymap import REBIND_SETTLE_S, SpareKeycodes
 
 try:  # the [xvfb] extra; make_display reports it missing as DisplayUnavailable
@@ -83,6 +92,10 @@ ENCODINGS_KEPT = 2
 MAX_STALE_RECTS = 256
 #: Above this fraction of changed pixels a full resize beats patching.
 FULL_RESCALE_FRACTION = 0.5
+#: How often a desktop's window manager is checked (and restarted if it died).
+SUPERVISE_INTERVAL_S = 1.0
+#: Between looks for an app's window.
+WINDOW_POLL_S = 0.05
 
 #: Tried in order when ``window_manager=True``; the first one installed runs.
 WINDOW_MANAGERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -100,24 +113,30 @@ APT_PACKAGES = {"Xvfb": "xvfb", "xdotool": "xdotool", "xterm": "xterm"}
 REQUIRED_PROGRAMS = ("Xvfb", "xdotool")
 
 
-def missing_prerequisites(programs: Sequence[str] = REQUIRED_PROGRAMS) -> str | None:
-    """Everything the xvfb display (and ``programs``) lacks here, in one message with every
-    fix; None when nothing is missing."""
-    missing = [name for name in programs if shutil.which(name) is None]
+def missing_prerequisites(programs: Sequence[str] = REQUIRED_PROGRAMS, desktop: str | None = None) -> str | None:
+    """Everything the xvfb display (and ``programs``, and the programs of ``desktop``) lacks
+    here, in one message with every fix; None when nothing is missing."""
+    packages = dict(APT_PACKAGES)
+    wanted = list(programs)
+    if desktop is not None:
+        packages.update(desktops.DESKTOPS[desktop].programs)
+        wanted += [p for p in desktops.DESKTOPS[desktop].programs if p not in wanted]
+    missing = [name for name in wanted if shutil.which(name) is None]
     needs, fixes = [], []
     if missing:
         needs.append(f"{' and '.join(missing)} on PATH")
-        fixes.append("apt-get install " + " ".join(APT_PACKAGES.get(name, name) for name in missing))
+        fixes.append("apt-get install " + " ".join(dict.fromkeys(packages.get(name, name) for name in missing)))
     if mss is None:
         needs.append("the mss package")
         fixes.append("pip install 'shinken[xvfb]'")
     if not needs:
         return None
-    return f"the xvfb display needs {' and '.join(needs)}: {'; '.join(fixes)}"
+    what = "the xvfb display" if desktop is None else f"the {desktop} desktop"
+    return f"{what} needs {' and '.join(needs)}: {'; '.join(fixes)}"
 
 
-def _require_programs() -> dict[str, str]:
-    problem = missing_prerequisites()
+def _require_programs(desktop: str | None = None) -> dict[str, str]:
+    problem = missing_prerequisites(desktop=desktop)
     if problem is not None:
         raise DisplayUnavailable(problem)
     if _SETPRIV is None:
@@ -139,6 +158,8 @@ class XvfbDisplay(Display):
         launch: Sequence[str] | None = None,
         depth: int = 24,
         start_timeout: float = START_TIMEOUT_S,
+        desktop: str | None = None,
+        draw_pointer: bool = True,
     ):
         if not (MIN_SIZE[0] <= width <= MAX_SIZE[0] and MIN_SIZE[1] <= height <= MAX_SIZE[1]):
             raise ValueError(
@@ -146,10 +167,19 @@ class XvfbDisplay(Display):
             )
         if depth not in (24, 32):  # mss reads 4-byte pixels
             raise ValueError("xvfb depth must be 24 or 32")
-        self._programs = _require_programs()
+        if desktop is not None and desktop not in desktops.DESKTOPS:
+            raise ValueError(f"unknown desktop {desktop!r}; expected one of {', '.join(desktops.DESKTOPS)}")
+        self._programs = _require_programs(desktop)
         self.width, self.height, self.depth = width, height, depth
+        #: The desktop started with the screen (None: a bare screen, see window_manager).
+        self.desktop = desktop
+        #: Screenshots show the mouse pointer.
+        self.draws_pointer = draw_pointer
+        self._session: desktops.DesktopSession | None = None
+        self._supervisor: asyncio.Task | None = None
         self.window_manager = window_manager
-        self.launch = list(launch) if launch else None
+        #: The program started on the screen at start (the ``launch`` option).
+        self.launch_argv = list(launch) if launch else None
         self.start_timeout = start_timeout
         #: ":N" once started.
         self.display_name: str | None = None
@@ -179,7 +209,7 @@ class XvfbDisplay(Display):
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the X thread; a dead Xvfb or a failed capture is a DisplayError."""
-        status = _exit_status(self._children[0])
+        status = exit_status(self._children[0])
         if status is not None:
             raise DisplayError(f"Xvfb {self.display_name} exited ({status})", ERR_FAILED)
         try:
@@ -195,12 +225,22 @@ class XvfbDisplay(Display):
                 return
             if self._closed:
                 raise DisplayError("the xvfb display was closed", ERR_FAILED)
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.get_running_loop().run_in_executor(self._x, self._start_sync)
+                await loop.run_in_executor(self._x, self._start_sync)
+                self._started = True
+                if self.desktop is not None:
+                    await self._start_desktop(self.desktop)
+                if self.launch_argv:
+                    await self._run(self._launch_sync, self.launch_argv)
             except BaseException:
-                await asyncio.get_running_loop().run_in_executor(self._x, self._stop_sync)
+                self._started = False
+                await loop.run_in_executor(self._x, self._stop_sync)
                 raise
-            self._started = True
+            if self._session is not None:
+                self._supervisor = asyncio.create_task(self._supervise(self._session))
+            log.info("xvfb %s up (%dx%d, wm=%s, desktop=%s)", self.display_name, self.width, self.height,
+                     self.window_manager_name, self.desktop)
 
     def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
         # setpriv (util-linux) sets PR_SET_PDEATHSIG between fork and exec without a
@@ -213,6 +253,11 @@ class XvfbDisplay(Display):
         )
         self._children.append(proc)
         return proc
+
+    def _forget(self, proc: subprocess.Popen) -> None:
+        """Reap an exited child and stop tracking it (its group was killed already)."""
+        proc.wait()
+        self._children.remove(proc)
 
     def _start_sync(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -234,13 +279,10 @@ class XvfbDisplay(Display):
             stderr.close()
         self.display_name = f":{number}"
         self._env = {**os.environ, "DISPLAY": self.display_name}
-        self._sct = mss.MSS(display=self.display_name)
+        self._sct = mss.MSS(display=self.display_name, with_cursor=self.draws_pointer)
         self._keymap = SpareKeycodes(self.display_name)
-        if self.window_manager:
+        if self.window_manager and self.desktop is None:  # a desktop brings its own
             self._start_window_manager()
-        if self.launch:
-            self._launch_sync(self.launch)
-        log.info("xvfb %s up (%dx%d, wm=%s)", self.display_name, self.width, self.height, self.window_manager_name)
 
     def _read_display_number(self, fd: int, xvfb: subprocess.Popen, stderr: Any) -> int:
         deadline = time.monotonic() + self.start_timeout
@@ -267,6 +309,12 @@ class XvfbDisplay(Display):
             if path is not None:
                 self._spawn([path, *args], env=self._env)
                 self.window_manager_name = name
+                if name != "twm":  # the others announce themselves (EWMH); twm does not
+                    # A window mapped while the manager is still starting up may stay
+                    # unmapped (seen with openbox and xterm): launch only once it manages.
+                    deadline = time.monotonic() + self.start_timeout
+                    while not self._wm_ready() and time.monotonic() < deadline:
+                        time.sleep(0.02)
                 return
         log.info("no window manager installed (tried %s); running without one",
                  ", ".join(n for n, _ in WINDOW_MANAGERS))
@@ -294,10 +342,117 @@ class XvfbDisplay(Display):
             time.sleep(0.05)
         raise DisplayError(f"{argv[0]!r} showed no window within {LAUNCH_TIMEOUT_S:.0f} s", ERR_TIMEOUT)
 
+    # -- the desktop -------------------------------------------------------------
+
+    @property
+    def desktop_status(self) -> dict[str, Any] | None:
+        """The desktop's name, window manager, directory and running apps (None: no desktop)."""
+        return None if self._session is None else self._session.status()
+
+    async def _start_desktop(self, name: str) -> None:
+        assert self.display_name is not None
+        session = desktops.DesktopSession(desktops.DESKTOPS[name], self.display_name, self.width, self.height,
+                                          self._spawn, self._forget, identity.agent())  # fmt: skip
+        self._session = session
+        deadline = asyncio.get_running_loop().time() + self.start_timeout
+        await self._run(session.start_window_manager)
+        self.window_manager_name = desktops.WINDOW_MANAGER
+        while not await self._run(self._wm_ready):
+            failure = session.wm_failure()
+            if failure is not None:
+                raise DisplayError(f"the {name} desktop did not start: {failure}", ERR_FAILED)
+            if asyncio.get_running_loop().time() >= deadline:
+                raise DisplayError(f"{desktops.WINDOW_MANAGER} did not manage {self.display_name} within "
+                                   f"{self.start_timeout:.0f} s", ERR_TIMEOUT)  # fmt: skip
+            await asyncio.sleep(WINDOW_POLL_S)
+        # The apps boot in parallel (Chromium's first window is most of the start).
+        opened = [await self._run(session.spawn_app, app) for app in session.desktop.start]
+        windows = await asyncio.gather(
+            *(self._await_window(running, set(), desktops.LAUNCH_TIMEOUT_S) for running in opened)
+        )
+        for window in windows:  # in order: the last one ends up on top, with the focus
+            await self._run(self._xdotool, "windowactivate", window)
+
+    def _wm_ready(self) -> bool:
+        # openbox sets _NET_NUMBER_OF_DESKTOPS on the root window once it manages the screen.
+        done = subprocess.run([self._programs["xdotool"], "get_num_desktops"], env=self._env,
+                              capture_output=True, timeout=XDOTOOL_TIMEOUT_S, check=False)  # fmt: skip
+        return done.returncode == 0
+
+    def _windows_of(self, window_class: str) -> list[str]:
+        found = subprocess.run(
+            [self._programs["xdotool"], "search", "--onlyvisible", "--class", window_class],
+            env=self._env, capture_output=True, timeout=XDOTOOL_TIMEOUT_S, check=False,
+        )
+        return found.stdout.decode().split()
+
+    async def _await_window(self, running: desktops.Running, before: set[str], timeout: float) -> str:
+        """The first visible window of ``running``'s app class not in ``before``. By class, not
+        pid: a second browser hands its URL to the first one, whose process opens the window."""
+        assert self._session is not None
+        app = desktops.APPS[running.app]
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            return await self._poll_window(running, app, before, deadline, timeout)
+        finally:
+            running.pending = False
+
+    async def _poll_window(self, running: desktops.Running, app: desktops.App, before: set[str], deadline: float,
+                           timeout: float) -> str:  # fmt: skip
+        assert self._session is not None
+        while True:
+            new = [w for w in await self._run(self._windows_of, app.window_class) if w not in before]
+            if new:
+                running.window = new[-1]
+                return new[-1]
+            failure = self._session.app_failure(running)
+            if failure is not None:
+                raise DisplayError(failure, ERR_FAILED)
+            if asyncio.get_running_loop().time() >= deadline:
+                raise DisplayError(f"{app.program} showed no window within {timeout:.0f} s; "
+                                   f"{running.log_path}: {desktops.log_tail(running.log_path)}", ERR_TIMEOUT)  # fmt: skip
+            await asyncio.sleep(WINDOW_POLL_S)
+
+    async def launch(self, app: str, args: list[str], timeout: float) -> dict[str, Any]:
+        if self._session is None:
+            raise DisplayError("this Xvfb screen has no desktop to launch apps on (start shinkend with "
+                               "--desktop)", ERR_UNSUPPORTED)  # fmt: skip
+        if app not in desktops.APPS:
+            raise DisplayError(f"unknown app {app!r}; the desktop has {', '.join(desktops.APPS)}", ERR_BAD_ARGS)
+        before = set(await self._run(self._windows_of, desktops.APPS[app].window_class))
+        running = await self._run(self._session.spawn_app, app, args)
+        window = await self._await_window(running, before, timeout)
+        await self._run(self._xdotool, "windowactivate", window)
+        pid = await self._run(self._xdotool, "getwindowpid", window)
+        return {"app": app, "pid": int(pid) if pid.strip().isdigit() else running.proc.pid, "window": int(window)}
+
+    async def _supervise(self, session: desktops.DesktopSession) -> None:
+        """Restart the window manager when it dies (at most MAX_WM_RESTARTS times) and
+        forget apps the agent closed."""
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            try:
+                await self._run(session.reap)
+                failure = session.wm_failure()
+                if failure is None:
+                    continue
+                if await self._run(session.restart_window_manager):
+                    log.warning("%s; restarted it (%d of %d)", failure, session.wm_restarts, desktops.MAX_WM_RESTARTS)
+                else:
+                    log.error("%s; restarted %d times already, giving up", failure, desktops.MAX_WM_RESTARTS)
+                    return
+            except DisplayError as exc:  # the screen itself is gone: every call reports it
+                log.error("desktop supervision stops: %s", exc)
+                return
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         try:
             await asyncio.get_running_loop().run_in_executor(self._x, self._stop_sync)
         finally:
@@ -313,17 +468,19 @@ class XvfbDisplay(Display):
         self._frames.clear()
         self._last_raw = None
         for proc in reversed(self._children):
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and not all(_exit_status(p) for p in self._children):
+        while time.monotonic() < deadline and not all(exit_status(p) for p in self._children):
             time.sleep(0.02)
         # Exited leaders stay unreaped zombies until here, so their group ids
         # cannot be reused: this SIGKILL reaches only stragglers (a child that
         # ignored SIGTERM, xterm's shell) of groups we started.
         for proc in reversed(self._children):
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
         self._children.clear()
+        if self._session is not None:
+            self._session.remove()
 
     # -- pixels ----------------------------------------------------------------
 
@@ -360,7 +517,8 @@ class XvfbDisplay(Display):
         raw = self._grab()
         geo = params.geometry
         if geo.box != (0, 0, self.width, self.height):  # a region: not tracked between shots
-            return imaging.encoded(imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height)), params)
+            image = imaging.bgrx_image(raw, self.size, (geo.x0, geo.y0, geo.width, geo.height))
+            return imaging.encoded(image, params, pointer=self.draws_pointer)
         frame = self._update_frame(raw, geo)
         key = (params.format, params.quality)
         previous = frame.encodings.pop(key, None)
@@ -371,7 +529,7 @@ class XvfbDisplay(Display):
         frame.encodings[key] = _Encoding(encoding, [])
         while len(frame.encodings) > ENCODINGS_KEPT:
             frame.encodings.pop(next(iter(frame.encodings)))
-        return imaging.described(encoding.tobytes(), params)
+        return imaging.described(encoding.tobytes(), params, pointer=self.draws_pointer)
 
     def _update_frame(self, raw: bytearray, geo: imaging.Geometry) -> _Frame:
         """The whole-screen frame at ``geo`` for capture ``raw``, patched from the
@@ -497,24 +655,3 @@ class _Frame:
     raw: bytearray
     image: Image.Image
     encodings: dict[tuple[str, int], _Encoding] = field(default_factory=dict)
-
-
-def _exit_status(proc: subprocess.Popen) -> str | None:
-    """How ``proc`` ended ("exit 1", "signal 9"), or None while it runs; never reaps it."""
-    if proc.returncode is not None:  # reaped already (gevent's child watcher does)
-        code = proc.returncode
-        return f"signal {-code}" if code < 0 else f"exit {code}"
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped elsewhere
-        return "exited"
-    if info is None:
-        return None
-    return f"exit {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -26,6 +26,7 @@ EXAMPLES = [
     A.cursor(),
     A.screen_size(),
     A.exec("echo", 1000, "/tmp", {"A": "1"}, b"in", 10, "base64"),
+    A.launch("browser", ["http://127.0.0.1:8000/"], 5000),
     A.read_file("/etc/hostname", 0, 10),
     A.write_file("/tmp/x", b"\0\1", True, True, 0o600),
 ]
