@@ -615,7 +615,7 @@ class AsyncSandbox:
 
     async def launch(
         self, app: str, args: list[str] | None = None, timeout_ms: int | None = None, *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> dict[str, Any]:
         """Open a desktop app (``browser``, ``terminal``, ``editor``: shinkend ``--desktop``)
         with extra arguments (URLs, files) and wait for its window, which gets the focus.
