@@ -10,6 +10,28 @@ from setuptools import find_packages, setup
 # The one version: shinken_sync.__version__ (every CLI's --version prints it); read, not imported.
 VERSION = re.search(r'^__version__ = "([^"]+)"', open("shinken_sync/__init__.py", encoding="utf-8").read(), re.M)[1]
 
+# Three tiers, each layer's own (docs/architecture.md, Layers; docs/dependencies.md says why each).
+# The SDK (shinken_sync without its demo) and the daemon shinkend:
+SDK = [
+    "websockets>=14,<18",
+    "Pillow>=10.0",
+    "requests>=2.31,<3",  # shinken_sync.fleet_view publishes a fleet's frames to the viewer
+]
+# The session server, webapp:
+SERVER = [
+    "gevent>=24.2",
+    "flask>=3.0,<4",
+    "gunicorn[gevent]>=23,<28",  # the extra brings packaging, which gunicorn 27's gevent worker imports
+    "setproctitle>=1.3,<2",
+    "numpy>=1.24",
+    "safetensors>=0.4",
+]
+# The demo, above both: the session server's stack plus its progress bar and tables.
+DEMO = [
+    "tqdm>=4.66,<5",
+    "tabulate>=0.9,<1",
+]
+
 setup(
     name="shinken",
     version=VERSION,
@@ -20,21 +42,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["shinken_sync", "shinken_sync.*", "webapp", "webapp.*"]),
     package_data={"webapp": ["gunicorn.conf.py", "viewer_static/*"], "shinken_sync.daemon.display": ["openbox-rc.xml"]},
-    install_requires=[
-        "websockets>=14,<18",
-        "gevent>=24.2",
-        "flask>=3.0,<4",
-        "gunicorn[gevent]>=23,<28",  # the extra brings packaging, which gunicorn 27's gevent worker imports
-        "requests>=2.31,<3",
-        "Pillow>=10.0",
-        "setproctitle>=1.3,<2",
-        "numpy>=1.24",
-        "safetensors>=0.4",
-        # The demo's (and the benches') progress bar and tables (docs/dependencies.md).
-        "tqdm>=4.66,<5",
-        "tabulate>=0.9,<1",
-    ],
+    # The SDK and shinkend alone: `pip install shinken` brings no server and no demo stack.
+    install_requires=SDK,
     extras_require={
+        # The session server (webapp) and the demo (shinken_sync.demo: the server, tqdm and tabulate).
+        "server": SERVER,
+        "demo": SERVER + DEMO,
         "xvfb": ["mss>=9,<11"],
         # Accelerated transport (shinken_sync.transport): picows' Cython WebSocket
         # client and uvloop for the SharedLoop; chosen at connect when installed.
@@ -42,7 +55,7 @@ setup(
         "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
         # RayProvider and `shinken demo --ray` (docs/scale-out.md); plain ray: no dashboard, no extras.
         "ray": ["ray>=2.40,<3"],
-        "test": [
+        "test": SERVER + DEMO + [
             "pytest>=8",
             "pytest-timeout>=2.3",
             "websocket-client>=1.7,<2",

@@ -9,14 +9,15 @@ able to monkey-patch before they load.
 
 from __future__ import annotations
 
-import os
 import random
 import resource
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import procfs
 from fleet_gates import SUSTAINED_LATE_FRACTION
+from procfs import cpu_seconds, fd_count, loadavg
 
 from shinken_sync.stats import percentile
 
@@ -73,21 +74,10 @@ def summary(values: list[float], qs: Iterable[float] = (50, 95, 99)) -> dict[str
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
     """VmRSS/VmHWM (bytes) and Threads of a process, from /proc."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * KB
-            elif key == "Threads":
-                out[key] = int(value)
+    fields = procfs.status(pid)
+    out = {key: int(fields[key].split()[0]) * KB for key in ("VmRSS", "VmHWM") if key in fields}
+    out["Threads"] = int(fields["Threads"])
     return out
-
-
-def loadavg() -> float:
-    """The machine's 1-minute load average: other work competing for the 2 cores."""
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def freeze_heap() -> None:
@@ -114,16 +104,6 @@ def apply_gc_setting(spec: dict[str, Any]) -> None:
         freeze_heap()
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def cpu_seconds(pid: int | str = "self") -> float:
-    """utime + stime of a process (its threads included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def raise_fd_limit() -> tuple[int, int]:
     """Soft nofile limit up to the hard limit; the fleet needs >= 4 x N."""
@@ -137,10 +117,8 @@ def host_liveness(pid: int) -> Any:
     """A liveness probe over the fleet host process, as a provider would answer it."""
     from shinken_sync.providers.base import Liveness
 
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    state = procfs.state(pid)
+    if state is None:
         return Liveness(alive=False, detail="fleet host gone")
     return Liveness(alive=state != "Z", detail="" if state != "Z" else "fleet host exited")
 

@@ -22,6 +22,8 @@ import json
 import threading
 from typing import Any
 
+import procfs
+
 SCREENSHOTS = 3
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
 
@@ -161,5 +163,4 @@ def _report(spec: dict[str, Any], client: str, before: int, connected: int, afte
 
 def _native_threads() -> int:
     """OS threads of this process (under gevent, threading.active_count() counts greenlets)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    return int(procfs.status()["Threads"])

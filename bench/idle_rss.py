@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import random
 import threading
+
+import procfs
 
 from shinken_sync.client import aconnect
 from shinken_sync.providers.local import LocalFleetProvider
@@ -29,8 +30,9 @@ DIAL_CONCURRENCY = 32
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = procfs.status_bytes("self", "VmRSS")
+    assert rss is not None
+    return rss
 
 
 async def settle() -> int:

@@ -60,6 +60,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import procfs
+from procfs import CLK_TCK
 from rawhttp import Http, url_addr
 
 from shinken_sync.stats import percentile
@@ -219,27 +221,12 @@ def worker_processes(server_pid: int) -> tuple[list[int], list[int]]:
 
 
 def vm_rss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+    return procfs.status_bytes(pid, "VmRSS")
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    return procfs.cpu_seconds(pid, gone=0.0)
 
 
 def machine_busy_seconds() -> float:

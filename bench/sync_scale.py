@@ -22,22 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
+
+import procfs
 
 DIALS_IN_FLIGHT = 64
 THREAD_POOL = 32
 
 
 def sample() -> dict[str, int]:
-    with open("/proc/self/status") as status:
-        rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {
-        "rss_kb": rss_kb,
-        "threads": len(os.listdir("/proc/self/task")),
-        "fds": len(os.listdir("/proc/self/fd")),
+        "rss_kb": int(procfs.status()["VmRSS"].split()[0]),
+        "threads": procfs.thread_count(),
+        "fds": procfs.fd_count(),
     }
 
 

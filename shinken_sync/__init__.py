@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "connect": "shinken_sync.sync",
+    "DEFAULT": "shinken_sync.client_protocol",
     "Sandbox": "shinken_sync.sync",
     "aconnect": "shinken_sync.client",
     "AsyncSandbox": "shinken_sync.client",

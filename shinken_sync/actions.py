@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
+
 Action = dict[str, Any]
 
 
@@ -23,8 +25,8 @@ def _action(verb: str, **args: Any) -> Action:
 
 
 def screenshot(
-    format: str = "jpeg",
-    quality: int = 80,
+    format: str = DEFAULT_IMAGE_FORMAT,
+    quality: int = DEFAULT_IMAGE_QUALITY,
     max_long_edge: int | None = None,
     region: tuple[int, int, int, int] | None = None,
 ) -> Action:

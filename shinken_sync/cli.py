@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     from shinken_sync.errors import ShinkenError
 
     try:
+        if args.command == "demo" and args.ray:  # the rollout over a Ray cluster
+            from shinken_sync.demo import ray_cluster
+
+            return ray_cluster.run(args)
         if args.command == "demo":
             return run(args)
         check_display(args.display)

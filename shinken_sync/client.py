@@ -13,9 +13,11 @@ Calls never read the socket themselves, so any number of them may be in flight
 at once: ``step`` sends all of its calls before awaiting any reply and costs
 about one round trip.
 
-Every call has a deadline (``rpc_timeout``, or ``timeout=`` per call; verbs
+Every call has a deadline: by default (``timeout=DEFAULT``) ``rpc_timeout``, and verbs
 that wait on purpose -- ``wait``, ``wait_stable``, ``wait_change``, ``exec`` --
-get their own duration on top). When the connection dies, every pending call
+get their own duration on top; ``timeout=`` a number replaces it, ``timeout=None`` means no
+client-side limit (the call ends with its reply or its connection). ``next_frame``'s default
+is to wait for the next frame (None); a number bounds that wait. When the connection dies, every pending call
 fails at once with :class:`~shinken_sync.errors.ConnectionLost`, or with
 :class:`~shinken_sync.errors.SandboxDied` when the ``liveness_probe`` says the
 sandbox is gone; open screencasts end with a stream-lost sentinel.
@@ -53,6 +55,7 @@ from . import actions as build
 from . import protocol
 from . import transport as transports
 from .client_protocol import (
+    DEFAULT,
     READ_FILE_CHUNK,
     WAITING_VERB_SLACK,
     ClientProtocol,
@@ -62,6 +65,7 @@ from .client_protocol import (
     StreamClosed,
     StreamOpened,
     UnclaimedStream,
+    UseDefault,
     call_deadline,
     check_hello,
     loss_error,
@@ -97,6 +101,7 @@ from .framebudget import (
 from .liveness import Liveness
 from .results import ExecResult, Frame, Screenshot, StepResult, StepRow
 from .turnbudget import REPLIES, turn_budget_for_loop
+from .verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY, DEFAULT_SCREENCAST_FPS
 
 __all__ = [
     "GLOBAL_FRAME_BUDGET_BYTES",
@@ -481,7 +486,7 @@ class AsyncSandbox:
         return exc
 
     def _prepare(
-        self, verb: str, args: Mapping[str, Any], timeout: float | None, deadline: float | None = None
+        self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault, deadline: float | None | UseDefault = DEFAULT
     ) -> OutgoingCall:
         """Encode one call without sending it (``ClientProtocol.prepare``)."""
         return self._proto.prepare(verb, args, timeout, deadline)
@@ -493,7 +498,8 @@ class AsyncSandbox:
         if self._loss is not None:
             future.set_exception(self._loss_error())
             return future
-        timer = self._loop.call_later(call.deadline, self._expire, call.call_id)
+        # No deadline (timeout=None): the call ends with its reply or the connection's end.
+        timer = None if call.deadline is None else self._loop.call_later(call.deadline, self._expire, call.call_id)
         self._proto.sent(call, future, timer)
         try:
             await self._ws.send(call.message)
@@ -501,7 +507,7 @@ class AsyncSandbox:
             pass  # the reader sees the same close and fails the future with the classified loss
         return future
 
-    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None) -> asyncio.Future[Any]:
+    async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault) -> asyncio.Future[Any]:
         await self._admit(1)
         return await self._send(self._prepare(verb, args, timeout))
 
@@ -516,11 +522,11 @@ class AsyncSandbox:
         if expired is not None and not expired[0].waiter.done():
             expired[0].waiter.set_exception(expired[1])
 
-    async def _call(self, verb: str, args: Mapping[str, Any], timeout: float | None = None) -> Any:
+    async def _call(self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault = DEFAULT) -> Any:
         future = await self._submit(verb, args, timeout)
         return unwrap(verb, await future)
 
-    async def _act(self, action: Mapping[str, Any], timeout: float | None) -> Any:
+    async def _act(self, action: Mapping[str, Any], timeout: float | None | UseDefault) -> Any:
         verb, args = split_action(0, action)
         return await self._call(verb, args, timeout)
 
@@ -528,27 +534,27 @@ class AsyncSandbox:
 
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> Screenshot:
         """Capture the screen (or ``region`` = x, y, width, height), downscaled so
         the long edge is at most ``max_long_edge``."""
         return cast(Screenshot, await self._act(build.screenshot(format, quality, max_long_edge, region), timeout))
 
     async def click(
-        self, x: int, y: int, button: str = "left", count: int = 1, *, timeout: float | None = None
+        self, x: int, y: int, button: str = "left", count: int = 1, *, timeout: float | None | UseDefault = DEFAULT
     ) -> None:
         await self._act(build.click(x, y, button, count), timeout)
 
-    async def move(self, x: int, y: int, *, timeout: float | None = None) -> None:
+    async def move(self, x: int, y: int, *, timeout: float | None | UseDefault = DEFAULT) -> None:
         await self._act(build.move(x, y), timeout)
 
     async def drag(
-        self, x0: int, y0: int, x1: int, y1: int, button: str = "left", *, timeout: float | None = None
+        self, x0: int, y0: int, x1: int, y1: int, button: str = "left", *, timeout: float | None | UseDefault = DEFAULT
     ) -> None:
         await self._act(build.drag(x0, y0, x1, y1, button), timeout)
 
@@ -559,36 +565,36 @@ class AsyncSandbox:
         x: int | None = None,
         y: int | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         await self._act(build.scroll(dx, dy, x, y), timeout)
 
-    async def type(self, text: str, *, timeout: float | None = None) -> None:
+    async def type(self, text: str, *, timeout: float | None | UseDefault = DEFAULT) -> None:
         await self._act(build.type(text), timeout)
 
-    async def key(self, combo: str, *, timeout: float | None = None) -> None:
+    async def key(self, combo: str, *, timeout: float | None | UseDefault = DEFAULT) -> None:
         await self._act(build.key(combo), timeout)
 
-    async def wait(self, ms: int, *, timeout: float | None = None) -> dict[str, Any]:
+    async def wait(self, ms: int, *, timeout: float | None | UseDefault = DEFAULT) -> dict[str, Any]:
         """Sleep ``ms`` in the sandbox (in order with the calls around it)."""
         return cast("dict[str, Any]", await self._act(build.wait(ms), timeout))
 
     async def wait_stable(
-        self, stable_ms: int | None = None, timeout_ms: int | None = None, *, timeout: float | None = None
+        self, stable_ms: int | None = None, timeout_ms: int | None = None, *, timeout: float | None | UseDefault = DEFAULT
     ) -> dict[str, Any]:
         """Return once the screen has been still for ``stable_ms``; ``ActionTimeout`` at ``timeout_ms``."""
         return cast("dict[str, Any]", await self._act(build.wait_stable(stable_ms, timeout_ms), timeout))
 
     async def wait_change(
-        self, timeout_ms: int | None = None, *, timeout: float | None = None
+        self, timeout_ms: int | None = None, *, timeout: float | None | UseDefault = DEFAULT
     ) -> dict[str, Any]:
         """Return at the first screen change; ``ActionTimeout`` at ``timeout_ms``."""
         return cast("dict[str, Any]", await self._act(build.wait_change(timeout_ms), timeout))
 
-    async def cursor(self, *, timeout: float | None = None) -> tuple[int, int]:
+    async def cursor(self, *, timeout: float | None | UseDefault = DEFAULT) -> tuple[int, int]:
         return cast("tuple[int, int]", await self._act(build.cursor(), timeout))
 
-    async def screen_size(self, *, timeout: float | None = None) -> tuple[int, int]:
+    async def screen_size(self, *, timeout: float | None | UseDefault = DEFAULT) -> tuple[int, int]:
         return cast("tuple[int, int]", await self._act(build.screen_size(), timeout))
 
     async def exec(
@@ -601,7 +607,7 @@ class AsyncSandbox:
         max_output: int | None = None,
         encoding: str | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> ExecResult:
         """Run ``/bin/sh -c cmd``. A command still running at ``timeout_ms`` is
         killed (``ActionTimeout``); a non-zero exit is a result, not an error."""
@@ -609,7 +615,7 @@ class AsyncSandbox:
 
     async def launch(
         self, app: str, args: list[str] | None = None, timeout_ms: int | None = None, *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> dict[str, Any]:
         """Open a desktop app (``browser``, ``terminal``, ``editor``: shinkend ``--desktop``)
         with extra arguments (URLs, files) and wait for its window, which gets the focus.
@@ -618,7 +624,7 @@ class AsyncSandbox:
         return cast("dict[str, Any]", await self._act(build.launch(app, args, timeout_ms), timeout))
 
     async def read_file(
-        self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None = None
+        self, path: str, offset: int = 0, max_bytes: int | None = None, *, timeout: float | None | UseDefault = DEFAULT
     ) -> bytes:
         """The file's bytes from ``offset``: at most ``max_bytes``, or to its end
         (fetched in :data:`READ_FILE_CHUNK` calls) when None."""
@@ -645,7 +651,7 @@ class AsyncSandbox:
         make_dirs: bool = False,
         mode: int | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> dict[str, Any]:
         return cast("dict[str, Any]", await self._act(build.write_file(path, data, append, make_dirs, mode), timeout))
 
@@ -655,7 +661,7 @@ class AsyncSandbox:
         self,
         actions: Iterable[Mapping[str, Any]],
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
         gateway: Gateway | None = None,
     ) -> StepResult:
         """Run actions one at a time, each awaiting its reply; stop at the first
@@ -697,7 +703,7 @@ class AsyncSandbox:
         actions: Iterable[Mapping[str, Any]],
         observe: Mapping[str, Any] | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
         gateway: Gateway | None = None,
     ) -> StepResult:
         """Send every action, then the observation screenshot, before awaiting
@@ -768,12 +774,12 @@ class AsyncSandbox:
 
     async def screencast(
         self,
-        fps: float = 5.0,
+        fps: float = DEFAULT_SCREENCAST_FPS,
         max_long_edge: int | None = None,
-        quality: int = 80,
-        format: str = "jpeg",
+        quality: int = DEFAULT_IMAGE_QUALITY,
+        format: str = DEFAULT_IMAGE_FORMAT,
         *,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> ScreencastStream:
         """Start a pushed stream of frames (unchanged screens are not resent)."""
         params = {"fps": fps, "max_long_edge": max_long_edge, "quality": quality, "format": format}
@@ -785,7 +791,7 @@ class AsyncSandbox:
         params: Mapping[str, Any] | None = None,
         *,
         last_seq: int | None = None,
-        timeout: float | None = None,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> ScreencastStream:
         """Continue a stream started on another (dropped) connection.
 
@@ -798,7 +804,7 @@ class AsyncSandbox:
         return await self._open_stream("resume_screencast", args, last_seq, timeout)
 
     async def _open_stream(
-        self, verb: str, args: dict[str, Any], last_seq: int | None, timeout: float | None
+        self, verb: str, args: dict[str, Any], last_seq: int | None, timeout: float | None | UseDefault
     ) -> ScreencastStream:
         # The reader registers the stream when the reply arrives, before any of
         # its frames can be routed, and resolves the call with the stream itself.
@@ -874,7 +880,8 @@ class AsyncSandbox:
             event.stream._push(event.frame, event.size)
         elif isinstance(event, (Replied, StreamOpened)):
             call = event.call
-            call.timer.cancel()
+            if call.timer is not None:  # None: a call without a deadline
+                call.timer.cancel()
             if call.waiter.done():  # the caller was cancelled
                 if isinstance(event, StreamOpened):
                     self._stop_unclaimed_stream(event.stream_id)
@@ -896,7 +903,8 @@ class AsyncSandbox:
         self._loss = loss
         pending, streams = self._proto.lose()
         for call in pending:
-            call.timer.cancel()
+            if call.timer is not None:  # None: a call without a deadline
+                call.timer.cancel()
             if not call.waiter.done():
                 call.waiter.set_exception(self._loss_error())
         for stream in streams:
@@ -1037,7 +1045,7 @@ class ScreencastStream:
             self._missed += gap
             return Frame._from_protocol(item, gap)
 
-    async def stop(self, *, timeout: float | None = None) -> None:
+    async def stop(self, *, timeout: float | None | UseDefault = DEFAULT) -> None:
         """Stop the stream and release its queued frames. Idempotent; only
         releases the frames once the stream ended or its connection is gone."""
         sandbox = self._sandbox

@@ -48,8 +48,29 @@ from .liveness import Liveness
 from .results import ExecResult, Screenshot
 from .verbs import ACTION_VERBS, STREAM_OPENERS, VERBS, WAITING_VERBS, Result
 
+
+class UseDefault:
+    """The type of :data:`DEFAULT` (one instance: compare with ``is``, or ``isinstance``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+    def __reduce__(self) -> str:
+        return "DEFAULT"  # pickles and copies as the module's one instance
+
+
+#: ``timeout=DEFAULT`` (every call's default): the connection's ``rpc_timeout``, plus the time
+#: the verb waits in the daemon on purpose. ``timeout=None`` is no client-side limit: the call
+#: ends with its reply or the connection's end. A number is that many seconds. The same three
+#: meanings hold on every method; :meth:`ScreencastStream.next_frame`, whose default is to wait
+#: for the next frame, takes None (its default) or a number.
+DEFAULT = UseDefault()
+
 __all__ = [
     "CLOSE_DEADLINE",
+    "DEFAULT",
     "READ_FILE_CHUNK",
     "SANDBOX_DEADLINES",
     "STREAM_DEADLINES",
@@ -63,6 +84,7 @@ __all__ = [
     "Replied",
     "StreamClosed",
     "StreamOpened",
+    "UseDefault",
     "call_deadline",
     "check_hello",
     "loss_error",
@@ -88,7 +110,7 @@ class OutgoingCall:
 
     __slots__ = ("call_id", "deadline", "message", "verb")
 
-    def __init__(self, call_id: int, verb: str, message: str, deadline: float):
+    def __init__(self, call_id: int, verb: str, message: str, deadline: float | None):
         self.call_id = call_id
         self.verb = verb
         self.message = message
@@ -188,11 +210,15 @@ class ClientProtocol:
     # -- sending -----------------------------------------------------------
 
     def prepare(
-        self, verb: str, args: Mapping[str, Any], timeout: float | None = None, deadline: float | None = None
+        self,
+        verb: str,
+        args: Mapping[str, Any],
+        timeout: float | None | UseDefault = DEFAULT,
+        deadline: float | None | UseDefault = DEFAULT,
     ) -> OutgoingCall:
         """Encode one call without sending it; bad arguments raise here, so a
         batch can be checked whole before any of it goes out. ``deadline``
-        overrides the call's own :func:`call_deadline` (a pipelined step's).
+        overrides the call's own :func:`call_deadline` (a pipelined step's; None: no limit).
 
         Raises:
             TypeError: an argument is not JSON-serialisable.
@@ -209,7 +235,7 @@ class ClientProtocol:
                 "nothing was sent",
                 verb=verb,
             )
-        if deadline is None:
+        if isinstance(deadline, UseDefault):
             deadline = call_deadline(self.rpc_timeout, verb, wire, timeout)
         return OutgoingCall(call_id, verb, message, deadline)
 
@@ -226,6 +252,7 @@ class ClientProtocol:
             return None
         if pending.verb in STREAM_OPENERS:
             self._unclaimed_openers.add(call_id)
+        assert pending.deadline is not None  # only a call with a deadline expires
         error = RPCTimeout(
             f"{pending.verb}: no reply within {pending.deadline:g} s",
             verb=pending.verb,
@@ -403,29 +430,29 @@ def call_deadline(
     rpc_timeout: float,
     verb: str,
     args: Mapping[str, Any],
-    timeout: float | None = None,
+    timeout: float | None | UseDefault = DEFAULT,
     *,
     queued: float = 0.0,
-) -> float:
-    """Seconds one call may wait for its reply: ``timeout`` when given, else
-    ``rpc_timeout``, plus the verb's own duration, the ``queued`` seconds of
-    waiting verbs the daemon runs before it, and :data:`WAITING_VERB_SLACK`
+) -> float | None:
+    """Seconds one call may wait for its reply: ``timeout`` when given (None: no limit),
+    else (:data:`DEFAULT`) ``rpc_timeout``, plus the verb's own duration, the ``queued``
+    seconds of waiting verbs the daemon runs before it, and :data:`WAITING_VERB_SLACK`
     when either is non-zero. (The sync facade bounds its callers with it.)"""
-    if timeout is not None:
-        return timeout
+    if not isinstance(timeout, UseDefault):
+        return None if timeout is None else float(timeout)
     waiting = queued + waiting_time(verb, args)
     return rpc_timeout + (waiting + WAITING_VERB_SLACK if waiting else 0.0)
 
 
 def pipelined_deadlines(
-    rpc_timeout: float, calls: Iterable[tuple[str, Mapping[str, Any]]], timeout: float | None = None
-) -> list[float]:
+    rpc_timeout: float, calls: Iterable[tuple[str, Mapping[str, Any]]], timeout: float | None | UseDefault = DEFAULT
+) -> list[float | None]:
     """:func:`call_deadline` of each of ``calls`` sent at once, as ``AsyncSandbox.step``
     sends them: the daemon runs a connection's calls in order, so each also
     waits out the waiting verbs ahead of it. An explicit ``timeout`` is the
     caller's bound on every reply, measured from the send, so it bounds the whole
     step."""
-    deadlines = []
+    deadlines: list[float | None] = []
     queued = 0.0
     for verb, args in calls:
         deadlines.append(call_deadline(rpc_timeout, verb, args, timeout, queued=queued))
@@ -443,8 +470,8 @@ DeadlineRule = Callable[[float, dict[str, Any]], "float | None"]
 def one_call(verb: str) -> DeadlineRule:
     """The rule of a method that sends one ``verb`` call."""
 
-    def rule(rpc_timeout: float, args: dict[str, Any]) -> float:
-        return call_deadline(rpc_timeout, verb, args, args.get("timeout"))
+    def rule(rpc_timeout: float, args: dict[str, Any]) -> float | None:
+        return call_deadline(rpc_timeout, verb, args, args.get("timeout", DEFAULT))
 
     return rule
 
@@ -465,16 +492,20 @@ def _action_calls(args: dict[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     return calls
 
 
-def _act_batch_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
+def _act_batch_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
     # One action after another, each with its own deadline from its own send.
-    timeout = args.get("timeout")
-    return sum(call_deadline(rpc_timeout, verb, call, timeout) for verb, call in _action_calls(args))
+    timeout = args.get("timeout", DEFAULT)
+    deadlines = [call_deadline(rpc_timeout, verb, call, timeout) for verb, call in _action_calls(args)]
+    return None if None in deadlines else sum(d for d in deadlines if d is not None)
 
 
-def _step_deadline(rpc_timeout: float, args: dict[str, Any]) -> float:
+def _step_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
     # All in flight at once, run in order: the latest deadline, counting every
     # call as sent (a gateway denial only shortens the step).
-    return max(pipelined_deadlines(rpc_timeout, _action_calls(args), args.get("timeout")), default=rpc_timeout)
+    deadlines = pipelined_deadlines(rpc_timeout, _action_calls(args), args.get("timeout", DEFAULT))
+    if None in deadlines:
+        return None
+    return max((d for d in deadlines if d is not None), default=rpc_timeout)
 
 
 def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | None:
@@ -482,7 +513,8 @@ def _read_file_deadline(rpc_timeout: float, args: dict[str, Any]) -> float | Non
     if max_bytes is None:
         return None  # chunk count unknown; each chunk call is bounded on the loop
     chunks = max(1, math.ceil(int(max_bytes) / READ_FILE_CHUNK))
-    return chunks * call_deadline(rpc_timeout, "read_file", args, args.get("timeout"))
+    each = call_deadline(rpc_timeout, "read_file", args, args.get("timeout", DEFAULT))
+    return None if each is None else chunks * each
 
 
 def _caller_timeout(rpc_timeout: float, args: dict[str, Any]) -> float | None:

@@ -29,7 +29,21 @@ asks anyone to match message strings. The tree::
     │   defined in shinken_sync.sharedloop (the blocking face's loop thread):
     ├── LoopThreadDied             the SharedLoop's thread is gone; every waiter fails with it
     ├── LoopClosed (RuntimeError)  the SharedLoop was closed before or during the call
-    └── LoopTimeout (TimeoutError)  a blocking wait on the loop ran out; the coroutine was cancelled
+    ├── LoopTimeout (TimeoutError)  a blocking wait on the loop ran out; the coroutine was cancelled
+    │
+    │   defined in shinken_sync.fleet_view (publishing a fleet to the session server's viewer):
+    ├── FleetViewError             the viewer refused the fleet (bad key, no viewer there, too many)
+    │
+    │   defined in shinken_sync.providers.errors (creating and tracking sandboxes):
+    └── ProviderError              a provider could not create, reach or destroy a sandbox
+        ├── DaemonStartError       shinkend exited, or stayed silent, before its ready line
+        ├── ProviderExhausted      every sandbox of a fixed-size provider is handed out
+        ├── UnknownHandle          a handle this provider did not create, or already destroyed
+        ├── IsolationUnavailable   an isolated sandbox cannot be built on this host (says what is missing)
+        │   └── CgroupUnavailable  the sandbox's cgroup (memory, CPU, pids limits) cannot be made or set
+        └── ProviderConfigError (ValueError)  a provider config: unknown type or key, wrong-typed value
+
+``tests/test_error_trees.py`` checks this drawing against the classes.
 
 Errors raised where a lower layer failed (websockets, OS sockets) are raised
 ``from`` the original exception, so ``__cause__`` keeps the detail.

@@ -44,7 +44,7 @@ HEARTBEAT_INTERVAL = 1.0
 HTTP_TIMEOUT = (5.0, 15.0)
 
 
-class FleetViewError(Exception):
+class FleetViewError(ShinkenError):
     """The viewer refused the fleet (bad key, no viewer at that URL, too many fleets)."""
 
 

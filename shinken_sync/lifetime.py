@@ -36,7 +36,7 @@ PARENT_POLL_INTERVAL_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 try:  # resolved in the parent: nothing may be loaded between fork and exec
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: watch_parent still works
     _prctl = None
 

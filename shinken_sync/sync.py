@@ -22,7 +22,8 @@ deadline the protocol object gives for the method
 thread cannot hang a caller: the wait ends with
 :class:`~shinken_sync.errors.RPCTimeout`. The margin lets the loop's own, more
 precise error arrive first. Three waits have no deadline because the caller
-asked for none: ``next_frame(timeout=None)``, iterating a stream, and
+asked for none: any call with ``timeout=None`` (``DEFAULT`` is the bounded default),
+``next_frame(timeout=None)``, iterating a stream, and
 ``read_file`` of a whole file of unknown size (each chunk call is still
 bounded on the loop). A dead loop thread ends those too.
 """

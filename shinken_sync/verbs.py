@@ -83,6 +83,14 @@ DEFAULT_EXEC_TIMEOUT_MS = 30_000
 #: (Chromium's first window takes 1-2 s here idle, several under load).
 DEFAULT_LAUNCH_TIMEOUT_MS = 20_000
 
+#: What a screenshot or a screencast frame is unless told otherwise: the SDK's signatures
+#: (``actions.py``, ``AsyncSandbox``), the daemon's argument defaults (``daemon/args.py``), its
+#: displays and its encoder all take these (``tests/sdk/test_verb_table.py`` checks every one).
+DEFAULT_IMAGE_FORMAT = "jpeg"
+DEFAULT_IMAGE_QUALITY = 80
+#: Screencast frames per second unless told otherwise.
+DEFAULT_SCREENCAST_FPS = 5.0
+
 _IMAGE = ("format", "quality", "max_long_edge")
 _STREAM = ("fps", "max_long_edge", "quality", "format")
 

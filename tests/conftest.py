@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 from shinken_sync import protocol
+from shinken_sync.childproc import ReadyLineError, read_ready_line
 
 START_TIMEOUT_S = 30.0
 DEFAULT_SCREEN = (1280, 800)
@@ -109,11 +109,10 @@ class ShinkendFactory:
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return b""
-    return proc.stdout.readline()
+    try:
+        return read_ready_line(proc.stdout.fileno(), timeout)
+    except ReadyLineError:
+        return b""
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 import psutil
 
+from bench import procfs
+
 # A server's graceful stop may take gunicorn's graceful_timeout (20 s) plus the launcher's cleanup.
 GRACEFUL_STOP_TIMEOUT = 30.0
 EXIT_GRACE = 5.0  # what a graceful stop left may take this long to finish exiting
@@ -23,10 +25,10 @@ def native_thread_count(settle_to: int | None = None) -> int:
     """Threads of this process; with ``settle_to``, give exiting threads up to
     5 s to be reaped by the OS (a joined thread may linger for a moment)."""
     deadline = time.monotonic() + 5
-    count = len(os.listdir("/proc/self/task"))
+    count = procfs.thread_count()
     while settle_to is not None and count != settle_to and time.monotonic() < deadline:
         time.sleep(0.01)
-        count = len(os.listdir("/proc/self/task"))
+        count = procfs.thread_count()
     return count
 
 
@@ -63,8 +65,7 @@ def start_process(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
 
 def sigint_ignored(pid: int) -> bool:
     """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    mask = int(procfs.status(pid)["SigIgn"], 16)
     return bool(mask & (1 << (signal.SIGINT - 1)))
 
 

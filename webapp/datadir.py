@@ -31,6 +31,8 @@ import os
 import stat
 import uuid
 
+from webapp.errors import WebappError
+
 __all__ = [
     "DIR_MODE",
     "FILE_MODE",
@@ -55,11 +57,11 @@ DEFAULT_NAME = "default"
 _owned: dict[str, int] = {}  # data dir -> the fd holding its lock, for this process's life
 
 
-class DataDirInUse(RuntimeError):
+class DataDirInUse(WebappError, RuntimeError):
     """Another server process holds the data directory: two writers would corrupt journals."""
 
 
-class DataDirUnsafe(RuntimeError):
+class DataDirUnsafe(WebappError, RuntimeError):
     """The data directory (or a file in it) is not this server's alone: writable by others,
     another user's, or a symlink / non-regular file where a file of ours should be."""
 

@@ -113,9 +113,10 @@ def json_depth_exceeds(body: bytes | str, max_depth: int) -> bool:
     Runs at C speed: strings are cut out, then each pass removes the innermost ``[]``/``{}``
     pairs, exactly one level per pass.
     """
-    if body.count("[" if isinstance(body, str) else b"[") + body.count("{" if isinstance(body, str) else b"{") \
-            <= max_depth:  # the common case: nothing to scan
+    opened = body.count("[") + body.count("{") if isinstance(body, str) else body.count(b"[") + body.count(b"{")
+    if opened <= max_depth:  # the common case: nothing to scan
         return False
+    brackets: str | bytes
     if isinstance(body, str):
         brackets = re.sub(r"[^\[\]{}]", "", _JSON_STRING_TEXT.sub("", body))
         pair: re.Pattern[Any] = _PAIR_TEXT

@@ -41,7 +41,6 @@ import functools
 import hashlib
 import json
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from shinken_sync.childproc import ReadyLineError, ReadyLineTimeout, parse_ready_line, read_ready_line
 from shinken_sync.lifetime import watch_parent
 from webapp.settings import MAX_BODY_BYTES, parse_bind
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
@@ -364,22 +364,21 @@ def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0,
     # Its own session: a terminal's Ctrl-C reaches its launcher only, which stops it (a SIGINT'd
     # backend exits 0 and a supervisor would restart it, saying so, on every Ctrl-C).
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
-    line = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                proc.kill()
-                proc.wait()
-                raise TimeoutError(f"reference backend not ready after {timeout} s")
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                proc.wait()
-                raise RuntimeError(f"reference backend exited with {proc.returncode} before ready")
-            line += chunk
-    return ReferenceBackendProcess(proc, json.loads(line)["url"])
+    assert proc.stdout is not None
+    try:
+        ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), timeout))
+    except ReadyLineTimeout:
+        proc.kill()
+        proc.wait()
+        raise TimeoutError(f"reference backend not ready after {timeout} s") from None
+    except ReadyLineError:
+        proc.wait()
+        raise RuntimeError(f"reference backend exited with {proc.returncode} before ready") from None
+    if ready is None or "url" not in ready:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("reference backend printed no ready line")
+    return ReferenceBackendProcess(proc, str(ready["url"]))
 
 
 if __name__ == "__main__":

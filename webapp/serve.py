@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shinken_sync.childproc import parse_ready_line
 from shinken_sync.cliargs import Parser
 from shinken_sync.lifetime import parent_death_preexec
 from webapp.backend_liveness import SupervisedBackend
@@ -161,11 +162,8 @@ class SessionServerProcess:
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:  # until the process (and gunicorn, which shares it) exits
             if not self._got_line.is_set():
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    line = None
-                if isinstance(line, dict) and "ready" in line:
+                line = parse_ready_line(raw)
+                if line is not None and "ready" in line:
                     self._ready = line
                     self._got_line.set()
                     continue
@@ -314,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class ApiKeyFileError(ValueError):
+class ApiKeyFileError(WebappError, ValueError):
     """The ``--api-key-file`` cannot be used: unreadable, empty, or readable by others."""
 
 

@@ -15,19 +15,21 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── BadRequest                    400  the client broke the rules; nothing is stored
     │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
     │   ├── InvalidField              400  a field is missing or has the wrong type/value
+    │   │   └── UnknownField          400  a top-level field the server neither forwards nor uses
     │   ├── BodyTooLarge              413  request body over the named limit, refused unread
+    │   │   └── LimitExceeded         413  the request would make the core do more work than a limit allows (webapp.limits)
     │   ├── ImageRefused              400  an image part the server does not take (webapp.images)
     │   │   ├── RemoteImageURL        400  not a data:image/jpeg|png;base64 URL (nothing is fetched)
     │   │   ├── ImageNotBase64        400  the data URL's payload is not base64
     │   │   ├── ImageUndecodable      400  not a decodable JPEG/PNG, or a shape the vision rule refuses
     │   │   ├── ImageTooLarge         400  over max_image_bytes or the pixel cap
     │   │   └── TooManyImages         400  over max_images in one request
-    │   │   └── UnknownField          400  a top-level field the server neither forwards nor uses
     │   └── AppendOnlyViolation       400  messages do not extend the stored ones
     │       └── RollbackTooDeep       400  rolls back more than one assistant step
     ├── SessionNotFound               404  unknown, deleted or closing session
     ├── SessionExists                 409  create_session with an id already in use
     ├── SessionBusy                   503  waited too long for the session's previous turn
+    ├── TooManySessions               429  the open-session cap is reached (webapp.limits)
     ├── InsufficientStorage           507  the journal could not be written; nothing stored
     │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
     ├── JournalDamaged                500  the journal changed under the server; not served
@@ -38,7 +40,9 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   │   └── BackendTimeout        502  connect or read timeout
     │   └── BackendMalformed          502  reply is not the backend contract
     │       └── MalformedReplyField   502  one named reply field is missing or wrong (``field``)
-    └── UpstreamStatus                the backend's own non-200, passed through unrecorded
+    └── UpstreamStatus                the backend's own non-200 status, passed through unrecorded
+
+``tests/test_error_trees.py`` checks this drawing against the classes.
 """
 
 from __future__ import annotations

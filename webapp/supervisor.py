@@ -213,6 +213,7 @@ class Supervisor:
             target=worker.run, name=f"shinken-session-worker-{slot.shard}", daemon=True,
             args=(child_conn, slot.shard, cfg.workers, cfg.core, os.getpid()))
         process.start()
+        assert process.pid is not None  # started
         _watch_child(process.pid)
         child_conn.close()  # only the worker may hold its end, or its death would not be EOF here
         slot.process, slot.pid = process, process.pid

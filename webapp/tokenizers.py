@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from webapp.errors import WebappError
 from webapp.images import QwenVLRule, Vision
 
 __all__ = [
@@ -49,7 +50,7 @@ IMAGE_PLACEHOLDER = "<|image|>"
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 
 
-class TokenizerLoadError(Exception):
+class TokenizerLoadError(WebappError):
     """The tokenizer directory is missing ``tokenizer.json`` or a usable chat template."""
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shinken_sync.lifetime import die_with_parent
+from webapp.errors import WebappError
 from webapp.filebody import encode_layout, has_spans
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import WORKER_BOOT_ERROR, Op
@@ -70,7 +71,7 @@ def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_
     sys.exit(_serve(fd, shard, shards, core_config, parent_pid))
 
 
-class WorkerBootError(Exception):
+class WorkerBootError(WebappError):
     """The worker could not build its session core; answered to every request, then exit."""
 
 

@@ -20,7 +20,10 @@ from typing import Any
 from shinken_sync.protocol import IMAGE_FORMATS, is_utf8, quote
 from shinken_sync.verbs import (
     DEFAULT_EXEC_TIMEOUT_MS,
+    DEFAULT_IMAGE_FORMAT,
+    DEFAULT_IMAGE_QUALITY,
     DEFAULT_LAUNCH_TIMEOUT_MS,
+    DEFAULT_SCREENCAST_FPS,
     DEFAULT_WAIT_TIMEOUT_MS,
     VERBS,
     check_names,
@@ -212,11 +215,11 @@ def _str_list(max_items: int, max_len: int) -> Checker:
 _X, _Y = Arg(_coord("x")), Arg(_coord("y"))
 _BUTTON = Arg(_choice(BUTTONS), "left")
 _IMAGE = {
-    "format": Arg(_choice(IMAGE_FORMATS), "jpeg"),
-    "quality": Arg(_int(1, 100), 80),
+    "format": Arg(_choice(IMAGE_FORMATS), DEFAULT_IMAGE_FORMAT),
+    "quality": Arg(_int(1, 100), DEFAULT_IMAGE_QUALITY),
     "max_long_edge": Arg(_optional(_int(MIN_LONG_EDGE, MAX_LONG_EDGE)), None),
 }
-_STREAM = {**_IMAGE, "fps": Arg(_number(0.0, MAX_FPS, exclusive_lo=True), 5.0)}
+_STREAM = {**_IMAGE, "fps": Arg(_number(0.0, MAX_FPS, exclusive_lo=True), DEFAULT_SCREENCAST_FPS)}
 
 #: verb -> {argument name -> Arg}: exactly the verbs and argument names of
 #: shinken_sync.verbs (checked below), with their checks and defaults.

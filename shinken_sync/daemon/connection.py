@@ -120,7 +120,7 @@ def _peer_gone(ws: ServerConnection) -> bool:
     if sock is None or option is None:  # not Linux: rely on reads and writes failing
         return False
     with contextlib.suppress(OSError):
-        return sock.getsockopt(socket.IPPROTO_TCP, option, 1)[0] != _TCP_ESTABLISHED
+        return bool(sock.getsockopt(socket.IPPROTO_TCP, option, 1)[0] != _TCP_ESTABLISHED)
     return False
 
 

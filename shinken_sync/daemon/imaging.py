@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageChops
 
 from shinken_sync.protocol import ERR_BAD_ARGS, IMAGE_FORMATS
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
 
 from .display.base import DisplayError, EncodedImage
 
@@ -100,8 +101,8 @@ class EncodeParams:
 def plan(
     screen_width: int,
     screen_height: int,
-    format: str = "jpeg",
-    quality: int = 80,
+    format: str = DEFAULT_IMAGE_FORMAT,
+    quality: int = DEFAULT_IMAGE_QUALITY,
     max_long_edge: int | None = None,
     region: Iterable[int] | None = None,
 ) -> EncodeParams:

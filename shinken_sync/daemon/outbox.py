@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Awaitable, Callable
 
 from websockets.exceptions import ConnectionClosed
 
@@ -38,7 +39,7 @@ FRAME_DROP_WATER = 1 * 2**20
 
 
 class Outbox:
-    def __init__(self, send, delay_s: float = 0.0):
+    def __init__(self, send: Callable[[Message], Awaitable[None]], delay_s: float = 0.0) -> None:
         """``send`` is the connection's ``async send(message)``."""
         self._send = send
         self._delay = delay_s

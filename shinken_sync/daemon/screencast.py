@@ -71,7 +71,7 @@ class Stream:
         self.outbox: Outbox | None = None
         self._display = display
         self._registry = registry
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
 
     # -- lifecycle (called by the registry) --------------------------------

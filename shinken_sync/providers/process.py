@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import json
 import os
 import secrets
 import selectors
@@ -42,6 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import IO, Any
 
+from shinken_sync.childproc import ReadyLineBuffer, ReadyLineTooLong, StdoutClosed, parse_ready_line
 from shinken_sync.lifetime import parent_death_preexec
 
 from .base import Liveness
@@ -53,8 +53,6 @@ DEFAULT_START_TIMEOUT_S = 30.0
 TERMINATE_TIMEOUT_S = 10.0
 #: Bytes of a daemon's stderr quoted in a DaemonStartError.
 STDERR_TAIL_BYTES = 4000
-#: A ready line longer than this is not a ready line (fleet lines list N URLs).
-MAX_READY_LINE = 4 * 2**20
 
 _live: weakref.WeakSet[DaemonProcess] = weakref.WeakSet()
 _spawner_lock = threading.Lock()
@@ -121,7 +119,7 @@ class DaemonProcess:
         self._token_fd: int | None = None  # the child's end of the token pipe, until the spawn
         self._stderr: IO[bytes] = tempfile.TemporaryFile(prefix="shinkend-stderr-")  # noqa: SIM115 (kept open)
         self.ready: dict[str, Any] = {}
-        self._buffer = bytearray()
+        self._stdout = ReadyLineBuffer()
         self._oom_counter: str | None = None
         self._oom_kills_at_start: int | None = None
         try:
@@ -190,20 +188,16 @@ class DaemonProcess:
     def _feed(self) -> bool | None:
         """Read what stdout holds: True once the ready line is complete, False
         at EOF (the daemon exited or closed stdout), None to keep waiting."""
-        chunk = os.read(self.process.stdout.fileno(), 65536)
-        if not chunk:
-            return False
-        self._buffer += chunk
-        if b"\n" not in self._buffer:
-            if len(self._buffer) > MAX_READY_LINE:
-                raise self.start_error("the daemon wrote more than a ready line's worth without a newline")
-            return None
-        line = bytes(self._buffer).split(b"\n", 1)[0]
         try:
-            ready = json.loads(line)
-        except ValueError:
-            ready = None
-        if not isinstance(ready, dict) or ready.get("event") != "ready" or "url" not in ready:
+            line = self._stdout.feed(os.read(self.process.stdout.fileno(), 65536))
+        except StdoutClosed:
+            return False
+        except ReadyLineTooLong:
+            raise self.start_error("the daemon wrote more than a ready line's worth without a newline") from None
+        if line is None:
+            return None
+        ready = parse_ready_line(line)
+        if ready is None or ready.get("event") != "ready" or "url" not in ready:
             raise self.start_error(f"expected a ready line, got {line[:200]!r}")
         self.ready = ready
         return True

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageChops
 
+from bench import procfs
 from shinken_sync.daemon import imaging
 from shinken_sync.daemon.display import DisplayError, DisplayUnavailable, make_display
 from shinken_sync.daemon.display import xvfb as xvfb_module
@@ -32,13 +33,6 @@ needs_x = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} 
 W, H = 800, 600
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def _settle(display, quiet_s: float = 0.4, timeout_s: float = 10.0) -> None:
@@ -125,7 +119,7 @@ def test_typing_into_a_real_xterm(tmp_path):
         pids = display.pids
         try:
             assert display.display_name and display.display_name.startswith(":")
-            assert all(_alive(pid) for pid in pids)
+            assert all(procfs.alive(pid) for pid in pids)
             await _settle(display)  # the shell's prompt is up; earlier keys could be flushed
 
             before_token = await display.change_token()
@@ -192,7 +186,7 @@ def test_typing_into_a_real_xterm(tmp_path):
         finally:
             await display.close()
         await display.close()  # idempotent
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(procfs.alive(pid) for pid in pids)
         number = display.display_name[1:]
         assert not Path(f"/tmp/.X11-unix/X{number}").exists()
 
@@ -222,14 +216,14 @@ def test_xvfb_dies_with_a_killed_owner():
     try:
         line = owner.stdout.readline()
         pids = [int(p) for p in line.split()]
-        assert pids and all(_alive(pid) for pid in pids)
+        assert pids and all(procfs.alive(pid) for pid in pids)
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(procfs.alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids), "Xvfb outlived its owner"
+    assert not any(procfs.alive(pid) for pid in pids), "Xvfb outlived its owner"
 
 
 @pytest.mark.integration
@@ -242,7 +236,7 @@ def test_a_dead_xvfb_is_a_display_error_and_close_still_works():
         assert (await display.screenshot("png")).width == 320
         os.kill(display.pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while _alive(display.pids[0]) and time.monotonic() < deadline:
+        while procfs.alive(display.pids[0]) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         with pytest.raises(DisplayError) as info:
             await display.screenshot("png")

@@ -18,7 +18,9 @@ import urllib.parse
 import pytest
 from websockets.exceptions import InvalidStatus
 
+from bench import procfs
 from shinken_sync import protocol
+from shinken_sync.childproc import parse_ready_line, read_ready_line
 from shinken_sync.daemon import args as daemon_args
 from shinken_sync.daemon.errors import BadArgs
 from tests.fuzz.rawws import OP_TEXT, RawWs, frame
@@ -285,7 +287,7 @@ def test_exec_children_of_a_reset_connection_are_killed(vdaemon, tmp_path):
     assert _wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
     pid = int(pid_file.read_text())
     raw.reset()
-    assert _wait_for(lambda: not _alive(pid), timeout=10), "the reset connection's exec child is still alive"
+    assert _wait_for(lambda: not procfs.alive(pid), timeout=10), "the reset connection's exec child is still alive"
 
 
 def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monkeypatch):
@@ -316,15 +318,9 @@ def test_a_cancel_while_the_command_starts_kills_its_whole_group(tmp_path, monke
     monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_start)
     asyncio.run(asyncio.wait_for(cancel_once_the_command_ran(), 30))
     pid = int(pid_file.read_text())
-    assert _wait_for(lambda: not _alive(pid), timeout=5), "the cancelled command's background child lives on"
+    assert _wait_for(lambda: not procfs.alive(pid), timeout=5), "the cancelled command's background child lives on"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.integration
@@ -384,7 +380,7 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
     token = "env-token-" + os.urandom(12).hex()
     proc = _start(tmp_path, env_token=token)
     try:
-        ready = json.loads(proc.stdout.readline())
+        ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), 30)) or {}
         client = aci(ready["url"], token)
         result = client.ok("exec", cmd='printf "%s" "${SHINKEND_TOKEN-unset}"')
         assert result["stdout"] == "unset"
@@ -397,7 +393,7 @@ def test_a_token_from_the_environment_works_and_exec_never_sees_it(tmp_path, aci
     path.chmod(0o600)
     proc = _start(tmp_path, token_file=path, env_token=token)
     try:
-        ready = json.loads(proc.stdout.readline())
+        ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), 30)) or {}
         client = aci(ready["url"], path.read_text())
         assert client.ok("exec", cmd='printf "%s" "${SHINKEND_TOKEN-unset}"')["stdout"] == "unset"
     finally:

@@ -10,6 +10,7 @@ import time
 import pytest
 from PIL import Image
 
+from bench import procfs
 from shinken_sync import protocol
 from shinken_sync.daemon.display.virtual import WIDGETS
 
@@ -145,17 +146,11 @@ def test_exec_timeout_kills_the_process_group(client, tmp_path):
     assert reply.outcome == protocol.TIMEOUT and reply.error.kind == protocol.ERR_TIMEOUT, reply
     pid = int(pidfile.read_text())
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while procfs.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid), "the background grandchild survived the timeout"
+    assert not procfs.alive(pid), "the background grandchild survived the timeout"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_exec_signal_and_missing_cwd(client):

@@ -21,7 +21,7 @@ from shinken_sync.demo import (
     describe_step,
     run_consistent,
 )
-from shinken_sync.demo_screen import describe_input, key_name
+from shinken_sync.demo.screen import describe_input, key_name
 from shinken_sync.trajectory_file import compact_records, expand_records
 
 ACTION = {"verb": "key", "combo": "Return"}

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from bench import procfs
 from shinken_sync import protocol
 from shinken_sync.providers import (
     DaemonStartError,
@@ -31,12 +32,7 @@ SCREEN = (1024, 768)
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while True:
-        # a zombie (exited, not yet reaped) is gone for our purposes
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
+        if not procfs.alive(pid):  # a zombie (exited, not yet reaped) is gone for our purposes
             return True
         if time.monotonic() >= deadline:
             return False

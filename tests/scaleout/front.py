@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shinken_sync.childproc import ReadyLineError, parse_ready_line, read_ready_line
 from tests.scaleout.hosts import Hosts
 from webapp.serve import server_argv
 
@@ -47,8 +48,11 @@ def start_instance(hosts: Hosts, i: int, tag: str, workers: int = 1) -> Instance
     argv = server_argv(workers, None, f"{hosts.addresses[i]}:0", "--instance", tag)
     proc = hosts.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                        start_new_session=True)
-    line = proc.stdout.readline()
-    ready = json.loads(line) if line.startswith("{") else {}
+    try:
+        line = read_ready_line(proc.stdout.fileno(), 120)
+    except ReadyLineError as exc:
+        line = repr(exc).encode()
+    ready = parse_ready_line(line) or {}
     if not ready.get("ready"):
         proc.kill()
         raise RuntimeError(f"session server {tag} did not start: {line!r}")

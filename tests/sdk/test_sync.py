@@ -114,23 +114,28 @@ def test_sandboxes_on_one_shared_loop_share_its_frame_budget():
 
 def test_deadlines_follow_the_async_cores_own():
     target = 30.0  # the connection's rpc_timeout
+    DEFAULT = client_protocol.DEFAULT
     rules = client_protocol.SANDBOX_DEADLINES
-    assert client_protocol.one_call("cursor")(target, {"timeout": None}) == 30.0
+    assert client_protocol.one_call("cursor")(target, {"timeout": DEFAULT}) == 30.0
     assert client_protocol.one_call("cursor")(target, {"timeout": 2.0}) == 2.0
     wait_deadline = 30.0 + 5.0 + client.WAITING_VERB_SLACK
-    assert client_protocol.one_call("wait")(target, {"ms": 5000, "timeout": None}) == wait_deadline
+    assert client_protocol.one_call("wait")(target, {"ms": 5000, "timeout": DEFAULT}) == wait_deadline
     actions = iter([{"verb": "click", "x": 1, "y": 1}, {"verb": "wait", "ms": 5000}])
-    args = {"actions": actions, "timeout": None, "observe": None}
+    args = {"actions": actions, "timeout": DEFAULT, "observe": None}
     assert rules["act_batch"](target, args) == 30.0 + wait_deadline
     assert args["actions"] == [{"verb": "click", "x": 1, "y": 1}, {"verb": "wait", "ms": 5000}]
-    assert rules["step"](target, {"actions": args["actions"], "timeout": None, "observe": {}}) == wait_deadline
+    assert rules["step"](target, {"actions": args["actions"], "timeout": DEFAULT, "observe": {}}) == wait_deadline
     # A step's calls run in order on the daemon: the last waits out every wait ahead of it.
     waits = [{"verb": "wait", "ms": 20_000}, {"verb": "wait", "ms": 20_000}]
-    step = {"actions": waits, "timeout": None, "observe": {}}
+    step = {"actions": waits, "timeout": DEFAULT, "observe": {}}
     assert rules["step"](target, step) == 30.0 + 40.0 + client.WAITING_VERB_SLACK
     assert rules["step"](target, {**step, "timeout": 2.0}) == 2.0  # the caller's bound on the whole step
-    assert rules["read_file"](target, {"max_bytes": None, "timeout": None}) is None
+    assert rules["read_file"](target, {"max_bytes": None, "timeout": DEFAULT}) is None
     assert rules["read_file"](target, {"max_bytes": 3 * client.READ_FILE_CHUNK, "timeout": 1.0}) == 3.0
+    # None is no limit, on every rule (DEFAULT, or no timeout argument at all, inherits).
+    assert client_protocol.one_call("cursor")(target, {}) == 30.0
+    assert client_protocol.one_call("cursor")(target, {"timeout": None}) is None
+    assert rules["step"](target, {**step, "timeout": None}) is None
 
 
 # -- against a fleet host -----------------------------------------------------------

@@ -81,3 +81,30 @@ def test_the_sdk_does_not_import_the_daemon():
                 assert "daemon" not in target, f"{path.name} imports {target}"
             elif isinstance(node, ast.Import):
                 assert not any("daemon" in alias.name for alias in node.names), path.name
+
+
+IMAGE_DEFAULTS = {"format": table.DEFAULT_IMAGE_FORMAT, "quality": table.DEFAULT_IMAGE_QUALITY,
+                  "fps": table.DEFAULT_SCREENCAST_FPS}
+
+
+def test_every_image_default_is_the_tables():
+    """The SDK's signatures, the daemon's argument defaults, its displays and its encoder agree."""
+    from shinken_sync.daemon import imaging
+    from shinken_sync.daemon.display import base, virtual, xvfb
+
+    functions = [actions.screenshot, client.AsyncSandbox.screenshot, client.AsyncSandbox.screencast,
+                 client.AsyncSandbox.resume_screencast, sync.Sandbox.screenshot, sync.Sandbox.screencast,
+                 base.Display.screenshot, virtual.VirtualDisplay.screenshot, xvfb.XvfbDisplay.screenshot,
+                 imaging.plan]
+    seen = 0
+    for function in functions:
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in IMAGE_DEFAULTS and parameter.default is not inspect.Parameter.empty:
+                assert parameter.default == IMAGE_DEFAULTS[name], (function.__qualname__, name)
+                seen += 1
+    for verb in ("screenshot", "screencast_start"):  # resume_screencast's None keeps the stream's own
+        for name, arg in daemon_args.SPECS[verb].items():
+            if name in IMAGE_DEFAULTS:
+                assert arg.default == IMAGE_DEFAULTS[name], (verb, name)
+                seen += 1
+    assert seen >= 20  # the walk found the defaults

@@ -33,6 +33,7 @@ import psutil
 import pytest
 import requests
 
+from bench import procfs
 from tests.webapp.test_images import image_part, png
 from tests.webapp.test_supervisor import wait_healthy, worker_procs
 from webapp.serve import server_argv
@@ -226,8 +227,9 @@ def log_lines(server, *needles: str, limit: float = LOG_LIMIT) -> list[str]:
 
 
 def vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    rss = procfs.status_bytes(pid, "VmRSS")
+    assert rss is not None, f"process {pid} is gone"
+    return rss
 
 
 @pytest.fixture(scope="module")

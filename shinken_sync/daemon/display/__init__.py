@@ -11,13 +11,15 @@ Errors::
 
 from __future__ import annotations
 
+from typing import Any
+
 from .base import Display, DisplayError, EncodedImage
 from .errors import DisplayUnavailable
 
 KINDS = ("virtual", "xvfb")
 
 
-def make_display(kind: str, width: int, height: int, **options) -> Display:
+def make_display(kind: str, width: int, height: int, **options: Any) -> Display:
     """A display of ``kind`` ("virtual" | "xvfb"); ``options`` go to its constructor.
 
     Raises ValueError for an unknown kind, :class:`DisplayUnavailable` when the

@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from shinken_sync.protocol import ERR_FAILED, ERR_UNSUPPORTED
-from shinken_sync.verbs import IMAGE_FIELDS
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY, IMAGE_FIELDS
 
 
 class DisplayError(Exception):
@@ -63,8 +63,8 @@ class Display(abc.ABC):
     @abc.abstractmethod
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
     ) -> EncodedImage:

@@ -113,8 +113,10 @@ def parse_combo(combo: str) -> KeyCombo:
     if len(key) == 1:
         name = key
     else:
-        name = _KEYSYMS.get(key.lower())
-        if name is None:
+        known = _KEYSYMS.get(key.lower())
+        if known is not None:
+            name = known
+        else:
             # Any other X keysym name (``KP_Enter``, ``XF86AudioMute``) passes through
             # as given: xdotool resolves it, the virtual display ignores it.
             if not key.replace("_", "").isalnum() or not key.isascii():

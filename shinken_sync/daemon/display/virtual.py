@@ -35,6 +35,7 @@ from typing import NamedTuple
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from shinken_sync.protocol import ERR_BAD_ARGS
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
 
 from .. import imaging
 from .base import Display, DisplayError, EncodedImage
@@ -773,8 +774,8 @@ class VirtualDisplay(Display):
 
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
     ) -> EncodedImage:

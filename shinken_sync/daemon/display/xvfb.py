@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from shinken_sync.protocol import ERR_BAD_ARGS, ERR_FAILED, ERR_TIMEOUT, ERR_UNSUPPORTED
+from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY
 
 from .. import identity, imaging
 from . import desktop as desktops
@@ -504,8 +505,8 @@ class XvfbDisplay(Display):
 
     async def screenshot(
         self,
-        format: str = "jpeg",
-        quality: int = 80,
+        format: str = DEFAULT_IMAGE_FORMAT,
+        quality: int = DEFAULT_IMAGE_QUALITY,
         max_long_edge: int | None = None,
         region: tuple[int, int, int, int] | None = None,
     ) -> EncodedImage:

@@ -1,6 +1,6 @@
 """What each ``shinken demo --display xvfb`` screen runs: a terminal program showing every input.
 
-``shinken demo`` starts ``xterm -e python -m shinken_sync.demo_screen N`` on each X screen
+``shinken demo`` starts ``xterm -e python -m shinken_sync.demo.screen N`` on each X screen
 (:func:`xterm_argv`). The program puts the terminal in raw mode and turns on xterm's mouse
 reporting (SGR encoding, mode 1006, so columns past 223 work), then prints one line per
 input: typed text, a key by name, a click or a scroll with its cell, and marks a clicked
@@ -44,7 +44,7 @@ def xterm_argv(screen_width: int, screen_height: int, title: str) -> list[str]:
     """The screen-filling xterm running this program, for shinkend's ``--launch``."""
     cols, rows = screen_width // 10, screen_height // 20
     return ["xterm", "-fn", XTERM_FONT, "-geometry", f"{cols}x{rows}+0+0", "-title", title,
-            "-e", sys.executable, "-m", "shinken_sync.demo_screen", title]
+            "-e", sys.executable, "-m", "shinken_sync.demo.screen", title]
 
 
 def describe_input(data: bytes) -> Iterator[tuple[str, str, tuple[int, int] | None]]:
@@ -64,6 +64,7 @@ def describe_input(data: bytes) -> Iterator[tuple[str, str, tuple[int, int] | No
             continue
         if data[i] == 0x1b:
             seq = _CSI.match(data, i)
+            assert seq is not None  # the pattern matches a lone ESC too
             i = seq.end()
             yield "key", "Escape" if seq.group() == b"\x1b" else key_name(seq.group()[1:].decode(errors="replace")), None
             continue

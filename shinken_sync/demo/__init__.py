@@ -525,7 +525,7 @@ def display_args(display: str) -> list[str]:
     empty X screen stays black whatever the agent does)."""
     if display != "xvfb":
         return []
-    from shinken_sync.demo_screen import xterm_argv
+    from shinken_sync.demo.screen import xterm_argv
 
     return ["--launch", shlex.join(xterm_argv(*SCREEN, title="shinken demo"))]
 
@@ -638,10 +638,8 @@ def prepare_out(path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "ray", None):  # the rollout over a Ray cluster (shinken_sync.demo_ray)
-        from shinken_sync import demo_ray
-
-        return demo_ray.run(args)
+    """The single-process rollout; ``shinken demo --ray`` runs :mod:`shinken_sync.demo.ray_cluster` instead
+    (chosen by ``shinken_sync.cli``: that module builds on this one, so this one never imports it)."""
     from shinken_sync.providers.config import make_provider
     from webapp.settings import BY_NAME
 
@@ -689,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
                         ep.error = f"{type(exc).__name__}: {exc}"
 
             if getattr(args, "view", False):  # the live fleet on the server's viewer (docs/viewer.md)
-                from shinken_sync import demo_view
+                from shinken_sync.demo import view as demo_view
 
                 viewer = demo_view.start(url, sandboxes, [f"episode {ep.index} · {ep.sandbox_id}" for ep in episodes],
                                          api_key=key or None)
