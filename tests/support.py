@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -80,6 +81,20 @@ def _alive(procs: list) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process below it at once, then reap it. Its tree, not its
+    process group: a session server's gunicorn and reference backend run in sessions of their
+    own (a terminal's Ctrl-C reaches only the launcher)."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    proc.wait(30)
 
 
 def sigkill_and_expect_no_descendant(proc: subprocess.Popen, expected: tuple[str, ...], min_descendants: int,

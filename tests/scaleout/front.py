@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import shutil
 import signal
 import socket
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from shinken_sync.childproc import ReadyLineError, parse_ready_line, read_ready_line
 from tests.scaleout.hosts import Hosts
+from tests.support import sigkill_tree
 from webapp.serve import server_argv
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
@@ -39,9 +39,8 @@ class Instance:
     url: str
 
     def kill(self) -> None:
-        """SIGKILL the instance's whole process group (router, workers, backend)."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
+        """SIGKILL the instance's whole tree at once (launcher, gunicorn, router, workers, backend)."""
+        sigkill_tree(self.proc)
 
 
 def start_instance(hosts: Hosts, i: int, tag: str, workers: int = 1) -> Instance:

@@ -14,11 +14,9 @@ mounted on a directory inside it and unmounted at teardown)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -34,6 +32,7 @@ import pytest
 import requests
 
 from bench import procfs
+from tests.support import sigkill_tree
 from tests.webapp.test_images import image_part, png
 from tests.webapp.test_supervisor import wait_healthy, worker_procs
 from webapp.serve import server_argv
@@ -206,14 +205,8 @@ def wait_for_restart(server, shard: int, shards: int, old_pid: int) -> None:
 
 
 def kill_server(server) -> None:
-    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space).
-    Every process of it, not its process group: gunicorn and the reference backend run in
-    sessions of their own (a terminal's Ctrl-C reaches only the launcher)."""
-    tree = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
-    for proc in tree:
-        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
-            proc.send_signal(signal.SIGKILL)
-    server.proc.wait(30)
+    """SIGKILL the whole server tree at once (no finally, no flush of anything in user space)."""
+    sigkill_tree(server.proc)
 
 
 def log_lines(server, *needles: str, limit: float = LOG_LIMIT) -> list[str]:
