@@ -45,7 +45,6 @@ import fcntl
 import functools
 import json
 import os
-import secrets
 import selectors
 import shutil
 import signal
@@ -55,17 +54,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from shinken_sync.lifetime import die_with_parent
 from shinken_sync.protocol import split_unix_url, unix_url
 
-from .base import Liveness, Provider
+from .base import Liveness
 from .cgroups import CgroupLimits, SandboxCgroup
 from .errors import IsolationUnavailable, ProviderError
-from .local import daemon_argv
-from .process import DEFAULT_START_TIMEOUT_S, TERMINATE_TIMEOUT_S, DaemonProcess, start_daemons
+from .local import LocalProvider, LocalSandbox
+from .process import DEFAULT_START_TIMEOUT_S, TERMINATE_TIMEOUT_S, DaemonProcess
 
 __all__ = ["DAEMON_CAPS", "IsolatedProvider", "IsolatedSandbox", "Isolation"]
 
@@ -243,18 +241,9 @@ def sweep_stale(isolation: Isolation) -> list[str]:
 
 
 @dataclass(eq=False)
-class IsolatedSandbox:
-    """Handle of one isolated sandbox."""
-
-    sandbox_id: str
-    url: str
-    token: str = field(repr=False)
-    daemon: IsolatedDaemon = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        """bwrap's pid on the host (the sandbox's processes are its descendants)."""
-        return self.daemon.pid
+class IsolatedSandbox(LocalSandbox):
+    """Handle of one isolated sandbox: ``pid`` is bwrap's on the host (the sandbox's processes
+    are its descendants), ``daemon`` its :class:`IsolatedDaemon`."""
 
 
 class IsolatedDaemon(DaemonProcess):
@@ -556,15 +545,19 @@ class IsolatedDaemon(DaemonProcess):
                 self._slot_fd = None
 
 
-class IsolatedProvider(Provider[IsolatedSandbox]):
+class IsolatedProvider(LocalProvider):
     """One isolated sandbox per shinkend (module docstring; docs/sandboxes.md).
 
     ``display``, ``screen``, ``rtt_ms``, ``stream_grace`` and ``extra_args`` (more
     shinkend flags, e.g. a desktop's) are the defaults for :meth:`create` /
-    :meth:`create_many`, as with :class:`~.local.LocalProvider`; ``isolation``
-    is how every sandbox is isolated. What this host lacks is reported at once
-    (:class:`~.errors.IsolationUnavailable`), before anything starts.
+    :meth:`create_many`, as with :class:`~.local.LocalProvider`, whose sandbox
+    bookkeeping this is; ``isolation`` is how every sandbox is isolated. What this
+    host lacks is reported at once (:class:`~.errors.IsolationUnavailable`), before
+    anything starts. The daemons' ``--host``/``--port`` are ignored: each listens on
+    its unix socket only.
     """
+
+    _id_word = "iso"
 
     def __init__(
         self,
@@ -580,67 +573,14 @@ class IsolatedProvider(Provider[IsolatedSandbox]):
         self.isolation = isolation or Isolation()
         self._bwrap = self.isolation.check()
         sweep_stale(self.isolation)
-        self._defaults: dict[str, Any] = {
-            "display": display,
-            "screen": tuple(screen),
-            "rtt_ms": rtt_ms,
-            "stream_grace": stream_grace,
-            "extra_args": list(extra_args or ()),
-        }
-        self._start_timeout = start_timeout
-        self._lock = threading.Lock()
-        self._sandboxes: dict[int, IsolatedSandbox] = {}
-        self._count = 0
-        self.prefix = f"iso-{secrets.token_hex(3)}"
+        super().__init__(display, screen, rtt_ms, stream_grace=stream_grace, extra_args=extra_args,
+                         start_timeout=start_timeout)
 
-    def create(self, **options: Any) -> IsolatedSandbox:
-        return self.create_many(1, **options)[0]
+    def _spawn(self, argv: list[str], name: str) -> DaemonProcess:
+        return IsolatedDaemon(argv, name, self.isolation, self._bwrap)
 
-    def create_many(self, n: int, parallelism: int = 8, **options: Any) -> list[IsolatedSandbox]:
-        unknown = set(options) - set(self._defaults)
-        if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(self._defaults)}")
-        opts = {**self._defaults, **options}
-        extra = list(opts["extra_args"])
-        if opts["stream_grace"] is not None:
-            extra += ["--stream-grace", str(opts["stream_grace"])]
-        with self._lock:
-            first = self._count
-            self._count += n
-        names = [f"{self.prefix}-{first + i}" for i in range(n)]
-        argvs = [
-            # --host/--port are ignored: the daemon listens on its unix socket only.
-            daemon_argv(opts["display"], opts["screen"], opts["rtt_ms"], [*extra, "--sandbox-id", name])
-            for name in names
-        ]
+    def _handle(self, daemon: DaemonProcess) -> IsolatedSandbox:
+        assert isinstance(daemon, IsolatedDaemon)
+        return IsolatedSandbox(daemon.ready.get("sandbox_id", daemon.name), daemon.url, daemon.token, daemon)
 
-        def spawn(argv: list[str], name: str) -> DaemonProcess:
-            return IsolatedDaemon(argv, name, self.isolation, self._bwrap)
 
-        daemons = start_daemons(argvs, names, parallelism=parallelism, timeout=self._start_timeout, spawn=spawn)
-        handles = []
-        for d in daemons:
-            assert isinstance(d, IsolatedDaemon)
-            handles.append(IsolatedSandbox(d.ready.get("sandbox_id", d.name), d.url, d.token, d))
-        with self._lock:
-            for handle in handles:
-                self._sandboxes[id(handle)] = handle
-        return handles
-
-    def endpoint(self, handle: IsolatedSandbox) -> tuple[str, str]:
-        return handle.url, handle.token
-
-    def check_alive(self, handle: IsolatedSandbox) -> Liveness:
-        return handle.daemon.liveness()
-
-    def destroy(self, handle: IsolatedSandbox) -> None:
-        with self._lock:
-            self._sandboxes.pop(id(handle), None)
-        handle.daemon.release()
-
-    def close(self) -> None:
-        with self._lock:
-            handles = list(self._sandboxes.values())
-            self._sandboxes.clear()
-        for handle in handles:
-            handle.daemon.release()

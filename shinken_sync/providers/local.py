@@ -80,7 +80,17 @@ class LocalProvider(Provider[LocalSandbox]):
         self._sandboxes: dict[int, LocalSandbox] = {}
         self._count = 0
         # Sandbox ids stay unique across providers (and in the daemons' logs).
-        self._prefix = f"local-{secrets.token_hex(3)}"
+        self.prefix = f"{self._id_word}-{secrets.token_hex(3)}"
+
+    # What a substrate built on this one changes (IsolatedProvider): the sandbox ids' first
+    # word, how one daemon is started, and the handle it gets.
+    _id_word = "local"
+
+    def _spawn(self, argv: list[str], name: str) -> DaemonProcess:
+        return DaemonProcess(argv, name)
+
+    def _handle(self, daemon: DaemonProcess) -> LocalSandbox:
+        return LocalSandbox(daemon.ready.get("sandbox_id", daemon.name), daemon.url, daemon.token, daemon)
 
     def create(self, **options: Any) -> LocalSandbox:
         return self.create_many(1, **options)[0]
@@ -98,13 +108,13 @@ class LocalProvider(Provider[LocalSandbox]):
         with self._lock:
             first = self._count
             self._count += n
-        names = [f"{self._prefix}-{first + i}" for i in range(n)]
+        names = [f"{self.prefix}-{first + i}" for i in range(n)]
         argvs = [
             daemon_argv(opts["display"], opts["screen"], opts["rtt_ms"], [*extra, "--sandbox-id", name])
             for name in names
         ]
-        daemons = start_daemons(argvs, names, parallelism=parallelism, timeout=self._start_timeout)
-        handles = [LocalSandbox(d.ready.get("sandbox_id", d.name), d.url, d.token, d) for d in daemons]
+        daemons = start_daemons(argvs, names, parallelism=parallelism, timeout=self._start_timeout, spawn=self._spawn)
+        handles = [self._handle(d) for d in daemons]
         with self._lock:
             for handle in handles:
                 self._sandboxes[id(handle)] = handle
