@@ -54,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shinken_sync.lifetime import die_with_parent
@@ -407,19 +408,12 @@ class IsolatedDaemon(DaemonProcess):
                 "--exec-home", AGENT_HOME, *argv]  # fmt: skip
         return cmd
 
-    def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            close_fds=True,
-            pass_fds=[*self._pass_fds(), *self._child_fds],
-            start_new_session=True,
-            # One spawner thread (see .process); the preexec makes only system calls.
-            preexec_fn=functools.partial(launcher_preexec, self._staged, self.daemon_host_uid,  # noqa: PLW1509
-                                         os.getpid()),
-        )
+    def _pass_fds(self) -> list[int]:
+        return [*super()._pass_fds(), *self._child_fds]
+
+    def _preexec(self) -> Callable[[], None]:
+        # One spawner thread (see .process); the preexec makes only system calls.
+        return functools.partial(launcher_preexec, self._staged, self.daemon_host_uid, os.getpid())
 
     def _spawned(self) -> None:
         self._forget_token()

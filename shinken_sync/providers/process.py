@@ -146,6 +146,10 @@ class DaemonProcess:
         """Descriptors the child inherits (at their numbers)."""
         return [] if self._token_fd is None else [self._token_fd]
 
+    def _preexec(self) -> Callable[[], None]:
+        """What the child runs before exec: system calls only (one spawner thread; see docstring)."""
+        return parent_death_preexec(signal.SIGTERM)
+
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             cmd,
@@ -155,7 +159,7 @@ class DaemonProcess:
             close_fds=True,
             pass_fds=self._pass_fds(),
             start_new_session=True,
-            preexec_fn=parent_death_preexec(signal.SIGTERM),  # noqa: PLW1509 (one spawner thread; see docstring)
+            preexec_fn=self._preexec(),  # noqa: PLW1509 (one spawner thread; see docstring)
         )
 
     def _spawned(self) -> None:
