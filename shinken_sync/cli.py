@@ -55,7 +55,8 @@ def build_parser() -> Parser:
                         help="the engine the demo's session server sits in front of (vLLM or SGLang); a text-only "
                              "engine (vLLM) gets each observation as text (default: the reference backend)")
     engine.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="the engine's tokenizer folder (tokenizer.json + chat template; needs the [hf] extra)")
+                        help="the engine's tokenizer folder (tokenizer.json + chat template; needs the [hf] extra; "
+                             "default: the reference backend's byte tokenizer)")
     engine.add_argument("--backend-kind", metavar="sglang|vllm|auto", default=None,
                         help="the engine's dialect (default: auto, the engine is asked at start-up)")
     demo.add_argument("--view", action="store_true",

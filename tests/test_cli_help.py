@@ -56,14 +56,16 @@ def test_every_cli_prints_the_one_version(name):
 
 
 @pytest.mark.parametrize(("argv", "pointer"), [
-    (["-m", "shinken_sync.cli", "demo", "--backend-url", "http://127.0.0.1:1"], "(see shinken demo --help)"),
+    (["-m", "shinken_sync.cli", "demo", "--backend-uri", "http://127.0.0.1:1"], "(see shinken demo --help)"),
     (["-m", "shinken_sync.cli", "sandboxes", "--turns", "3"], "(see shinken sandboxes --help)"),
     (["-m", "shinken_sync.daemon.server", "--fleet", "x"], "(see shinkend --help)"),
     (["-m", "shinken_sync.daemon.server", "--port", "70000"], "(see shinkend --help)"),
     (["-m", "shinken_sync.daemon.server", "--fleet", "2", "--display", "xvfb"], "(see shinkend --help)"),
 ])
-def test_usage_errors_are_one_line_pointing_at_the_right_help(argv, pointer):
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, check=False)
+def test_usage_errors_are_one_line_pointing_at_the_right_help(argv, pointer, tmp_path):
+    # cwd is a scratch folder: were the argv ever valid, the command's outputs land there, not in the checkout
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(pointer), proc.stderr  # not argparse's whole usage
