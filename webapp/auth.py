@@ -1,6 +1,7 @@
-"""The API key check of every HTTP front (the router and the single-process app): one rule.
+"""The API key check of the HTTP surface (the router, in both server modes): one rule.
 
-With a key set (setting ``api_key``, ``SHINKEN_API_KEY``), every route but ``/health`` wants
+With a key set (setting ``api_key``, ``SHINKEN_API_KEY``), every route but the route table's
+open ones (``/health``, :data:`webapp.routes.OPEN_PATHS`) wants
 ``Authorization: Bearer <key>`` and answers 401 otherwise; ``/health`` stays open (load
 balancers probe it) and so says nothing a client could learn from: no session count.
 
@@ -15,9 +16,9 @@ from collections.abc import Callable
 
 from flask import Flask, Response, request
 
-__all__ = ["OPEN_PATHS", "require_api_key"]
+from webapp.routes import OPEN_PATHS
 
-OPEN_PATHS = frozenset({"/health"})
+__all__ = ["OPEN_PATHS", "require_api_key"]
 
 
 def require_api_key(app: Flask, api_key: str | None,

@@ -56,7 +56,8 @@ from webapp.ipc import (
 )
 
 __all__ = [
-    "BodyStream", "FrameTransport", "IpcClient", "IpcReply", "IpcServer", "ReplyLike", "bulk_turn", "open_socket",
+    "BodyStream", "FrameTransport", "IpcClient", "IpcReply", "IpcServer", "ReplyLike", "ReplyStream", "bulk_turn",
+    "open_socket",
 ]
 
 log = logging.getLogger(__name__)
@@ -300,10 +301,22 @@ class IpcReply:
     headers: list[tuple[str, str]]
     length: int
     body: bytes = b""
-    stream: BodyStream | None = None
+    stream: ReplyStream | None = None
     # The body is ``body`` spliced with ranges of a file the router reads itself (a records
     # GET: ``webapp.filebody.encode_layout``); None: ``body`` / ``stream`` is the whole body.
     file_layout: dict[str, Any] | None = None
+
+
+class ReplyStream(Protocol):
+    """What the router reads of a streamed reply body: the chunks once, in order, then close
+    (a worker's :class:`BodyStream`, or an in-process shard's chunk list)."""
+
+    length: int
+    consumed: int
+
+    def __iter__(self) -> Iterator[bytes]: ...
+
+    def close(self) -> None: ...
 
 
 class BodyStream:

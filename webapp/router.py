@@ -18,9 +18,9 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import gevent
 from flask import Flask, Response, has_request_context, request
@@ -35,12 +35,14 @@ from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
 from webapp.http_limits import HttpLimits, discard_body, iter_body
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
-from webapp.ipc import INLINE_BODY_MAX, FrameTooLarge, IpcError, Op
+from webapp.ipc import INLINE_BODY_MAX, Buffer, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
 from webapp.routes import (
     IMAGES_QUERY,
     PROXY_HEADERS,
-    PROXY_METHODS,
+    ROUTES,
+    Body,
+    Route,
     is_openai_path,
     no_route_message,
     openai_error_body,
@@ -53,7 +55,7 @@ from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, Superviso
 from webapp.viewer_http import install_viewer
 from webapp.viewer_shape import is_viewer_path
 
-__all__ = ["API_KEY_ENV", "RouterConfig", "create_app", "start_supervisor", "stop_supervisor"]
+__all__ = ["API_KEY_ENV", "RouterConfig", "Shards", "create_app", "start_supervisor", "stop_supervisor"]
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +188,14 @@ def _stream_body(reply: IpcReply) -> Iterator[bytes]:
         stream.close()
 
 
+def _worker_processes(config: RouterConfig) -> Shards:
+    return Supervisor(config.supervisor_config())
+
+
 def start_supervisor(app: Flask) -> None:
     """Start the app's session workers (gunicorn's ``post_worker_init``; else on first use).
 
-    A no-op for an app without any (the single-process ``webapp.app``).
+    A no-op for the single-process app's in-process shard.
     """
     supervisor = getattr(app, "extensions", {}).get(_EXTENSION)
     if supervisor is not None:
@@ -203,9 +209,35 @@ def stop_supervisor(app: Flask) -> None:
         supervisor.stop()
 
 
-def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | None = None) -> Flask:
+class Shards(Protocol):
+    """What the router asks of the processes that own the sessions: a
+    :class:`~webapp.supervisor.Supervisor` of worker subprocesses (``--workers N``), or
+    ``webapp.local_shard.LocalShard``, one shard in this process (``--workers 0``)."""
+
+    @property
+    def workers(self) -> int: ...
+
+    def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
+                timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
+                body_length: int | None = None) -> IpcReply: ...
+
+    def status(self) -> list[dict[str, Any]]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | None = None, *,
+               shards: Callable[[RouterConfig], Shards] | None = None) -> Flask:
     """The router app; with no ``config``, :meth:`RouterConfig.from_env` (and
-    :meth:`HttpLimits.from_env` without ``http_limits``)."""
+    :meth:`HttpLimits.from_env` without ``http_limits``).
+
+    ``shards`` builds what owns the sessions from the final config, once the data directory is
+    locked (default: a :class:`~webapp.supervisor.Supervisor` of ``config.workers`` worker
+    subprocesses; ``webapp.app`` passes one in-process shard). Every route, limit and error is
+    this function's in either case.
+    """
     config = config if config is not None else RouterConfig.from_env()
     http_limits = http_limits if http_limits is not None else HttpLimits.from_env()
     # The data directory is this router's alone (its workers write it, one shard each); they
@@ -213,7 +245,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     data_dir = os.path.abspath(config.core.get("data_dir") or default_data_dir())
     config = dataclasses.replace(config, core={**config.core, "data_dir": data_dir})
     lock_data_dir(data_dir)
-    supervisor = Supervisor(config.supervisor_config())
+    supervisor: Shards = (shards or _worker_processes)(config)
     app = Flask("webapp.router")
     app.extensions[_EXTENSION] = supervisor
     app.config["SHINKEN_ROUTER"] = config
@@ -246,14 +278,13 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             return _error(404, no_route_message(request.method, request.path, request.host_url))
         response = _error(exc.code or 500, exc.description or exc.name)
         if exc.code == 405 and exc.valid_methods:
-            response.headers["Allow"] = ", ".join(exc.valid_methods)
+            response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))  # werkzeug gives a set
         return response
 
     @app.errorhandler(WebappError)
     def _webapp_error(exc: WebappError) -> Response:  # e.g. a BodyError while reading a body
         return _error(exc.status, str(exc))
 
-    @app.get("/health")
     def health() -> Response:
         damage: dict[int, int] = {}  # journal sidecars per shard (webapp.journal): ops must see them
 
@@ -301,50 +332,55 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                                     "instance": config.instance, "journal_damage": sum(damage.values())}),
                         status=200, content_type="application/json")
 
-    @app.post("/sessions")
-    def create_session() -> Response:
-        return call(mint_session_id(config.instance), Op.CREATE_SESSION)
-
-    @app.get("/sessions/<session_id>")
-    def get_session(session_id: str) -> Response:
-        return call(session_id, Op.GET_SESSION, images=wants_images(request.args.get(IMAGES_QUERY)))
-
-    @app.delete("/sessions/<session_id>")
-    def delete_session(session_id: str) -> Response:
-        return call(session_id, Op.DELETE_SESSION)
-
-    @app.post("/sessions/<session_id>/v1/chat/completions")
-    def chat(session_id: str) -> Response:
+    def chat_body_call(session_id: str, op: Op, timeout: float, **meta: object) -> Response:
         length = request.content_length
-        try:  # the server's bodies in flight, across its workers (webapp.inflight)
+        try:  # the server's bodies in flight, across its shards (webapp.inflight)
             with inflight.admit(length) as grant:
                 pieces = grant.metered(iter_body(request.stream, http_limits.body_timeout, length=length))
                 if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
-                    return call(session_id, Op.CHAT, b"".join(pieces), timeout=config.chat_timeout,
-                                budget=config.chat_budget)
-                # Streamed on to the worker as it arrives: the router never holds a whole large body.
-                return call(session_id, Op.CHAT, body_stream=pieces, body_length=length,
-                            timeout=config.chat_timeout, budget=config.chat_budget)
+                    return call(session_id, op, b"".join(pieces), timeout=timeout, **meta)
+                # Streamed on to the shard as it arrives: the router never holds a whole large body.
+                return call(session_id, op, body_stream=pieces, body_length=length, timeout=timeout, **meta)
         except InflightRefused as exc:
             discard_body(request.stream, http_limits.body_timeout, length)
             response = _error(exc.status, str(exc))
             response.headers.extend(refusal_headers(exc))
             return response
 
-    def _small_body() -> bytes:
-        # A body relayed in one frame, read within the body timeout like a chat's.
-        return b"".join(iter_body(request.stream, http_limits.body_timeout, length=request.content_length))
+    def op_meta(route: Route, path: str | None) -> dict[str, object]:
+        """What the shard needs besides the session and the body (docs/ipc.md, per op)."""
+        meta: dict[str, object] = {}
+        if route.images:
+            meta["images"] = wants_images(request.args.get(IMAGES_QUERY))
+        if route.op is Op.CHAT:  # the worker's own 503/502 arrives before this router's 504
+            meta["budget"] = config.chat_budget
+        if route.op is Op.PROXY:
+            meta.update(method=request.method, path=path, query=request.query_string.decode(),
+                        headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
+        return meta
 
-    @app.post("/sessions/<session_id>/samples")
-    def samples(session_id: str) -> Response:
-        return call(session_id, Op.SAMPLES, _small_body(), images=wants_images(request.args.get(IMAGES_QUERY)))
+    def view(route: Route) -> Callable[..., Response]:
+        op = route.op
+        assert op is not None
+        timeout = config.chat_timeout if route.backend else config.control_timeout
 
-    # miles' catch-all: forwarded to the backend by the owning worker (e.g. ``v1/models``).
-    @app.route("/sessions/<session_id>/<path:path>", methods=list(PROXY_METHODS))
-    def proxy(session_id: str, path: str) -> Response:
-        return call(session_id, Op.PROXY, _small_body(), timeout=config.chat_timeout,
-                    method=request.method, path=path, query=request.query_string.decode(),
-                    headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
+        def serve(session_id: str | None = None, path: str | None = None) -> Response:
+            if op is Op.CREATE_SESSION:  # the router mints it, so it names the shard that owns it
+                session_id = mint_session_id(config.instance)
+            assert session_id is not None
+            meta = op_meta(route, path)
+            if route.body is Body.CHAT:
+                return chat_body_call(session_id, op, timeout, **meta)
+            # A body relayed in one frame, read within the body timeout like a chat's.
+            body = (b"".join(iter_body(request.stream, http_limits.body_timeout, length=request.content_length))
+                    if route.body is Body.SMALL else b"")
+            return call(session_id, op, body, timeout=timeout, **meta)
+
+        return serve
+
+    for route in ROUTES:  # the route table (webapp.routes): every route of both server modes
+        app.add_url_rule(route.path, route.endpoint, health if route.op is None else view(route),
+                         methods=list(route.methods))
 
     install_viewer(app, _RouterViewerSource(supervisor, config, call), api_key=config.api_key,
                    instance=config.instance)
@@ -355,7 +391,7 @@ class _RouterViewerSource:
     """The viewer's session reads in router mode: the owning worker answers (ops ``viewer_*``);
     the list asks every shard at once and merges (``webapp.viewer_http``)."""
 
-    def __init__(self, supervisor: Supervisor, config: RouterConfig, call: Any) -> None:
+    def __init__(self, supervisor: Shards, config: RouterConfig, call: Any) -> None:
         self._supervisor, self._config, self._call = supervisor, config, call
 
     def sessions(self, prefix: str) -> tuple[list[dict[str, Any]], list[str]]:

@@ -1,5 +1,10 @@
-"""The parts of the HTTP contract both adapters share (the single-process app and the router),
-declared once; imports nothing, so the router may use it.
+"""The session server's HTTP contract, declared once: the route table (:data:`ROUTES`) and the
+parts of the contract around it. Imports nothing of the session core, so the router (the one
+HTTP surface of both server modes, :mod:`webapp.router`) builds itself from it.
+
+- :data:`ROUTES`: method(s), path, the op that serves it (:class:`webapp.ipc.Op`), how its body
+  is read (:class:`Body`), whether it wants the API key; the router registers exactly these,
+  the 404 text lists them, the auth rule exempts the ones marked open.
 
 - The catch-all proxy ``/sessions/<id>/<path>`` (miles' ``session_proxy``): its methods and
   the client headers forwarded to the backend (the API key and hop-by-hop headers stay here).
@@ -12,10 +17,62 @@ declared once; imports nothing, so the router may use it.
 
 from __future__ import annotations
 
-__all__ = ["IMAGES_QUERY", "PROXY_HEADERS", "PROXY_METHODS", "is_openai_path", "no_route_message",
-           "openai_error_body", "wants_images"]
+import enum
+from dataclasses import dataclass
+
+from webapp.ipc import Op
+
+__all__ = ["IMAGES_QUERY", "OPEN_PATHS", "PROXY_HEADERS", "PROXY_METHODS", "ROUTES", "Body", "Route",
+           "is_openai_path", "no_route_message", "openai_error_body", "wants_images"]
 
 PROXY_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH")
+
+
+class Body(enum.Enum):
+    """How a route's request body is read."""
+
+    NONE = "none"  # not read (a body sent anyway is discarded by the server)
+    SMALL = "small"  # read whole within the body timeout (http_body_timeout), one frame to the shard
+    # counted against the server's bytes in flight (max_inflight_bytes: 503 past it) while it is
+    # read and served; beyond one frame it is streamed on to the shard as it arrives
+    CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the route table. ``op`` None: the router answers itself (``/health`` asks
+    every shard). ``auth``: wants ``Authorization: Bearer <key>`` when the server has a key.
+    ``images``: honours ``?images=1``. ``backend``: may wait on the backend, so the chat deadline
+    applies (the backend's connect + read timeouts and a margin) instead of the control one.
+    ``text``: how the 404 of an unknown path names it (default: its methods and path)."""
+
+    methods: tuple[str, ...]
+    path: str  # a Flask rule
+    op: Op | None
+    body: Body = Body.NONE
+    auth: bool = True
+    images: bool = False
+    backend: bool = False
+    text: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return self.op.value if self.op is not None else self.path.strip("/").replace("/", "_")
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(("POST",), "/sessions", Op.CREATE_SESSION),
+    Route(("GET",), "/sessions/<session_id>", Op.GET_SESSION, images=True),
+    Route(("DELETE",), "/sessions/<session_id>", Op.DELETE_SESSION),
+    Route(("POST",), "/sessions/<session_id>/v1/chat/completions", Op.CHAT, Body.CHAT, backend=True),
+    Route(("POST",), "/sessions/<session_id>/samples", Op.SAMPLES, Body.SMALL, images=True),
+    # miles' catch-all (``session_proxy``): forwarded to the backend by the owning shard (``v1/models``)
+    Route(PROXY_METHODS, "/sessions/<session_id>/<path:path>", Op.PROXY, Body.SMALL, backend=True,
+          text="/sessions/<session_id>/<path> (proxied to the backend)"),
+    # open: load balancers probe it, so it says nothing a client could learn from (no session count)
+    Route(("GET",), "/health", None, auth=False),
+)
+OPEN_PATHS = frozenset(route.path for route in ROUTES if not route.auth)
 PROXY_HEADERS = frozenset({"content-type", "accept"})
 IMAGES_QUERY = "images"  # the query parameter asking for the session's images (pixels) too
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -40,9 +97,24 @@ def no_route_message(method: str, path: str, base_url: str) -> str:
         return (f"{method} {path} is not a route: the OpenAI endpoints are per session. POST /sessions creates "
                 f"one (it answers {{\"session_id\": ...}}), then {method} /sessions/<session_id>{path}; an OpenAI "
                 f"client takes base_url={base}/sessions/<session_id>/v1 (docs/session-server.md)")
-    return (f"{method} {path} is not a route; the routes: POST /sessions, GET or DELETE /sessions/<session_id>, "
-            f"POST /sessions/<session_id>/v1/chat/completions, POST /sessions/<session_id>/samples, "
-            f"/sessions/<session_id>/<path> (proxied to the backend), GET /health (docs/session-server.md)")
+    return f"{method} {path} is not a route; the routes: {_ROUTE_LIST} (docs/session-server.md)"
+
+
+def _route_list() -> str:
+    """The table's routes as the 404 names them: one path's methods together, in table order."""
+    by_path: dict[str, list[str]] = {}
+    texts: dict[str, str] = {}
+    for route in ROUTES:
+        by_path.setdefault(route.path, []).extend(route.methods)
+        texts[route.path] = route.text
+    names = []
+    for path, methods in by_path.items():
+        shown = path.replace("<path:path>", "<path>")
+        names.append(texts[path] or f"{' or '.join(methods)} {shown}")
+    return ", ".join(names)
+
+
+_ROUTE_LIST = _route_list()
 
 
 def openai_error_body(message: str, type_: str, code: str) -> dict[str, dict[str, str]]:

@@ -376,8 +376,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(values["tokenizer"])
     except (TokenizerLoadError, OSError, ValueError) as exc:
         parser.error(f"--tokenizer {values['tokenizer']}: {exc}")
-    if values["instance"] is not None and workers == 0:
-        parser.error("--instance is minted by the router: use --workers >= 1")
     # Bound before anything starts: a taken port is a one-line usage error, not a traceback
     # after the backend is already up.
     ephemeral = port == 0

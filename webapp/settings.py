@@ -98,7 +98,7 @@ _S, _C, _R, _H, _L = Setting, Scope.CORE, Scope.ROUTER, Scope.HTTP, Scope.LAUNCH
 # The table. Order is the --help and docs order. Defaults are stated here and nowhere else.
 SETTINGS: tuple[Setting, ...] = (
     # -- launcher: who starts the server (and its embedded reference backend) -------------------
-    _S("workers", int, 1, _R, "session worker processes (0: the single-process server, no router)", minimum=0),
+    _S("workers", int, 1, _R, "session worker processes (0: the single-process server, its one shard in the router's own process)", minimum=0),
     _S("reference_r3_layers", int, 4, _L, "routed-expert layers the embedded reference backend returns per "
        "token (0: none; ignored with a backend URL); routing replay follows it unless set", minimum=0),
     _S("reference_r3_topk", int, 8, _L, "routed experts per layer and token of the embedded reference backend",

@@ -10,8 +10,9 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
-from webapp.app import CORE_EXTENSION_KEY, create_app, to_flask_response
+from webapp.app import CORE_EXTENSION_KEY, create_app
 from webapp.core import CoreConfig, Reply
+from webapp.local_shard import _as_ipc_reply
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +65,11 @@ def test_bad_json_and_wrong_types_are_400(client):
 
 def test_chunked_reply_is_handed_over_unjoined():
     chunks = [b'{"a":', b"1", b"}"]
-    resp = to_flask_response(Reply(200, chunks))
-    assert resp.response is chunks
-    assert resp.headers["Content-Length"] == "7" and resp.headers["Content-Type"] == "application/json"
+    reply = _as_ipc_reply(Reply(200, chunks))
+    assert reply.length == 7 and reply.content_type == "application/json" and reply.body == b""
+    assert reply.stream is not None
+    handed = list(reply.stream)
+    assert all(a is b for a, b in zip(handed, chunks, strict=True)) and reply.stream.consumed == 7
 
 
 # --- under real gunicorn with the gevent worker -------------------------------------------------
