@@ -108,7 +108,9 @@ class _Replay:
 
 @dataclass
 class Sample:
-    tokens: list[int]
+    # A prefix of the session's accumulated ids (a view of them, not a copy: per-turn samples
+    # of a long session would otherwise copy the conversation once per turn).
+    tokens: np.ndarray
     response: str
     response_length: int
     loss_mask: list[int]
@@ -127,16 +129,22 @@ class Sample:
         self.response_length -= n
         self.loss_mask = self.loss_mask[:-n]
         self.rollout_log_probs = self.rollout_log_probs[:-n]
-        self.response = decode_lenient(tokenizer, self.tokens[-self.response_length:]) if self.response_length > 0 else ""
+        self.response = (decode_lenient(tokenizer, self.tokens[-self.response_length:].tolist())
+                         if self.response_length > 0 else "")
         for payload in self.replay.values():
             payload.rows = max(0, payload.rows - n)
 
 
-def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: Sequence[int],
+def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: np.ndarray,
                  tokenizer: ChatTokenizer) -> Sample:
     turn = turns[i]
     output = list(turn.output_ids)
-    tokens = list(accumulated[:turn.prompt_len]) + output
+    out = np.asarray(output, dtype=np.int64)
+    end = turn.prompt_len + len(out)
+    # The prompt + output as a view of the accumulated ids when the output is in them (every
+    # turn but one whose tail was trimmed, rare); else a copy.
+    tokens = (accumulated[:end] if end <= len(accumulated) and np.array_equal(accumulated[turn.prompt_len:end], out)
+              else np.concatenate((accumulated[:turn.prompt_len], out)))
     sample = Sample(tokens=tokens, response=decode_lenient(tokenizer, output), response_length=len(output),
                     loss_mask=[1] * len(output), rollout_log_probs=list(turn.logprobs),
                     status=_STATUS_BY_FINISH.get(turn.finish_reason, "pending"))
@@ -162,6 +170,7 @@ def _per_turn_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], m
                       tokenizer: ChatTokenizer) -> list[Sample]:
     samples = []
     cursor = 0
+    ids = np.asarray(accumulated, dtype=np.int64)
     for i, turn in enumerate(turns):
         is_last = i == len(turns) - 1
         if turn.prompt_len > len(accumulated):
@@ -180,7 +189,7 @@ def _per_turn_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], m
             raise SampleAssemblyError(f"trim_count {trim} exceeds allowed={allowed} (is_last={is_last}, "
                                       f"max_trim_tokens={max_trim_tokens}) at record {i}")
         cursor += matched
-        sample = _turn_sample(i, turns, accumulated, tokenizer)
+        sample = _turn_sample(i, turns, ids, tokenizer)
         sample.strip_last_output_tokens(trim, tokenizer)
         samples.append(sample)
     if cursor != len(accumulated):
@@ -209,34 +218,42 @@ def _lifecycle(metadata: dict[str, Any]) -> list[Any]:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def _merge_pair(a: Sample, b: Sample, tokenizer: ChatTokenizer) -> Sample:
-    gap = len(b.tokens) - len(a.tokens) - b.response_length
-    if b.tokens[:len(a.tokens)] != a.tokens:
-        raise SampleAssemblyError("b.tokens must start with a.tokens")
-    if gap <= 0:
-        raise SampleAssemblyError(f"obs_len must be > 0, got {gap}")
-    metadata = {k: v for k, v in b.metadata.items() if k != "lifecycle"}
-    metadata["lifecycle"] = _lifecycle(a.metadata) + _lifecycle(b.metadata)
-    return replace(
-        b,
-        response=a.response + decode_lenient(tokenizer, b.tokens[len(a.tokens):len(a.tokens) + gap]) + b.response,
-        response_length=a.response_length + gap + b.response_length,
-        loss_mask=a.loss_mask + [0] * gap + b.loss_mask,
-        rollout_log_probs=a.rollout_log_probs + [0.0] * gap + b.rollout_log_probs,
-        weight_versions=a.weight_versions + b.weight_versions,
-        prefix_cache_info={k: a.prefix_cache_info[k] + b.prefix_cache_info[k] for k in a.prefix_cache_info},
-        metadata=metadata,
-    )
-
-
 def _merge(samples: list[Sample], tokenizer: ChatTokenizer) -> Sample:
-    merged = samples[0]
+    """miles' merge of a sample pair (``b`` extends ``a``: the observation between them joins
+    the response, loss mask 0, logprob 0.0) applied left to right, in one pass: the lists and
+    the response grow in place, where merging pair by pair copies them once per turn."""
+    first = last = samples[0]
+    response, response_length = [first.response], first.response_length
+    loss_mask, logprobs = list(first.loss_mask), list(first.rollout_log_probs)
+    weight_versions, cache = list(first.weight_versions), dict(first.prefix_cache_info)
+    lifecycle = list(_lifecycle(first.metadata))
     for sample in samples[1:]:
         # Only a completed turn is extended; a turn that lost a replay payload ends it too.
-        if merged.status != "completed" or any(k not in sample.replay for k in merged.replay):
+        if last.status != "completed" or any(k not in sample.replay for k in last.replay):
             break
-        merged = _merge_pair(merged, sample, tokenizer)
-    return merged
+        done = len(last.tokens)
+        gap = len(sample.tokens) - done - sample.response_length
+        if not np.array_equal(sample.tokens[:done], last.tokens):
+            raise SampleAssemblyError("b.tokens must start with a.tokens")
+        if gap <= 0:
+            raise SampleAssemblyError(f"obs_len must be > 0, got {gap}")
+        response += [decode_lenient(tokenizer, sample.tokens[done:done + gap].tolist()), sample.response]
+        response_length += gap + sample.response_length
+        loss_mask += [0] * gap
+        loss_mask += sample.loss_mask
+        logprobs += [0.0] * gap
+        logprobs += sample.rollout_log_probs
+        weight_versions += sample.weight_versions
+        cache = {k: cache[k] + sample.prefix_cache_info[k] for k in cache}
+        lifecycle += _lifecycle(sample.metadata)
+        last = sample
+    if last is first:
+        return first
+    metadata = {k: v for k, v in last.metadata.items() if k != "lifecycle"}
+    metadata["lifecycle"] = lifecycle
+    return replace(last, response="".join(response), response_length=response_length, loss_mask=loss_mask,
+                   rollout_log_probs=logprobs, weight_versions=weight_versions, prefix_cache_info=cache,
+                   metadata=metadata)
 
 
 def assemble_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], tokenizer: ChatTokenizer, *,
