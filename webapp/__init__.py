@@ -1,9 +1,11 @@
 """webapp: the Shinken session server.
 
-``webapp.app.create_app`` builds the single-process server (session core in
-process); ``webapp.router.create_app`` builds the thin multi-process router.
-This package root imports neither, so the router process never loads the
-session core or a tokenizer.
+``webapp.router.create_app`` builds the HTTP surface of both server modes (the
+route table of ``webapp.routes``) over the processes that own the sessions:
+worker subprocesses by default, or, from ``webapp.app.create_app`` (the
+single-process server), one shard in its own process. This package root
+imports neither, so the multi-process router never loads the session core or
+a tokenizer.
 """
 
 from typing import Any
