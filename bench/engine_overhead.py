@@ -1,7 +1,7 @@
 """Session-server overhead on a real engine: through the server vs straight to the engine.
 
     PYTHONPATH=. python bench/engine_overhead.py [--sessions 16] [--turns 20] [--max-tokens 8]
-        [--workers 2] [--rounds 2] [--pin] [--engine-url URL --model DIR]
+        [--workers 2] [--rounds 2] [--pin] [--no-reset-cache] [--engine-url URL --model DIR]
 
 Without ``--engine-url`` it builds the tiny Qwen2 of the real-engine tier (tests/engine/models.py)
 in a temporary directory and starts vLLM's CPU build on loopback with random weights
@@ -22,7 +22,11 @@ otherwise runs on the core vLLM computes on (see docs/benchmarks.md for what tha
 Reported per side: turns/s (all turns / wall time of the phase), per-turn p50 and p99; then the
 ratio of turns/s and the p50 and p99 the server adds. Rounds alternate the two sides so a drift
 of the shared machine hits both. The server's own records make the direct side the same work:
-same prompts, same output lengths (a fixed seed; checked, the bench fails otherwise).
+same prompts, same output lengths (a fixed seed; checked, the bench fails otherwise). Each side
+starts from an empty prefix cache (``POST /reset_prefix_cache``, served by the vLLM this bench
+starts in its dev mode): otherwise the direct replay finds every prompt cached by the server's
+run just before it and does less prefill than the server's turns did (``--no-reset-cache``
+measures that way; with ``--engine-url`` the engine must be in dev mode, or pass it).
 """
 
 from __future__ import annotations
@@ -151,6 +155,9 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true", help="engine on CPU 0, server and clients on CPU 1")
     ap.add_argument("--engine-url", help="a running vLLM (default: start one on the tiny model)")
     ap.add_argument("--model", help="its model directory (tokenizer.json + chat template); with --engine-url")
+    ap.add_argument("--no-reset-cache", dest="reset_cache", action="store_false",
+                    help="keep the engine's prefix cache between the sides (the direct replay then finds "
+                         "every prompt cached by the server's run just before it)")
     args = ap.parse_args()
     scratch_state_home()
     engine = None
@@ -165,6 +172,8 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="shinken-bench-engine-"))
         model_dir = build_qwen2(tmp / "qwen2")
         engine = Engine(model_dir, (), tmp / "vllm.log")
+        if args.reset_cache:  # vLLM serves POST /reset_prefix_cache only in its dev mode
+            os.environ["VLLM_SERVER_DEV_MODE"] = "1"
         print("starting vLLM (CPU build) on the tiny Qwen2 ...", flush=True)
         engine.start()
         engine_url = engine.url
@@ -190,12 +199,20 @@ def main() -> int:
             def cpu() -> dict[str, float]:
                 return {k: _cpu_seconds(p, tree=k != "clients") for k, p in pids.items()}
 
+            def fresh_cache() -> None:
+                # Each side starts from an empty prefix cache: the direct replay sends exactly the
+                # prompts the server's run just sent, which would otherwise all be cached.
+                if args.reset_cache:
+                    requests.post(engine_url + "/reset_prefix_cache", timeout=60).raise_for_status()
+
             for rnd in range(args.rounds):
+                fresh_cache()
                 before = cpu()
                 wall, lat, sids = through(server.url, args.sessions, args.turns, args.max_tokens)
                 mid = cpu()
                 results["through"].append((wall, lat))
                 recorded = [recorded_requests(server.url, sid) for sid in sids]
+                fresh_cache()
                 start_d = cpu()
                 wall_d, lat_d, lengths = direct(engine_url, [bodies for bodies, _ in recorded])
                 after = cpu()
