@@ -75,6 +75,7 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
         extends = prev is not None and prompt[: len(_sequence(prev))] == _sequence(prev)
         request, prev_request = rec["request"], (prev or {}).get("request")
         if extends:
+            assert prev is not None  # extends says so
             n = len(_sequence(prev))
             del request["input_ids"]
             request["input_ids_from_previous"], request["input_ids_new"] = n, prompt[n:]
@@ -86,7 +87,7 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
                     request[f"{key}_from_previous"], request[f"{key}_new"] = n, request.pop(key)[n:]
         # rows the previous record already stored: its prompt + output, less the last output token
         # (never fed back, so it has no routing)
-        first_row = len(_sequence(prev)) - 1 if extends else 0
+        first_row = len(_sequence(prev)) - 1 if extends and prev is not None else 0  # extends: prev is set
         for choice in _choices(rec):
             meta = choice.get("meta_info") or {}
             if not isinstance(meta.get("routed_experts"), str):
