@@ -400,7 +400,7 @@ class _RouterViewerSource:
                                              timeout=self._config.control_timeout)
             body = reply.body if reply.stream is None else b"".join(reply.stream)
             if reply.status != 200:
-                raise ShardUnavailable(f"status {reply.status}")
+                raise ShardUnavailable(shard, f"status {reply.status}")
             return list(json.loads(body)["sessions"])
 
         jobs = [gevent.spawn(ask, shard) for shard in range(self._supervisor.workers)]
