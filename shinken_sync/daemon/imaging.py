@@ -240,7 +240,9 @@ def bgrx_image(raw: bytes | bytearray, size: tuple[int, int], rect: Rect | None 
     stride = size[0] * 4
     start = y * stride + x * 4
     rows = memoryview(raw)[start : start + (h - 1) * stride + w * 4]
-    return Image.frombuffer("RGB", (w, h), rows, "raw", "BGRX", stride, 1)  # type: ignore[arg-type]  # Pillow annotates bytes/bytearray only; any buffer works (no copy)
+    # The ignores below: Pillow annotates frombuffer's data as bytes/bytearray, but it takes any
+    # buffer; a memoryview slice here spares a copy.
+    return Image.frombuffer("RGB", (w, h), rows, "raw", "BGRX", stride, 1)  # type: ignore[arg-type]
 
 
 def changed_rects(before: bytes | bytearray, after: bytes | bytearray, size: tuple[int, int]) -> list[Rect]:
@@ -264,8 +266,9 @@ def changed_rects(before: bytes | bytearray, after: bytes | bytearray, size: tup
     rects = []
     for y0, y1 in runs:
         band = (width, y1 - y0)
-        a = Image.frombuffer("RGBX", band, view[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]  # Pillow annotates bytes/bytearray only; any buffer works (no copy)
-        b = Image.frombuffer("RGBX", band, memoryview(after)[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]  # Pillow annotates bytes/bytearray only; any buffer works (no copy)
+        # Views of the captures, as in bgrx_image (Pillow's annotation omits memoryview).
+        a = Image.frombuffer("RGBX", band, view[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]
+        b = Image.frombuffer("RGBX", band, memoryview(after)[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]
         bbox = ImageChops.difference(a, b).getbbox(alpha_only=False)
         assert bbox is not None  # the band's bytes differ (every byte counts, X too), so some pixel does
         x0, by0, x1, by1 = bbox
