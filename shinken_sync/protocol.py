@@ -30,7 +30,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import verbs as _verbs
 
@@ -134,7 +134,8 @@ class ErrorInfo:
 class Reply:
     """A reply to one call. ``image`` is set for screenshot replies (binary)."""
 
-    call_id: CallId
+    #: None when the daemon could not address the reply (its call had no valid call_id).
+    call_id: CallId | None
     outcome: str
     result: dict[str, Any] | None = None
     error: ErrorInfo | None = None
@@ -272,11 +273,10 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 def _loads_object(data: str | bytes | memoryview, what: str) -> dict[str, Any]:
     try:
-        if not isinstance(data, str):
-            data = bytes(data).decode("utf-8")
-        obj = _DECODER.decode(data)
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        obj = _DECODER.decode(text)
     except _NonFinite as exc:
-        raise _non_finite_error(data, what, exc) from None
+        raise _non_finite_error(text, what, exc) from None
     except RecursionError:
         # The C scanner recurses once per level; ~1,000 levels exhaust the stack
         # budget. A bad request like any other, not a crashed connection.
@@ -315,7 +315,7 @@ def _addressable(call_id: CallId) -> bool:
     return not isinstance(call_id, str) or is_utf8(call_id)
 
 
-def _valid_call_id(value: Any) -> bool:
+def _valid_call_id(value: Any) -> TypeGuard[CallId]:
     # bool is an int subclass; a call id of true/false is almost surely a bug.
     return (isinstance(value, int) and not isinstance(value, bool)) or (
         isinstance(value, str) and 0 < len(value) <= 128

@@ -72,9 +72,10 @@ from .errors import ShinkenError
 from .framebudget import USE_GLOBAL, BudgetSetting, budget_for_loop
 
 if TYPE_CHECKING:
-    from typing import Self
+    import _thread
 
 T = TypeVar("T")
+_SharedLoopT = TypeVar("_SharedLoopT", bound="SharedLoop")
 
 START_TIMEOUT = 10.0
 """Seconds the loop thread may take to come up before the caller gives up."""
@@ -131,8 +132,9 @@ def _native(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-_native_allocate_lock = _native("_thread", "allocate_lock")
-_native_get_ident = _native("_thread", "get_ident")
+# _native gives Any; these are _thread's own functions (gevent's originals are those).
+_native_allocate_lock: Callable[[], _thread.LockType] = _native("_thread", "allocate_lock")
+_native_get_ident: Callable[[], int] = _native("_thread", "get_ident")
 
 
 class _Gevent:
@@ -315,6 +317,7 @@ class _Outcome:
                 if deadline is not None:
                     budget = min(budget, deadline - time.monotonic())
                     if budget <= 0:
+                        assert timeout is not None  # a deadline comes from a timeout
                         raise LoopTimeout(f"no result within {timeout} s", timeout=timeout)
                 if waiter.wait(budget):
                     continue  # woken: `done` is set (a spurious wake-up just waits on)
@@ -343,7 +346,9 @@ class _BoundedSelector(selectors.BaseSelector):
         self._limit = limit
         # Gevent's patching removes selectors.EpollSelector (and select.epoll).
         epoll_class = getattr(selectors, "EpollSelector", None)
-        self._epoll = inner._selector if epoll_class and isinstance(inner, epoll_class) else None  # type: ignore[attr-defined]
+        self._epoll: select.epoll | None = (
+            inner._selector if epoll_class and isinstance(inner, epoll_class) else None
+        )
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._inner.register(fileobj, events, data)
@@ -373,6 +378,7 @@ class _BoundedSelector(selectors.BaseSelector):
             timeout = 0
         else:
             timeout = math.ceil(timeout * 1e3) * 1e-3
+        assert self._epoll is not None  # select() comes here only with an epoll
         try:
             fd_events = self._epoll.poll(timeout, self._limit)
         except InterruptedError:
@@ -422,7 +428,8 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     if uses_uvloop():  # the [fast] extra; libuv handles its own polling (no per-select bound)
         import uvloop
 
-        return uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()  # uvloop is Any here (setup.cfg)
+        return loop
     return new_fair_event_loop()
 
 
@@ -589,7 +596,8 @@ class LoopFuture(Generic[T]):
         deadline, but a dead loop thread is still noticed), and
         :class:`LoopThreadDied`/:class:`LoopClosed` when the loop goes away.
         """
-        return self._outcome.wait(timeout, self._thread.check_alive)
+        value: T = self._outcome.wait(timeout, self._thread.check_alive)  # _Outcome holds Any
+        return value
 
     def cancel(self) -> None:
         if self._outcome.done:
@@ -779,7 +787,7 @@ class SharedLoop:
             finally:
                 thread._fail_pending(LoopClosed(f"{self.name} closed"))
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _SharedLoopT) -> _SharedLoopT:  # noqa: PYI019 - no typing.Self on 3.10
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -52,6 +52,13 @@ def _sequence(record: dict[str, Any]) -> list[int]:
     return _prompt(record) + _output(record)
 
 
+def _previous(prev: dict[str, Any] | None) -> dict[str, Any]:
+    """The previous expanded record, which a compact record's ``*_from_previous`` refers to."""
+    if prev is None:
+        raise ValueError("the first compact record refers to a previous record")
+    return prev
+
+
 def _choices(record: dict[str, Any]) -> list[dict[str, Any]]:
     response = record.get("response")
     return response.get("choices", []) if isinstance(response, dict) else []
@@ -68,6 +75,7 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
         extends = prev is not None and prompt[: len(_sequence(prev))] == _sequence(prev)
         request, prev_request = rec["request"], (prev or {}).get("request")
         if extends:
+            assert prev is not None  # extends says so
             n = len(_sequence(prev))
             del request["input_ids"]
             request["input_ids_from_previous"], request["input_ids_new"] = n, prompt[n:]
@@ -79,7 +87,7 @@ def compact_records(records: list[dict[str, Any]], r3_file: BinaryIO, r3_name: s
                     request[f"{key}_from_previous"], request[f"{key}_new"] = n, request.pop(key)[n:]
         # rows the previous record already stored: its prompt + output, less the last output token
         # (never fed back, so it has no routing)
-        first_row = len(_sequence(prev)) - 1 if extends else 0
+        first_row = len(_sequence(prev)) - 1 if extends and prev is not None else 0  # extends: prev is set
         for choice in _choices(rec):
             meta = choice.get("meta_info") or {}
             if not isinstance(meta.get("routed_experts"), str):
@@ -107,14 +115,12 @@ def expand_records(compact: list[dict[str, Any]], r3_data: bytes) -> list[dict[s
         prev = out[-1] if out else None
         request = full.get("request")
         if isinstance(request, dict) and "input_ids_from_previous" in request:
-            if prev is None:
-                raise ValueError("the first compact record refers to a previous record")
             n = request.pop("input_ids_from_previous")
-            request["input_ids"] = _sequence(prev)[:n] + request.pop("input_ids_new")
+            request["input_ids"] = _sequence(_previous(prev))[:n] + request.pop("input_ids_new")
         for key in _PREFIXED_LISTS:
             if isinstance(request, dict) and f"{key}_from_previous" in request:
                 n = request.pop(f"{key}_from_previous")
-                request[key] = prev["request"][key][:n] + request.pop(f"{key}_new")
+                request[key] = _previous(prev)["request"][key][:n] + request.pop(f"{key}_new")
         rows_now: dict[int, bytes] = {}
         for i, choice in enumerate(_choices(full)):
             meta = choice.get("meta_info") or {}

@@ -384,7 +384,7 @@ def _openai_logprobs(tokenizer: ChatTokenizer, turn: EngineTurn) -> dict[str, An
     return {"content": content, "refusal": None}
 
 
-def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
+def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[Piece]:
     """A whole completion as OpenAI stream events: role+content, finish, [usage], [DONE]."""
     base = {"id": completion.get("id", ""), "object": "chat.completion.chunk",
             "created": completion.get("created", int(time.time())), "model": completion.get("model", "")}
@@ -401,7 +401,7 @@ def _sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[bytes]:
                                             "finish_reason": choice.get("finish_reason")}]})
     if include_usage:
         events.append({**base, "choices": [], "usage": completion.get("usage")})
-    out = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
+    out: list[Piece] = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
     out.append(b"data: [DONE]\n\n")
     return out
 

@@ -7,6 +7,15 @@ The hooks start the session workers after gevent's patching (``post_worker_init`
 the worker, after patching; never in the master) and stop them when the worker exits.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the master must not import the worker class (gevent)
+    from gunicorn.arbiter import Arbiter
+
+    from webapp.gunicorn_worker import SessionServerWorker
+
 # gevent, plus a cap on connections per client address (webapp.gunicorn_worker)
 worker_class = "webapp.gunicorn_worker.SessionServerWorker"
 workers = 1
@@ -18,19 +27,19 @@ graceful_timeout = 20
 keepalive = 5
 
 
-def post_worker_init(worker):
+def post_worker_init(worker: SessionServerWorker) -> None:
     from webapp.router import start_supervisor
 
     start_supervisor(worker.wsgi)
 
 
-def worker_exit(server, worker):
+def worker_exit(server: Arbiter, worker: SessionServerWorker) -> None:
     from webapp.router import stop_supervisor
 
     stop_supervisor(worker.wsgi)
 
 
-def post_fork(server, worker):
+def post_fork(server: Arbiter, worker: SessionServerWorker) -> None:
     # The router worker dies with the gunicorn master however the master dies (SIGTERM: the
     # worker's graceful stop runs worker_exit, which stops the session workers).
     import signal

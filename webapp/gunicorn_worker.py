@@ -47,7 +47,7 @@ def _refuse(client: Any, limit: int) -> None:
         client.close()
 
 
-class SessionServerWorker(GeventWorker):
+class SessionServerWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untyped (Any)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._limit = HttpLimits.from_env().max_client_connections

@@ -64,6 +64,7 @@ __all__ = [
     "ImageTokenRule",
     "QwenVLRule",
     "RequestImages",
+    "SessionImage",
     "Vision",
     "decode_data_url",
     "extract_images",
@@ -106,15 +107,38 @@ class DecodedImage:
         return IMAGE_REF_PREFIX + self.sha256
 
 
+class SessionImage(Protocol):
+    """An image a session holds: decoded from a request (:class:`DecodedImage`) or committed to
+    its journal (``webapp.journal.StoredImage``, its bytes read from the file)."""
+
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def mime_type(self) -> str: ...
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def ref(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class RequestImages:
     messages: list[Any]  # the request's messages, image parts replaced by reference parts
-    images: list[tuple[DecodedImage, str]]  # in order of appearance: the image, its data URL as sent
+    images: list[tuple[SessionImage, str]]  # in order of appearance: the image, its data URL as sent
     new: dict[str, DecodedImage]  # the images the session did not hold yet, by sha256
 
 
 def decode_data_url(url: Any, where: str, limits: ImageLimits,
-                    known: Mapping[str, DecodedImage]) -> DecodedImage:
+                    known: Mapping[str, SessionImage]) -> SessionImage:
     """One image part's URL -> the image; raises an :class:`ImageRefused` naming ``where``."""
     if not isinstance(url, str):
         raise InvalidField(f"{where}.image_url.url", "expected a string")
@@ -160,7 +184,7 @@ def _decode(data: bytes, digest: str, where: str) -> DecodedImage:
 
 
 def extract_images(raw_messages: Any, limits: ImageLimits,
-                   known: Mapping[str, DecodedImage]) -> RequestImages:
+                   known: Mapping[str, SessionImage]) -> RequestImages:
     """The request's image parts checked and replaced by reference parts (see the module doc).
 
     Malformed messages pass through untouched (the turn's own validation names them).
@@ -168,7 +192,7 @@ def extract_images(raw_messages: Any, limits: ImageLimits,
     if not isinstance(raw_messages, list):
         return RequestImages(raw_messages, [], {})
     messages: list[Any] = []
-    images: list[tuple[DecodedImage, str]] = []
+    images: list[tuple[SessionImage, str]] = []
     new: dict[str, DecodedImage] = {}
     for i, message in enumerate(raw_messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -196,8 +220,12 @@ def extract_images(raw_messages: Any, limits: ImageLimits,
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
             # A lookup, never an iteration: ``known`` may grow meanwhile (another turn committing).
-            image = decode_data_url(url, where, limits, ChainMap(new, known))
+            # typeshed's ChainMap takes MutableMappings only; this one is only read (get).
+            image = decode_data_url(url, where, limits, ChainMap(new, known))  # type: ignore[arg-type]
+            assert isinstance(url, str)  # decode_data_url refused anything else
             if image.sha256 not in known:
+                # known never loses an image: one not in it came from new or was decoded now
+                assert isinstance(image, DecodedImage)
                 new[image.sha256] = image
             images.append((image, url))
             parts.append({"type": "image", "image": image.ref, "width": image.width, "height": image.height})
@@ -261,7 +289,8 @@ class QwenVLRule:
     def from_preprocessor_config(cls, config: Mapping[str, Any]) -> QwenVLRule:
         """The rule of a model's ``preprocessor_config.json`` (``min_pixels``/``max_pixels``,
         or the newer ``size: {shortest_edge, longest_edge}``; ``patch_size``, ``merge_size``)."""
-        size = config.get("size") if isinstance(config.get("size"), dict) else {}
+        given = config.get("size")
+        size = given if isinstance(given, dict) else {}
         default = cls()
         return cls(patch_size=int(config.get("patch_size", default.patch_size)),
                    merge_size=int(config.get("merge_size", default.merge_size)),

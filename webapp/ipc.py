@@ -332,7 +332,8 @@ def encode_credit(request_id: int, nbytes: int) -> list[Buffer]:
 
 
 def decode_credit(payload: Buffer) -> int:
-    return CREDIT.unpack(bytes(payload))[0]
+    nbytes: int = CREDIT.unpack(bytes(payload))[0]  # struct gives Any; CREDIT packs one integer
+    return nbytes
 
 
 def split_body(body: Buffer | Sequence[Buffer], max_chunk: int = MAX_BODY_CHUNK) -> Iterator[memoryview]:
@@ -502,6 +503,7 @@ class ReceiveBufferPool:
         buffer = payload.obj if isinstance(payload, memoryview) else payload
         if buffer not in self._lent:
             return False
+        assert isinstance(buffer, mmap.mmap)  # only mmaps are lent
         self._lent.discard(buffer)
         try:
             for view in (payload, *views):

@@ -128,7 +128,7 @@ class FrameTransport:
         self._fd = sock.fileno()
         self._on_frame = on_frame
         self._on_close = on_close
-        self._control: deque[list[Buffer]] = deque()
+        self._control: deque[Sequence[Buffer]] = deque()  # frames, or the rest of one (views)
         self._bulk: deque[list[Buffer]] = deque()
         self._wake = gevent.event.Event()
         self.bulk_bytes = 0  # bytes of queued bulk frames not yet written
@@ -145,8 +145,9 @@ class FrameTransport:
         the caller (one non-blocking ``sendmsg``), saving a greenlet hop per message; whatever
         the socket did not take is left to the writer, ahead of anything queued later.
         """
-        if self.closed is not None:
-            raise IpcChannelClosed(self.closed.reason) from self.closed
+        closed = self.closed
+        if closed is not None:
+            raise IpcChannelClosed(closed.reason) from closed
         if bulk:
             self._bulk.append(frame)
             self.bulk_bytes += sum(len(b) for b in frame)
@@ -158,6 +159,7 @@ class FrameTransport:
                 first = _send_some(self._sock, views, 0)
             except OSError as exc:
                 self.close(f"write failed: {exc!r}", exc)
+                assert self.closed is not None  # close() set it
                 raise IpcChannelClosed(self.closed.reason) from exc
             if first == len(views):
                 return
@@ -259,7 +261,7 @@ class FrameTransport:
             self.close(f"writer crashed: {exc!r}", exc)
             raise
 
-    def _write_frame(self, buffers: list[Buffer]) -> None:
+    def _write_frame(self, buffers: Sequence[Buffer]) -> None:
         views = _views(buffers)
         first = 0
         while True:
@@ -440,7 +442,7 @@ class IpcClient:
             if body_stream is not None:
                 self._send_body(request_id, pending, body_stream, chunk_timeout)
             try:
-                reply = pending.result.get(timeout=timeout)
+                reply: IpcReply = pending.result.get(timeout=timeout)  # gevent is Any; _reply_from set it
             except gevent.Timeout:
                 raise IpcTimeout(f"no reply to {meta.get('op')!r} within {timeout} s") from None
             except IpcRemoteError:
@@ -569,7 +571,7 @@ class _InBody:
         self.buffer: Any = pool.acquire(self.length) if self.length else bytearray()
         self.received = 0
 
-    def add(self, piece: bytes) -> str | None:
+    def add(self, piece: Buffer) -> str | None:
         """Append ``piece``; a reason (the request fails, the channel stays up) if it does not fit."""
         end = self.received + len(piece)
         limit = MAX_FRAME_BYTES if self.length is None else self.length

@@ -130,12 +130,21 @@ class Kind(IntEnum):
     DELTA = 4  # version 2: meta + what the turn adds (see the module doc)
 
 
-class _Image(Protocol):
-    sha256: str
-    mime_type: str
-    width: int
-    height: int
-    data: bytes
+class _Image(Protocol):  # read-only: a frozen DecodedImage, or a StoredImage (data read from its span)
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def mime_type(self) -> str: ...
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def data(self) -> bytes: ...
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def run_blocking(lane: str, fn: Callable[..., T], *args: Any) -> T:
 
         pool = _pools[lane] = ThreadPool(LANES[lane].threads)
     nice = LANES[lane].nice
-    return pool.apply(_in_lane_thread, (nice, fn, args)) if nice else pool.apply(fn, args)
+    result: T = pool.apply(_in_lane_thread, (nice, fn, args)) if nice else pool.apply(fn, args)  # gevent: Any
+    return result
 
 
 def _in_lane_thread(nice: int, fn: Callable[..., T], args: tuple[Any, ...]) -> T:

@@ -239,6 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
     # the client's delayed ACK (~40 ms per call on a keep-alive connection).
     disable_nagle_algorithm = True
     server: _Server
+    _headers_buffer: list[bytes]  # BaseHTTPRequestHandler's: send_header appends the header lines here
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: stdout carries the ready line
         pass
@@ -300,6 +301,8 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256
+    # Once bound: the socket's own name (getsockname), whose host is a str.
+    server_address: tuple[str, int] | tuple[str, int, int, int]
 
     def __init__(self, address: tuple[str, int], tokenizer: ChatTokenizer, r3: R3Shape) -> None:
         self.tokenizer = tokenizer
@@ -338,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 class ReferenceBackendProcess:
     """A running ``python -m webapp.reference_backend`` subprocess."""
 
-    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
         self.proc = proc
         self.url = url
 

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 import gevent
 from flask import Flask, Response, has_request_context, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.http import HTTP_STATUS_CODES
+from werkzeug.wrappers import Response as WerkzeugResponse  # a file reply's (webapp.filebody)
 
 from webapp.auth import require_api_key
 from webapp.backend_liveness import probe_backend
@@ -100,14 +101,16 @@ class RouterConfig:
 
     @property
     def chat_timeout(self) -> float:
-        return self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin
+        timeout: float = self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin  # floats
+        return timeout
 
     @property
     def chat_budget(self) -> float:
         """What the worker's turn may take (lock wait + backend call): half the margin less
         than :attr:`chat_timeout`, the other half left for the body and reply on the channel,
         so the worker's own 503/502 arrives before the router answers 504."""
-        return self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin / 2
+        budget: float = self.core["connect_timeout"] + self.core["read_timeout"] + self.chat_margin / 2
+        return budget
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:
@@ -138,7 +141,7 @@ def _error(status: int, message: str, **extra: object) -> Response:
     return Response(json.dumps(obj, separators=(",", ":")), status=status, content_type="application/json")
 
 
-def _relay(reply: IpcReply) -> Response:
+def _relay(reply: IpcReply) -> WerkzeugResponse:
     headers = [(k, v) for k, v in reply.headers if k.lower() not in _OWN_HEADERS]
     if reply.file_layout is not None:
         return _relay_file(reply, headers)
@@ -157,7 +160,7 @@ def _relay(reply: IpcReply) -> Response:
     return response
 
 
-def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> Response:
+def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> WerkzeugResponse:
     """A records GET: the worker named where the records are; this process sends them from the
     journal with sendfile (webapp.filebody), so no record byte crosses the worker channel."""
     inline = reply.body if reply.stream is None else b"".join(_stream_body(reply))
@@ -256,7 +259,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     inflight = InflightBudget(config.core["max_inflight_bytes"])
 
     def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
-             body_length: int | None = None, timeout: float | None = None, **meta: object) -> Response:
+             body_length: int | None = None, timeout: float | None = None, **meta: object) -> WerkzeugResponse:
         shard = shard_for(session_id, supervisor.workers)
         try:
             reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
@@ -277,7 +280,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         if exc.code == 404 and request.url_rule is None:  # no route: say which there are
             return _error(404, no_route_message(request.method, request.path, request.host_url))
         response = _error(exc.code or 500, exc.description or exc.name)
-        if exc.code == 405 and exc.valid_methods:
+        if exc.code == 405 and isinstance(exc, MethodNotAllowed) and exc.valid_methods:  # werkzeug's 405
             response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))  # werkzeug gives a set
         return response
 
@@ -332,7 +335,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                                     "instance": config.instance, "journal_damage": sum(damage.values())}),
                         status=200, content_type="application/json")
 
-    def chat_body_call(session_id: str, op: Op, timeout: float, **meta: object) -> Response:
+    def chat_body_call(session_id: str, op: Op, timeout: float, **meta: Any) -> WerkzeugResponse:
         length = request.content_length
         try:  # the server's bodies in flight, across its shards (webapp.inflight)
             with inflight.admit(length) as grant:
@@ -347,9 +350,9 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             response.headers.extend(refusal_headers(exc))
             return response
 
-    def op_meta(route: Route, path: str | None) -> dict[str, object]:
+    def op_meta(route: Route, path: str | None) -> dict[str, Any]:
         """What the shard needs besides the session and the body (docs/ipc.md, per op)."""
-        meta: dict[str, object] = {}
+        meta: dict[str, Any] = {}
         if route.images:
             meta["images"] = wants_images(request.args.get(IMAGES_QUERY))
         if route.op is Op.CHAT:  # the worker's own 503/502 arrives before this router's 504
@@ -359,12 +362,12 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                         headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
         return meta
 
-    def view(route: Route) -> Callable[..., Response]:
+    def view(route: Route) -> Callable[..., WerkzeugResponse]:
         op = route.op
         assert op is not None
         timeout = config.chat_timeout if route.backend else config.control_timeout
 
-        def serve(session_id: str | None = None, path: str | None = None) -> Response:
+        def serve(session_id: str | None = None, path: str | None = None) -> WerkzeugResponse:
             if op is Op.CREATE_SESSION:  # the router mints it, so it names the shard that owns it
                 session_id = mint_session_id(config.instance)
             assert session_id is not None
@@ -391,7 +394,7 @@ class _RouterViewerSource:
     """The viewer's session reads in router mode: the owning worker answers (ops ``viewer_*``);
     the list asks every shard at once and merges (``webapp.viewer_http``)."""
 
-    def __init__(self, supervisor: Shards, config: RouterConfig, call: Any) -> None:
+    def __init__(self, supervisor: Shards, config: RouterConfig, call: Callable[..., WerkzeugResponse]) -> None:
         self._supervisor, self._config, self._call = supervisor, config, call
 
     def sessions(self, prefix: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -400,7 +403,7 @@ class _RouterViewerSource:
                                              timeout=self._config.control_timeout)
             body = reply.body if reply.stream is None else b"".join(reply.stream)
             if reply.status != 200:
-                raise ShardUnavailable(f"status {reply.status}")
+                raise ShardUnavailable(shard, f"status {reply.status}")
             return list(json.loads(body)["sessions"])
 
         jobs = [gevent.spawn(ask, shard) for shard in range(self._supervisor.workers)]
@@ -415,11 +418,11 @@ class _RouterViewerSource:
                 job.kill(block=False)
         return rows, problems
 
-    def summary(self, session_id: str) -> Response:
+    def summary(self, session_id: str) -> WerkzeugResponse:
         return self._call(session_id, Op.VIEWER_SUMMARY)
 
-    def timeline(self, session_id: str) -> Response:
+    def timeline(self, session_id: str) -> WerkzeugResponse:
         return self._call(session_id, Op.VIEWER_TIMELINE)
 
-    def image(self, session_id: str, sha256: str) -> Response:
+    def image(self, session_id: str, sha256: str) -> WerkzeugResponse:
         return self._call(session_id, Op.VIEWER_IMAGE, sha256=sha256)

@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shinken_sync.childproc import parse_ready_line
 from shinken_sync.cliargs import Parser
@@ -80,12 +80,12 @@ from webapp.settings import (
 from webapp.tokenizers import ChatTokenizer, TokenizerLoadError, load_tokenizer
 
 if TYPE_CHECKING:
-    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
-
     from webapp.reference_backend import ReferenceBackendProcess
 
 __all__ = ["READY_URL_PATTERN", "SessionServerNotReady", "SessionServerProcess", "main", "server_argv",
            "start_session_server"]
+
+_ServerT = TypeVar("_ServerT", bound="SessionServerProcess")
 
 API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
@@ -206,14 +206,14 @@ class SessionServerProcess:
             self._log.close()
         return self._proc.returncode
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _ServerT) -> _ServerT:  # noqa: PYI019 - no typing.Self on 3.10
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _terminate(proc: subprocess.Popen, grace: float) -> None:
+def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM (a graceful stop), then SIGKILL after ``grace`` seconds."""
     if proc.poll() is None:
         proc.terminate()
@@ -324,7 +324,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is not None:
         try:
             mode = args.api_key_file.stat().st_mode
-            key = args.api_key_file.read_text(encoding="utf-8").strip()
+            key: str = args.api_key_file.read_text(encoding="utf-8").strip()  # a Path (Namespace is Any)
         except (OSError, UnicodeDecodeError) as exc:
             raise ApiKeyFileError(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
         if mode & 0o077:
@@ -334,10 +334,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
             raise ApiKeyFileError(f"--api-key-file: {args.api_key_file} is empty")
         return key
     if args.api_key is not None:
+        flag_key: str = args.api_key  # argparse's Namespace is Any; the flag is a str
         print("warning: --api-key shows the key to every user of this machine (ps); "
               "use --api-key-file or SHINKEN_API_KEY", file=sys.stderr, flush=True)
-        _scrub_title(args.api_key)
-        return args.api_key or None
+        _scrub_title(flag_key)
+        return flag_key or None
     return os.environ.get(API_KEY_ENV) or None
 
 
@@ -411,8 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def start_backend(bind: str | None) -> ReferenceBackendProcess:
             # R3 on by default, so the embedded setup exercises the routed-expert path end to end.
+            where: dict[str, Any] = {"bind": bind} if bind else {}
             return start_reference_backend(tokenizer=values["tokenizer"], r3_layers=values["reference_r3_layers"],
-                                           r3_topk=values["reference_r3_topk"], **({"bind": bind} if bind else {}))
+                                           r3_topk=values["reference_r3_topk"], **where)
 
         # Restarted on the same address whenever it dies: the workers keep its URL.
         backend = SupervisedBackend(start_backend)

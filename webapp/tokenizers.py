@@ -247,14 +247,14 @@ def _parsed_call(call: Any) -> Any:
         parsed = json.loads(args)
     except ValueError:
         return call
+    assert isinstance(fn, dict)  # args is a str, so it came from fn
     return {**call, "function": {**fn, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _token_content(value: Any) -> str | None:
     # tokenizer_config.json stores special tokens as a string or as an AddedToken dict.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    content: str | None = value.get("content") if isinstance(value, dict) else value  # JSON: its text
+    return content
 
 
 class HFChatTokenizer:
@@ -313,7 +313,9 @@ class HFChatTokenizer:
             raise TokenizerLoadError(f"eos_token {eos!r} of {path} is not in the vocabulary")
         self.name = os.path.basename(os.path.normpath(path))
         self.eos_token = eos
-        self.eos_token_id = self._tok.token_to_id(eos)
+        eos_token_id = self._tok.token_to_id(eos)
+        assert eos_token_id is not None  # checked above
+        self.eos_token_id = eos_token_id
         self.special_token_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
@@ -344,26 +346,32 @@ class HFChatTokenizer:
         ids = [self._tok.token_to_id(name) for name in names]
         if any(i is None or i not in self.special_token_ids for i in ids):
             return None
+        start, pad, end = ids
+        assert start is not None and pad is not None and end is not None  # checked just above
         rule = QwenVLRule()
         pre_file = os.path.join(path, "preprocessor_config.json")
         if os.path.isfile(pre_file):
             with open(pre_file, encoding="utf-8") as f:
                 rule = QwenVLRule.from_preprocessor_config(json.load(f))
-        return Vision(ids[0], ids[1], ids[2], rule)
+        return Vision(start, pad, end, rule)
 
     def encode(self, text: str) -> list[int]:
         if not self._special_text.has_escapes(text):  # nothing but template text: exactly as the model's
-            return self._tok.encode(text, add_special_tokens=False).ids
+            whole: list[int] = self._tok.encode(text, add_special_tokens=False).ids  # Any without tokenizers
+            return whole
         ids: list[int] = []
         for piece in self._special_text.split(text):
             if isinstance(piece, int):
-                ids.append(self._tok.token_to_id(self._special_text.tokens[piece]))
+                special_id = self._tok.token_to_id(self._special_text.tokens[piece])
+                assert special_id is not None  # one of the vocabulary's added tokens (__init__)
+                ids.append(special_id)
             else:
                 ids.extend(self._text_tok.encode(piece, add_special_tokens=False).ids)
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        text: str = self._tok.decode(list(ids), skip_special_tokens=False)  # Any without tokenizers
+        return text
 
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flask import Flask, Response, request
+from werkzeug.wrappers import Response as WerkzeugResponse  # what a source may answer (a router's relay)
 
 from shinken_sync.fleet_wire import BatchError, decode_batch
 from webapp.viewer_fleet import MAX_TILES, FleetError, FleetHub
@@ -58,11 +59,11 @@ class ViewerSource(Protocol):
         """Every session summary whose id starts with ``prefix``, and the shards that failed."""
         ...
 
-    def summary(self, session_id: str) -> Response: ...
+    def summary(self, session_id: str) -> WerkzeugResponse: ...
 
-    def timeline(self, session_id: str) -> Response: ...
+    def timeline(self, session_id: str) -> WerkzeugResponse: ...
 
-    def image(self, session_id: str, sha256: str) -> Response: ...
+    def image(self, session_id: str, sha256: str) -> WerkzeugResponse: ...
 
 
 def _json(status: int, obj: Any) -> Response:
@@ -205,15 +206,15 @@ def install_viewer(app: Flask, source: ViewerSource, *, api_key: str | None, ins
         return _json(200, {**page_of(rows, request.args), "unavailable": problems})
 
     @route("/api/sessions/<session_id>")
-    def api_summary(session_id: str) -> Response:
+    def api_summary(session_id: str) -> WerkzeugResponse:
         return source.summary(session_id)
 
     @route("/api/sessions/<session_id>/timeline")
-    def api_timeline(session_id: str) -> Response:
+    def api_timeline(session_id: str) -> WerkzeugResponse:
         return source.timeline(session_id)
 
     @route("/api/sessions/<session_id>/images/<sha256>")
-    def api_image(session_id: str, sha256: str) -> Response:
+    def api_image(session_id: str, sha256: str) -> WerkzeugResponse:
         response = source.image(session_id, sha256)
         if response.status_code == 200:  # content-addressed: the same URL is the same bytes forever
             response.headers["Cache-Control"] = "private, max-age=31536000, immutable"

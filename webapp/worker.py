@@ -106,6 +106,7 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
             if os.getppid() != parent_pid:
                 log.warning("parent %d is gone; exiting", parent_pid)
                 return 1
+        assert server.closed is not None  # wait_closed returned it
         log.info("channel closed (%s); exiting", server.closed.reason)
         return 0
     finally:

@@ -15,7 +15,7 @@ import binascii
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from shinken_sync.protocol import IMAGE_FORMATS, is_utf8, quote
 from shinken_sync.verbs import (
@@ -66,8 +66,11 @@ class Screen:
     height: int
 
 
-# A checker gets (name, value, screen) and returns the normalised value.
-Checker = Callable[[str, Any, Screen], Any]
+_T = TypeVar("_T")
+
+# A checker gets (name, value, screen) and returns the normalised value (of type _T).
+CheckerOf = Callable[[str, Any, Screen], _T]
+Checker = CheckerOf[Any]
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Arg:
     default: Any = _REQUIRED
 
 
-def _int(lo: int, hi: int) -> Checker:
+def _int(lo: int, hi: int) -> CheckerOf[int]:
     def check(name: str, value: Any, screen: Screen) -> int:
         # JSON has one number type; 3.0 is an integer, 3.5 and true are not.
         if isinstance(value, float) and value.is_integer():
@@ -90,7 +93,7 @@ def _int(lo: int, hi: int) -> Checker:
     return check
 
 
-def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Checker:
+def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> CheckerOf[float]:
     def check(name: str, value: Any, screen: Screen) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadArgs(f"{name} must be a number, not {type(value).__name__}")
@@ -105,7 +108,7 @@ def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Checker:
     return check
 
 
-def _coord(axis: str) -> Checker:
+def _coord(axis: str) -> CheckerOf[int]:
     def check(name: str, value: Any, screen: Screen) -> int:
         limit = screen.width if axis == "x" else screen.height
         return _int(0, limit - 1)(name, value, screen)
@@ -113,7 +116,7 @@ def _coord(axis: str) -> Checker:
     return check
 
 
-def _str(max_len: int, *, nonempty: bool = True) -> Checker:
+def _str(max_len: int, *, nonempty: bool = True) -> CheckerOf[str]:
     def check(name: str, value: Any, screen: Screen) -> str:
         if not isinstance(value, str):
             raise BadArgs(f"{name} must be a string, not {type(value).__name__}")
@@ -135,7 +138,7 @@ def _str(max_len: int, *, nonempty: bool = True) -> Checker:
 _path = _str(MAX_PATH_CHARS)
 
 
-def _choice(options: tuple[str, ...] | frozenset[str]) -> Checker:
+def _choice(options: tuple[str, ...] | frozenset[str]) -> CheckerOf[str]:
     def check(name: str, value: Any, screen: Screen) -> str:
         if not isinstance(value, str) or value not in options:
             raise BadArgs(f"{name} must be one of {sorted(options)}, not {quote(value)}")
@@ -175,7 +178,7 @@ def _key_combo(name: str, value: Any, screen: Screen) -> str:
     return combo
 
 
-def _base64(max_bytes: int) -> Checker:
+def _base64(max_bytes: int) -> CheckerOf[bytes]:
     max_chars = (max_bytes + 2) // 3 * 4
 
     def check(name: str, value: Any, screen: Screen) -> bytes:
@@ -201,7 +204,7 @@ def _env(name: str, value: Any, screen: Screen) -> dict[str, str]:
     return dict(value)
 
 
-def _str_list(max_items: int, max_len: int) -> Checker:
+def _str_list(max_items: int, max_len: int) -> CheckerOf[list[str]]:
     item = _str(max_len, nonempty=False)
 
     def check(name: str, value: Any, screen: Screen) -> list[str]:

@@ -28,6 +28,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from PIL import Image, ImageChops
 
@@ -239,7 +240,9 @@ def bgrx_image(raw: bytes | bytearray, size: tuple[int, int], rect: Rect | None 
     stride = size[0] * 4
     start = y * stride + x * 4
     rows = memoryview(raw)[start : start + (h - 1) * stride + w * 4]
-    return Image.frombuffer("RGB", (w, h), rows, "raw", "BGRX", stride, 1)
+    # The ignores below: Pillow annotates frombuffer's data as bytes/bytearray, but it takes any
+    # buffer; a memoryview slice here spares a copy.
+    return Image.frombuffer("RGB", (w, h), rows, "raw", "BGRX", stride, 1)  # type: ignore[arg-type]
 
 
 def changed_rects(before: bytes | bytearray, after: bytes | bytearray, size: tuple[int, int]) -> list[Rect]:
@@ -263,9 +266,12 @@ def changed_rects(before: bytes | bytearray, after: bytes | bytearray, size: tup
     rects = []
     for y0, y1 in runs:
         band = (width, y1 - y0)
-        a = Image.frombuffer("RGBX", band, view[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)
-        b = Image.frombuffer("RGBX", band, memoryview(after)[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)
-        x0, by0, x1, by1 = ImageChops.difference(a, b).getbbox(alpha_only=False)
+        # Views of the captures, as in bgrx_image (Pillow's annotation omits memoryview).
+        a = Image.frombuffer("RGBX", band, view[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]
+        b = Image.frombuffer("RGBX", band, memoryview(after)[y0 * stride : y1 * stride], "raw", "RGBX", 0, 1)  # type: ignore[arg-type]
+        bbox = ImageChops.difference(a, b).getbbox(alpha_only=False)
+        assert bbox is not None  # the band's bytes differ (every byte counts, X too), so some pixel does
+        x0, by0, x1, by1 = bbox
         rects.append((x0, y0 + by0, x1 - x0, by1 - by0))
     return rects
 
@@ -282,8 +288,12 @@ def encode(image: Image.Image, format: str, quality: int) -> bytes:
 BAND_ROWS = 16
 
 
+#: One band of a BandedEncoding, as the subclass stores it.
+_Band = TypeVar("_Band")
+
+
 @dataclass(frozen=True)
-class BandedEncoding:
+class BandedEncoding(Generic[_Band]):
     """An encoded image cut into independent 16-row bands.
 
     A frame that differs from an encoded one in a few bands is encoded by
@@ -293,21 +303,21 @@ class BandedEncoding:
     """
 
     size: tuple[int, int]
-    bands: tuple
+    bands: tuple[_Band, ...]
     header: bytes = b""
 
     @classmethod
-    def encode(cls, image: Image.Image, quality: int) -> BandedEncoding:
+    def encode(cls, image: Image.Image, quality: int) -> BandedEncoding[_Band]:
         raise NotImplementedError
 
     @classmethod
-    def _strip_bands(cls, strip: Image.Image, quality: int) -> list:
+    def _strip_bands(cls, strip: Image.Image, quality: int) -> list[_Band]:
         raise NotImplementedError
 
     def tobytes(self) -> bytes:
         raise NotImplementedError
 
-    def patched(self, image: Image.Image, quality: int, changed: Iterable[Rect]) -> BandedEncoding:
+    def patched(self, image: Image.Image, quality: int, changed: Iterable[Rect]) -> BandedEncoding[_Band]:
         """This encoding after ``image`` (same size) changed within ``changed``."""
         bands = list(self.bands)
         for first, last in _band_runs(changed):
@@ -345,7 +355,7 @@ def _split_jpeg(data: bytes) -> tuple[bytes, tuple[bytes, ...]]:
     return data[:start], tuple(_RST.split(data[start : data.rindex(_EOI)]))
 
 
-class JpegRows(BandedEncoding):
+class JpegRows(BandedEncoding[bytes]):
     """Baseline JPEG, 4:2:0, the standard Huffman tables, a restart marker after
     every MCU row (+0.25% bytes). Each row's entropy-coded segment restarts DC
     prediction and is byte-aligned, so it depends only on the row's pixels.
@@ -358,7 +368,7 @@ class JpegRows(BandedEncoding):
         return cls(image.size, rows, header)
 
     @classmethod
-    def _strip_bands(cls, strip: Image.Image, quality: int) -> list:
+    def _strip_bands(cls, strip: Image.Image, quality: int) -> list[bytes]:
         return list(_split_jpeg(_jpeg(strip, quality))[1])
 
     def tobytes(self) -> bytes:
@@ -391,7 +401,7 @@ def _adler32_combine(adler1: int, adler2: int, len2: int) -> int:
     return sum1 | (sum2 << 16)
 
 
-class PngBands(BandedEncoding):
+class PngBands(BandedEncoding[tuple[bytes, int, int]]):
     """8-bit RGB PNG whose zlib stream is one independently deflated segment per
     band (zlib level 1, filter None, a sync flush ending each), the way pigz
     parallelises gzip. Here it is 2.5% bigger than Pillow's level-1 PNG and
@@ -403,7 +413,7 @@ class PngBands(BandedEncoding):
         return cls(image.size, tuple(cls._strip_bands(image, quality)))
 
     @classmethod
-    def _strip_bands(cls, strip: Image.Image, quality: int) -> list:
+    def _strip_bands(cls, strip: Image.Image, quality: int) -> list[tuple[bytes, int, int]]:
         data = strip.convert("RGB").tobytes() if strip.mode != "RGB" else strip.tobytes()
         stride = strip.width * 3
         bands = []
@@ -430,7 +440,7 @@ class PngBands(BandedEncoding):
 
 
 #: The banded encoding of each image format.
-BANDED: dict[str, type[BandedEncoding]] = {"jpeg": JpegRows, "png": PngBands}
+BANDED: dict[str, type[BandedEncoding[Any]]] = {"jpeg": JpegRows, "png": PngBands}
 
 
 def encoded(image: Image.Image, params: EncodeParams, *, pointer: bool = False) -> EncodedImage:

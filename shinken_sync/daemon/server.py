@@ -110,6 +110,7 @@ class Daemon:
         return self.sandboxes[int(match.group(1))]
 
     async def handle(self, ws: ServerConnection) -> None:
+        assert ws.request is not None  # the handshake is done: websockets set it
         sandbox = self._sandbox_for(ws.request.path)
         assert sandbox is not None  # process_request refused every other path
         await serve_connection(ws, sandbox, self._delay_s)

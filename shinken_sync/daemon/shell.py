@@ -94,11 +94,13 @@ class Shell:
         self._groups.add(proc.pid)
         cap = p["max_output"]
         out, err = _Capture(cap), _Capture(cap)
+        assert proc.stdout is not None and proc.stderr is not None  # both started as PIPE
         pumps = [
             asyncio.ensure_future(out.pump(proc.stdout)),
             asyncio.ensure_future(err.pump(proc.stderr)),
         ]
         if p["stdin"] is not None:
+            assert proc.stdin is not None  # started as PIPE when there is input
             pumps.append(asyncio.ensure_future(_feed(proc.stdin, p["stdin"])))
         timeout_s = p["timeout_ms"] / 1000
         try:
@@ -128,6 +130,7 @@ class Shell:
             if proc.returncode is not None:
                 _protocol(proc).close()
         rc = proc.returncode
+        assert rc is not None  # _exited(proc) returned: the transport has its exit status
         stdout, stdout_cut = _encode(out.data, p["encoding"])
         stderr, stderr_cut = _encode(err.data, p["encoding"])
         return {

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from shinken_sync.protocol import (
     ERR_FAILED,
@@ -39,6 +39,7 @@ from .screencast import StreamRegistry
 from .shell import Shell, read_file, write_file
 
 log = logging.getLogger("shinkend.verbs")
+T = TypeVar("T")
 
 #: Deadline for one display action (input or capture). A display that hangs
 #: longer is reported as a timeout; the connection carries on.
@@ -114,7 +115,7 @@ async def _execute(sandbox: SandboxState, outbox: Outbox, call: Call) -> str | b
     return encode_reply(call.call_id, result=result)
 
 
-async def _on_display(action: Awaitable[Any], what: str, timeout: float | None = None) -> Any:
+async def _on_display(action: Awaitable[T], what: str, timeout: float | None = None) -> T:
     timeout = DISPLAY_CALL_TIMEOUT_S if timeout is None else timeout
     try:
         return await within(action, timeout)

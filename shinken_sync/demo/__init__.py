@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, TextIO, TypeVar
 
 import requests
 from tabulate import tabulate
@@ -44,8 +44,7 @@ from shinken_sync.stats import percentile
 from shinken_sync.trajectory_file import compact_records
 from shinken_sync.transport import TRANSPORT_ENV
 
-if TYPE_CHECKING:
-    from typing import Self  # 3.11+: annotations only (Python 3.10 is supported)
+_CtrlCT = TypeVar("_CtrlCT", bound="CtrlC")
 
 OBSERVE = {"format": "jpeg", "quality": 80, "max_long_edge": 1280}
 SCREEN = (1920, 1080)  # what SYSTEM_PROMPT tells the model, and the reference backend's action range
@@ -109,7 +108,7 @@ class CtrlC:
             os.write(sys.stderr.fileno(), b"\nshinken demo: interrupted; stopping now\n")
             raise KeyboardInterrupt
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _CtrlCT) -> _CtrlCT:  # noqa: PYI019 - no typing.Self on 3.10
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -208,7 +207,8 @@ def wait_ready(server: Any, timeout: float = SERVER_START_TIMEOUT) -> str:
     from webapp.serve import SessionServerNotReady
 
     try:
-        return server.wait_ready(timeout)
+        url: str = server.wait_ready(timeout)  # a webapp.serve.SessionServerProcess (Any: webapp loads late)
+        return url
     except SessionServerNotReady as exc:
         raise DemoError(f"{exc}; its log: {server.log_path}") from None
 
@@ -392,7 +392,7 @@ def run_consistent(episodes: list[Episode]) -> bool:
 class Progress:
     """Step counters and latencies of the run, and the progress bar (tqdm) on ``stream``."""
 
-    def __init__(self, total: int, stream=sys.stderr):
+    def __init__(self, total: int, stream: TextIO = sys.stderr):
         self.total = total
         self.done = 0
         self.latencies: list[float] = []

@@ -45,7 +45,7 @@ class EpisodeDriver:
     """One driver actor's body (wrapped with ``ray.remote`` on use, so this imports without Ray)."""
 
     def __init__(self) -> None:
-        from shinken_sync.sync import SharedLoop
+        from shinken_sync.sharedloop import SharedLoop
 
         self.loop = SharedLoop()  # this driver's own loop thread for all its sandboxes
         self.node_ip = _own_node_ip()
@@ -101,7 +101,8 @@ def _own_node_ip() -> str:
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    address: str = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)  # ray is Any
+    return address
 
 
 def _connect(address: str, node_ip: str | None) -> None:

@@ -39,7 +39,7 @@ class DaemonStartError(ProviderError):
         self.stderr_tail = stderr_tail
 
     def __str__(self) -> str:
-        text = self.args[0]
+        text: str = self.args[0]  # the message __init__ took
         if self.stderr_tail:
             text += "\n--- shinkend stderr (tail) ---\n" + self.stderr_tail
         return text

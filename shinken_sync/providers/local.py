@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class LocalSandbox:
         return self.daemon.pid
 
 
-def daemon_argv(display: str, screen: tuple[int, int], rtt_ms: float, extra: list[str],
+def daemon_argv(display: str, screen: Sequence[int], rtt_ms: float, extra: list[str],
                 host: str = "127.0.0.1") -> list[str]:
     """shinkend's flags for one sandbox (or fleet host) on ``host``, any free port."""
     width, height = screen

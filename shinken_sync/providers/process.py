@@ -185,7 +185,14 @@ class DaemonProcess:
 
     @property
     def url(self) -> str:
-        return self.ready["url"]
+        url: str = self.ready["url"]  # the ready line's JSON, checked to hold a url
+        return url
+
+    @property
+    def _stdout_pipe(self) -> IO[bytes]:
+        stdout = self.process.stdout
+        assert stdout is not None  # _popen opens it as a PIPE
+        return stdout
 
     # -- startup -------------------------------------------------------------
 
@@ -193,7 +200,7 @@ class DaemonProcess:
         """Read what stdout holds: True once the ready line is complete, False
         at EOF (the daemon exited or closed stdout), None to keep waiting."""
         try:
-            line = self._stdout.feed(os.read(self.process.stdout.fileno(), 65536))
+            line = self._stdout.feed(os.read(self._stdout_pipe.fileno(), 65536))
         except StdoutClosed:
             return False
         except ReadyLineTooLong:
@@ -207,7 +214,7 @@ class DaemonProcess:
         return True
 
     def _started(self) -> None:
-        self.process.stdout.close()  # the daemon writes nothing else to stdout
+        self._stdout_pipe.close()  # the daemon writes nothing else to stdout
 
     def start_error(self, message: str) -> DaemonStartError:
         self.terminate()
@@ -313,7 +320,7 @@ def start_daemons(
                     daemon = spawn(argv, name)
                     started.append(daemon)
                     deadlines[daemon] = time.monotonic() + timeout
-                    sel.register(daemon.process.stdout, selectors.EVENT_READ, daemon)
+                    sel.register(daemon._stdout_pipe, selectors.EVENT_READ, daemon)
                 wait = max(0.0, min(deadlines.values()) - time.monotonic())
                 for key, _ in sel.select(wait):
                     daemon = key.data

@@ -114,7 +114,8 @@ def probe(handle: RaySandbox, timeout: float = PROBE_TIMEOUT_S) -> Liveness:
 
     where = f"sandbox {handle.sandbox_id} on node {handle.node_ip}"
     try:
-        return ray.get(handle.actor.liveness.remote(), timeout=timeout)
+        liveness: Liveness = ray.get(handle.actor.liveness.remote(), timeout=timeout)  # ray is Any (setup.cfg)
+        return liveness
     except ActorUnavailableError as exc:  # unreachable right now: let the node decide
         reason = f"actor unavailable: {exc}"
     except RayActorError as exc:

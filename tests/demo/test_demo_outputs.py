@@ -132,6 +132,14 @@ def test_trajectory_records_are_stored_once_and_expand_back(tmp_path):
     assert expand_records(compact, data) == records
 
 
+@pytest.mark.parametrize("key", ["input_ids", "messages", "image_data"])
+def test_a_first_compact_record_that_refers_to_a_previous_one_is_a_value_error(key):
+    # Only a damaged file starts with a prefix reference; every list refused alike, as a ValueError.
+    compact = [{"request": {"model": "m", f"{key}_from_previous": 1, f"{key}_new": [2]}}]
+    with pytest.raises(ValueError, match="refers to a previous record"):
+        expand_records(compact, b"")
+
+
 def test_the_x_screen_program_names_every_input():
     data = b"hi\x1b[<0;12;5M\x1b[<0;12;5m\x1b[<65;3;4M\r\x1b\x13\x1b[1;3S\x7fab"
     assert list(describe_input(data)) == [

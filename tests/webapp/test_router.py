@@ -99,6 +99,24 @@ def test_health_reports_a_shard_whose_probe_crashed() -> None:
     assert "LookupError('probe bug')" in resp.json["error"]
 
 
+def test_the_viewer_names_a_shard_that_answered_its_session_list_with_an_error() -> None:
+    app = create_app(RouterConfig(workers=2, core={"backend_url": "http://127.0.0.1:9"}))
+    supervisor = app.extensions["shinken_supervisor"]
+
+    def request(shard: int, meta: dict, body: bytes = b"", **kw: object) -> IpcReply:
+        assert meta["op"] == "viewer_sessions"
+        if shard == 1:
+            return IpcReply(status=500, content_type="application/json", headers=[], length=2, body=b"{}")
+        rows = b'{"sessions":[]}'
+        return IpcReply(status=200, content_type="application/json", headers=[], length=len(rows), body=rows)
+
+    supervisor.request = request
+    resp = app.test_client().get("/ui/api/sessions")
+    assert resp.status_code == 200, resp.data
+    assert resp.json["sessions"] == []
+    assert resp.json["unavailable"] == ["shard 1: session worker for shard 1 is unavailable: status 500"]
+
+
 @pytest.mark.integration
 def test_router_process_never_imports_the_core_or_a_tokenizer(reference_backend_factory) -> None:
     backend = reference_backend_factory()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from shinken_sync.protocol import ERR_FAILED, ERR_UNSUPPORTED
 from shinken_sync.verbs import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_QUALITY, IMAGE_FIELDS
@@ -43,7 +44,7 @@ class EncodedImage:
     y0: int = 0
     pointer: bool = False
 
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         """The reply's ``result`` (a screencast frame's header fields): shinken_sync.verbs.IMAGE_FIELDS."""
         return {name: getattr(self, name) for name in IMAGE_FIELDS}
 
@@ -105,7 +106,7 @@ class Display(abc.ABC):
     @abc.abstractmethod
     async def cursor(self) -> tuple[int, int]: ...
 
-    async def launch(self, app: str, args: list[str], timeout: float) -> dict:
+    async def launch(self, app: str, args: list[str], timeout: float) -> dict[str, Any]:
         """Open ``app`` (a name of ``display.desktop.APPS``) with extra ``args`` and wait up to
         ``timeout`` seconds for its window, which gets the focus. Only a real desktop can."""
         raise DisplayError(f"the {self.kind} display has no apps to launch (start shinkend with --desktop)",

@@ -171,7 +171,7 @@ class Running:
     """One app started on the desktop."""
 
     app: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log_path: str
     #: The X window it opened (None until it showed one).
     window: str | None = None
@@ -179,9 +179,9 @@ class Running:
     pending: bool = True
 
 
-Spawner = Callable[..., subprocess.Popen]
+Spawner = Callable[..., subprocess.Popen[bytes]]
 #: Waits for an exited child and drops it from the display's children.
-Forgetter = Callable[[subprocess.Popen], None]
+Forgetter = Callable[[subprocess.Popen[bytes]], None]
 
 
 class DesktopSession:
@@ -214,7 +214,7 @@ class DesktopSession:
                     "XDG_CACHE_HOME": dirs["cache"], "XDG_RUNTIME_DIR": dirs["run"],
                     "GSETTINGS_BACKEND": "memory", "NO_AT_BRIDGE": "1"}  # fmt: skip
         self.context = LaunchContext(width, height, self.home)
-        self.wm: subprocess.Popen | None = None
+        self.wm: subprocess.Popen[bytes] | None = None
         self.wm_restarts = 0
         self.apps: list[Running] = []
         self._paths = {program: shutil.which(program) for program in desktop.programs}
@@ -250,7 +250,7 @@ class DesktopSession:
         self.start_window_manager()
         return True
 
-    def _bury(self, proc: subprocess.Popen) -> None:
+    def _bury(self, proc: subprocess.Popen[bytes]) -> None:
         signal_group(proc, signal.SIGKILL)  # stragglers of the group, before its id is freed
         self._forget(proc)
 

@@ -11,7 +11,7 @@ import os
 import subprocess
 
 
-def exit_status(proc: subprocess.Popen) -> str | None:
+def exit_status(proc: subprocess.Popen[bytes]) -> str | None:
     """How ``proc`` ended ("exit 1", "signal 9"), or None while it runs; never reaps it."""
     if proc.returncode is not None:  # reaped already (gevent's child watcher does)
         code = proc.returncode
@@ -25,7 +25,7 @@ def exit_status(proc: subprocess.Popen) -> str | None:
     return f"exit {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -30,7 +30,7 @@ import re
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
@@ -176,7 +176,9 @@ def _glyph_mask(text: str, size: int, style: str) -> tuple[Image.Image, tuple[in
     process-wide; drawing one is a blend through the mask, as draw.text does.
     """
     font = _font(size, style)
-    x0, y0, x1, y1 = font.getbbox(text)
+    # Pillow annotates a FreeType bbox as floats (a fractional stroke width makes them so);
+    # with no stroke it is whole pixels, and int() keeps the values.
+    x0, y0, x1, y1 = (int(v) for v in font.getbbox(text))
     mask = Image.new("L", (max(1, x1 - x0), max(1, y1 - y0)), 0)
     ImageDraw.Draw(mask).text((-x0, -y0), text, fill=255, font=font)
     return mask, (x0, y0)
@@ -210,6 +212,10 @@ def _sentence(rnd: random.Random, words: int) -> str:
 # Drawing
 
 
+#: An RGB colour (its components, as Pillow takes them).
+Color = tuple[int, ...]
+
+
 class _Canvas:
     """ImageDraw on a patch whose top-left is screen point (ox, oy), so widget
     painters use screen coordinates whatever patch they draw into."""
@@ -219,7 +225,8 @@ class _Canvas:
         self.draw = ImageDraw.Draw(image)
         self.ox, self.oy = ox, oy
 
-    def rect(self, rect: Rect, fill=None, outline=None, width: int = 1, radius: int = 0) -> None:
+    def rect(self, rect: Rect, fill: Color | None = None, outline: Color | None = None, width: int = 1,
+             radius: int = 0) -> None:
         x, y, w, h = rect
         box = (x - self.ox, y - self.oy, x - self.ox + w - 1, y - self.oy + h - 1)
         if radius:
@@ -227,11 +234,11 @@ class _Canvas:
         else:
             self.draw.rectangle(box, fill=fill, outline=outline, width=width)
 
-    def text(self, x: int, y: int, text: str, fill, size: int = 15, style: str = "") -> None:
+    def text(self, x: int, y: int, text: str, fill: Color, size: int = 15, style: str = "") -> None:
         mask, (dx, dy) = _glyph_mask(text, size, style)
         self.draw.bitmap((x - self.ox + dx, y - self.oy + dy), mask, fill=fill)
 
-    def polygon(self, points: list[tuple[int, int]], fill, outline=None) -> None:
+    def polygon(self, points: list[tuple[int, int]], fill: Color, outline: Color | None = None) -> None:
         self.draw.polygon([(x - self.ox, y - self.oy) for x, y in points], fill=fill, outline=outline)
 
     def paste(self, image: Image.Image, x: int, y: int) -> None:
@@ -485,7 +492,7 @@ class _Scene:
 
         return self._cached(("frame", geometry), build)  # type: ignore[return-value]
 
-    def initial_encoding(self, params: imaging.EncodeParams) -> imaging.BandedEncoding:
+    def initial_encoding(self, params: imaging.EncodeParams) -> imaging.BandedEncoding[Any]:
         """The initial frame encoded as ``params`` ask, in bands, shared."""
         return self._cached(  # type: ignore[return-value]
             ("encoding", params),
@@ -681,7 +688,7 @@ class SharedFrameCache:
         self.hits = 0
         self.misses = 0
         self._frames: collections.OrderedDict[Hashable, EncodedImage] = collections.OrderedDict()
-        self._pending: dict[Hashable, concurrent.futures.Future] = {}
+        self._pending: dict[Hashable, concurrent.futures.Future[EncodedImage]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -706,11 +713,13 @@ class SharedFrameCache:
                 self.misses += 1
             else:
                 self.hits += 1
+        assert future is not None  # pending already, or made above
         if owner:
             asyncio.get_running_loop().run_in_executor(imaging.ENCODE_POOL, self._produce, key, encode, future)
         return await asyncio.wrap_future(future)
 
-    def _produce(self, key: Hashable, encode: Callable[[], EncodedImage], future: concurrent.futures.Future) -> None:
+    def _produce(self, key: Hashable, encode: Callable[[], EncodedImage],
+                 future: concurrent.futures.Future[EncodedImage]) -> None:
         try:
             frame = encode()
         except Exception as exc:  # noqa: BLE001 - handed to every waiter, who re-raises it
@@ -800,7 +809,7 @@ class VirtualDisplay(Display):
 
     # -- input -------------------------------------------------------------
 
-    def _update(self, **changes) -> None:
+    def _update(self, **changes: Any) -> None:
         self._state = dataclasses.replace(self._state, **changes)
 
     async def move(self, x: int, y: int) -> None:

@@ -109,6 +109,8 @@ class KeycodePool:
         ``rebinds`` a keycode that earlier keys used.
         """
         chunks: list[Chunk] = []
+        used: set[int]
+        bindings: dict[int, int]
         start, used, bindings, rebinds = 0, set(), {}, False
         for index, char in enumerate(text):
             if not char.isprintable() or keysym_for(char) in self._mapped:

@@ -60,7 +60,9 @@ try:  # the [xvfb] extra; make_display reports it missing as DisplayUnavailable
     import mss
     import mss.exception
 except ImportError:  # pragma: no cover - depends on the installation
-    mss = None
+    # None says "missing" (make_display checks it); unused-ignore: where mss is not installed
+    # (the lint env) its name is Any and None fits.
+    mss = None  # type: ignore[assignment, unused-ignore]
 
 log = logging.getLogger(__name__)
 _SETPRIV = shutil.which("setpriv")
@@ -176,7 +178,7 @@ class XvfbDisplay(Display):
         #: Screenshots show the mouse pointer.
         self.draws_pointer = draw_pointer
         self._session: desktops.DesktopSession | None = None
-        self._supervisor: asyncio.Task | None = None
+        self._supervisor: asyncio.Task[None] | None = None
         self.window_manager = window_manager
         #: The program started on the screen at start (the ``launch`` option).
         self.launch_argv = list(launch) if launch else None
@@ -186,7 +188,7 @@ class XvfbDisplay(Display):
         #: The window manager that runs, if any.
         self.window_manager_name: str | None = None
         self._env: dict[str, str] = {}
-        self._children: list[subprocess.Popen] = []
+        self._children: list[subprocess.Popen[bytes]] = []
         self._x = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xvfb")
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -242,7 +244,7 @@ class XvfbDisplay(Display):
             log.info("xvfb %s up (%dx%d, wm=%s, desktop=%s)", self.display_name, self.width, self.height,
                      self.window_manager_name, self.desktop)
 
-    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         # setpriv (util-linux) sets PR_SET_PDEATHSIG between fork and exec without a
         # preexec_fn, which is unsafe in a threaded process.
         prefix = [_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []
@@ -254,7 +256,7 @@ class XvfbDisplay(Display):
         self._children.append(proc)
         return proc
 
-    def _forget(self, proc: subprocess.Popen) -> None:
+    def _forget(self, proc: subprocess.Popen[bytes]) -> None:
         """Reap an exited child and stop tracking it (its group was killed already)."""
         proc.wait()
         self._children.remove(proc)
@@ -284,7 +286,7 @@ class XvfbDisplay(Display):
         if self.window_manager and self.desktop is None:  # a desktop brings its own
             self._start_window_manager()
 
-    def _read_display_number(self, fd: int, xvfb: subprocess.Popen, stderr: Any) -> int:
+    def _read_display_number(self, fd: int, xvfb: subprocess.Popen[bytes], stderr: Any) -> int:
         deadline = time.monotonic() + self.start_timeout
         data = b""
         while not data.endswith(b"\n"):
@@ -490,7 +492,7 @@ class XvfbDisplay(Display):
 
     def _grab(self) -> bytearray:
         shot = self._sct.grab(self._sct.monitors[0])
-        raw = shot.raw
+        raw: bytearray = shot.raw  # mss.ScreenShot.raw (self._sct is Any: mss may be missing)
         if self._last_raw is None or raw != self._last_raw:
             self._generation += 1
         self._last_raw = raw
@@ -551,6 +553,7 @@ class XvfbDisplay(Display):
                     encoding.invalidate(changed)
         if changed is None:
             frame = _Frame(raw, imaging.render(imaging.bgrx_image(raw, self.size), geo))
+        assert frame is not None  # changed is set only after patching the previous frame
         self._frames[geo] = frame
         while len(self._frames) > FRAMES_KEPT:
             self._frames.popitem(last=False)
@@ -614,10 +617,12 @@ class XvfbDisplay(Display):
 
     def _type_sync(self, text: str) -> None:
         # Characters outside the keymap are bound to spare keycodes first; see xkeymap.
-        for chunk in self._keymap.pool.plan(text):
+        keymap = self._keymap
+        assert keymap is not None  # set by _start_sync, before _run lets any call through
+        for chunk in keymap.pool.plan(text):
             if chunk.rebinds:
                 time.sleep(REBIND_SETTLE_S)
-            self._keymap.bind(chunk.bindings)
+            keymap.bind(chunk.bindings)
             timeout = XDOTOOL_TIMEOUT_S + len(chunk.text) * TYPE_DELAY_MS / 1000 * 4
             self._xdotool(
                 "type", "--delay", str(TYPE_DELAY_MS), "--file", "-", stdin=chunk.text.encode(), timeout=timeout
@@ -637,7 +642,7 @@ class _Encoding:
     """A banded encoding of a frame's image and the image rectangles changed
     since it was made (None: too many to track, encode afresh)."""
 
-    encoding: imaging.BandedEncoding
+    encoding: imaging.BandedEncoding[Any]
     stale: list[imaging.Rect] | None
 
     def invalidate(self, rects: list[imaging.Rect]) -> None:
