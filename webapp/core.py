@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -220,6 +220,9 @@ class Session:
     records: list[TurnRecord] = field(default_factory=list)  # one per checkpoint of ``state``, bytes on disk
     rollbacks: int = 0
     images: dict[str, StoredImage] = field(default_factory=dict)  # by sha256, each once (content-addressed)
+    # webapp.images.url_key of each image part's data URL committed -> its sha256 (in memory
+    # only: after a restart an image is decoded once more, then known by its text again)
+    image_urls: dict[bytes, str] = field(default_factory=dict)
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
     ids_cache: tuple[TitoState, IdsText] | None = None  # the text of the state's token ids (records GET)
@@ -237,7 +240,8 @@ class Session:
                    records=r.records, rollbacks=r.rollbacks, images=r.images)
 
     def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
-               images: dict[str, DecodedImage] | None = None) -> bool:
+               images: dict[str, DecodedImage] | None = None,
+               image_urls: Mapping[bytes, str] | None = None) -> bool:
         """Store a finished turn, journal first; False (nothing stored) if the session was
         closed meanwhile. Raises ``InsufficientStorage`` (nothing stored) if the journal
         cannot be written.
@@ -261,6 +265,7 @@ class Session:
                 self.rollbacks += 1
             self.records.append(turn)
             self.images.update(stored)
+            self.image_urls.update(image_urls or {})  # every image of the turn is held now
             return True
 
     def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, str]:
@@ -575,7 +580,7 @@ class SessionCore:
         request = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))
         # Before the turn lock: the pixel decoding of new images holds up no other turn.
-        images = extract_images(request.get("messages"), self.image_limits, session.images)
+        images = extract_images(request.get("messages"), self.image_limits, session.images, session.image_urls)
         wait = self.turn_wait_timeout
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -600,7 +605,7 @@ class SessionCore:
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
             # A journal that cannot be written: InsufficientStorage (507), nothing stored.
-            session.commit(new_state, plan, summary, record, images.new)
+            session.commit(new_state, plan, summary, record, images.new, images.url_keys)
         finally:
             session.turn_lock.release()
         return self._client_reply(turn, request)

@@ -11,9 +11,11 @@ state, the TITO comparison and the chat template see::
 
 (``type: image`` is what Qwen2-VL-style templates render as ``<|vision_start|><|image_pad|>
 <|vision_end|>``), and lists the images of the request in order of appearance, each with the
-data URL as sent (the engine gets those, see ``webapp.core``). An image is base64-decoded and
-hashed on every appearance (cheap), but decoded as pixels only the first time a session sees
-its hash: the caller passes the images it already holds.
+data URL as sent (the engine gets those, see ``webapp.core``). An image is decoded as pixels
+only the first time a session sees its hash, and an image part whose data URL the session has
+committed before is recognised by the digest of that text alone (:func:`url_key`), without
+decoding its base64 again (an agent resends every earlier screenshot each turn): the caller
+passes the images it holds and the URL digests it has learned.
 
 Refused with a 400 naming the reason (``webapp.session_errors.ImageRefused`` subclasses):
 a URL that is not a ``data:image/jpeg|png;base64`` URL (nothing is ever fetched), data that is
@@ -40,7 +42,7 @@ import math
 import re
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from webapp.limits import require_positive
@@ -135,6 +137,15 @@ class RequestImages:
     messages: list[Any]  # the request's messages, image parts replaced by reference parts
     images: list[tuple[SessionImage, str]]  # in order of appearance: the image, its data URL as sent
     new: dict[str, DecodedImage]  # the images the session did not hold yet, by sha256
+    # url_key(data URL) -> sha256 of each image part: the session remembers them once the turn
+    # is committed, so the next turn recognises these parts by their text
+    url_keys: dict[bytes, str] = field(default_factory=dict)
+
+
+def url_key(url: str) -> bytes:
+    """The digest of an image part's data URL text (mime type and base64 payload: exactly the
+    image's bytes), 32 bytes; hashing the text costs a fraction of decoding it."""
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest()  # sha256: hardware-assisted here
 
 
 def decode_data_url(url: Any, where: str, limits: ImageLimits,
@@ -183,17 +194,21 @@ def _decode(data: bytes, digest: str, where: str) -> DecodedImage:
     return DecodedImage(digest, mime, width, height, data)
 
 
-def extract_images(raw_messages: Any, limits: ImageLimits,
-                   known: Mapping[str, SessionImage]) -> RequestImages:
+def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, SessionImage],
+                   known_urls: Mapping[bytes, str] | None = None) -> RequestImages:
     """The request's image parts checked and replaced by reference parts (see the module doc).
 
-    Malformed messages pass through untouched (the turn's own validation names them).
+    ``known_urls``: :func:`url_key` of data URLs the session committed -> the image's sha256; a
+    part whose URL is among them and whose image ``known`` holds is not decoded again (it passed
+    the same checks when it was first seen). Malformed messages pass through untouched (the
+    turn's own validation names them).
     """
     if not isinstance(raw_messages, list):
         return RequestImages(raw_messages, [], {})
     messages: list[Any] = []
     images: list[tuple[SessionImage, str]] = []
     new: dict[str, DecodedImage] = {}
+    keys: dict[bytes, str] = {}
     for i, message in enumerate(raw_messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -219,10 +234,15 @@ def extract_images(raw_messages: Any, limits: ImageLimits,
                 raise TooManyImages(where, f"more than max_images={limits.max_images} images in one request")
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
-            # A lookup, never an iteration: ``known`` may grow meanwhile (another turn committing).
+            key = url_key(url) if isinstance(url, str) else b""
+            # Lookups, never iterations: ``known`` and ``known_urls`` may grow meanwhile (another
+            # turn committing).
+            digest = known_urls.get(key) if known_urls is not None and key else None
+            seen = known.get(digest) if digest is not None else None
             # typeshed's ChainMap takes MutableMappings only; this one is only read (get).
-            image = decode_data_url(url, where, limits, ChainMap(new, known))  # type: ignore[arg-type]
+            image = seen or decode_data_url(url, where, limits, ChainMap(new, known))  # type: ignore[arg-type]
             assert isinstance(url, str)  # decode_data_url refused anything else
+            keys[key] = image.sha256
             if image.sha256 not in known:
                 # known never loses an image: one not in it came from new or was decoded now
                 assert isinstance(image, DecodedImage)
@@ -230,7 +250,7 @@ def extract_images(raw_messages: Any, limits: ImageLimits,
             images.append((image, url))
             parts.append({"type": "image", "image": image.ref, "width": image.width, "height": image.height})
         messages.append({**message, "content": parts})
-    return RequestImages(messages, images, new)
+    return RequestImages(messages, images, new, keys)
 
 
 def _is_image_part(part: Any) -> bool:

@@ -89,7 +89,7 @@ import numpy as np
 from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
 from webapp.filebody import FileSpan, read_pieces, slice_pieces
 from webapp.offload import run_blocking
-from webapp.records import Field, Ids, IdsText, RecordBody, RecordParts, Rows, Text, b64_length
+from webapp.records import Field, Ids, RecordBody, RecordParts, Rows, Text, b64_length, ids_json
 from webapp.samples import TurnRecord
 from webapp.session_errors import InsufficientStorage, JournalDamaged, SessionExists, StorageBudget
 from webapp.tito import INITIAL_STATE, TitoState
@@ -291,7 +291,7 @@ def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBod
     after the base record's first ``parts.replay_prefix[key]`` bytes of it)."""
     fields: list[_Raw] = [("t", None, parts.head)]
     req = parts.request
-    ids = IdsText(prompt_ids).text
+    ids = ids_json(prompt_ids)
     at = req.rfind(_INPUT_IDS + ids + b"]")
     if at >= 0:
         cut = at + len(_INPUT_IDS)

@@ -130,6 +130,25 @@ def json_depth_exceeds(body: bytes | str, max_depth: int) -> bool:
     return True
 
 
+# Walking a decoded container costs about what scanning this many bytes of text does.
+_WALK_BYTES_PER_CONTAINER = 64
+
+
+def _value_depth_exceeds(value: Any, max_depth: int) -> bool:
+    """True if the decoded JSON ``value`` nests lists/dicts deeper than ``max_depth`` (the same
+    count as :func:`json_depth_exceeds` on its text: ``[]`` is one level)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > max_depth:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode a UTF-8 JSON request body, refusing ``NaN``/``Infinity`` and deep nesting.
 
@@ -154,7 +173,11 @@ def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> A
         if isinstance(exc, InvalidJSON):
             raise
         raise InvalidJSON(f"invalid JSON body: {exc}") from exc
-    if json_depth_exceeds(text, max_depth):
+    # The depth from the decoded value when it holds few containers for its size (a screenshot
+    # turn: a few hundred around megabytes of base64, which the text scan would cut out string
+    # by string), else at C speed over the text (a body of many small containers).
+    few = containers * _WALK_BYTES_PER_CONTAINER < len(text)
+    if _value_depth_exceeds(value, max_depth) if few else json_depth_exceeds(text, max_depth):
         raise InvalidJSON(f"invalid JSON body: nests deeper than {max_depth} levels")
     if _SURROGATE_ESCAPE_TEXT.search(text):  # rare: only then pay for a full re-encode
         try:

@@ -26,7 +26,7 @@ from itertools import accumulate
 
 from webapp.filebody import B64Span, FileSpan, Piece, read_pieces
 
-__all__ = ["Ids", "IdsText", "RecordBody", "RecordParts", "Rows", "Text", "b64_length"]
+__all__ = ["Ids", "IdsText", "RecordBody", "RecordParts", "Rows", "Text", "b64_length", "ids_json"]
 
 
 def b64_length(n: int) -> int:
@@ -111,13 +111,18 @@ class RecordParts:
     replay_prefix: dict[str, int] = field(default_factory=dict)
 
 
+def ids_json(ids: Sequence[int]) -> bytes:
+    """The JSON text of token ids between the brackets (``1,2,3``), at C speed."""
+    return ",".join(map(str, ids)).encode()
+
+
 class IdsText:
     """The JSON text of a token id sequence and where each prefix of it ends: the text of a
     record's prompt ids is a prefix of the session's accumulated ids (TITO only appends)."""
 
     def __init__(self, ids: Sequence[int]) -> None:
-        strs = [str(i) for i in ids]
-        self.text = ",".join(strs).encode()
+        strs = list(map(str, ids))
+        self.text = ",".join(strs).encode()  # = ids_json(ids)
         # ends[n]: the length of the text of the first n ids.
         self.ends = [0, *(e - 1 for e in accumulate(len(s) + 1 for s in strs))]
 

@@ -148,6 +148,17 @@ def test_loads_strict_unit() -> None:
     # brackets inside strings do not count
     assert not json_depth_exceeds(json.dumps(["[" * 500]).encode(), 4)
     assert json_depth_exceeds(b'[[[["]"]]]]', 3) and not json_depth_exceeds(b'[[[["]"]]]]', 4)
+    # a body of few containers around large strings (a screenshot turn) is measured on its decoded
+    # value, many small containers on the text: the same limit either way
+    padding = "A" * 200_000
+    for depth, refused in ((MAX_JSON_DEPTH, False), (MAX_JSON_DEPTH + 1, True)):
+        for pad in ("", padding):
+            body = ("[" * (depth - 1) + json.dumps({"x": pad}) + "]" * (depth - 1)).encode()
+            if refused:
+                with pytest.raises(InvalidJSON, match="deeper"):
+                    loads_strict(body)
+            else:
+                assert loads_strict(body) is not None
     # a lone surrogate escape is not text (found by the fuzz suite: it made the core answer 500)
     with pytest.raises(InvalidJSON, match="surrogate"):
         loads_strict(b'{"x": "\\ud800"}')

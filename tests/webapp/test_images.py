@@ -131,6 +131,27 @@ def test_earlier_images_are_never_retokenized_and_never_replaced():
         plan_turn(state, None, swapped.messages, None, BYTE)
 
 
+def test_a_committed_image_is_recognised_by_its_data_url_without_decoding_it(monkeypatch):
+    import webapp.images as images_module
+
+    a, b = png(300, 200, 1), png(300, 200, 2)
+    first = extract_images([user("one", a)], ImageLimits(), {})
+    held, learned = dict(first.new), dict(first.url_keys)
+    assert list(learned.values()) == [hashlib.sha256(a).hexdigest()]
+    decoded: list[str] = []
+    real = images_module.base64.b64decode
+    monkeypatch.setattr(images_module.base64, "b64decode", lambda s, **kw: decoded.append(s) or real(s, **kw))
+    reply = {"role": "assistant", "content": "ok"}
+    second = extract_images([user("one", a), reply, user("two", b)], ImageLimits(), held, learned)
+    assert len(decoded) == 1 and base64.b64decode(decoded[0]) == b  # only the new screenshot decoded
+    assert [image.sha256 for image, _ in second.images] == [hashlib.sha256(x).hexdigest() for x in (a, b)]
+    assert second.messages[0]["content"][1] == first.messages[0]["content"][1]  # the same reference part
+    # a digest the session learned but whose image it no longer holds: decoded again, not trusted
+    decoded.clear()
+    again = extract_images([user("one", a)], ImageLimits(), {}, learned)
+    assert len(decoded) == 1 and list(again.new) == [hashlib.sha256(a).hexdigest()]
+
+
 def test_hf_adapter_loads_a_qwen2_vl_directory(vl_tokenizer_dir):
     tok = HFChatTokenizer(vl_tokenizer_dir)
     assert tok.vision is not None and tok.vision.rule == QwenVLRule(max_pixels=401408)
