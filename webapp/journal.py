@@ -82,7 +82,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -93,6 +93,9 @@ from webapp.records import Field, Ids, RecordBody, RecordParts, Rows, Text, b64_
 from webapp.samples import TurnRecord
 from webapp.session_errors import InsufficientStorage, JournalDamaged, SessionExists, StorageBudget
 from webapp.tito import INITIAL_STATE, TitoState
+
+if TYPE_CHECKING:  # images imports nothing of the journal; the journal only names its type
+    from webapp.images import SessionImage
 
 __all__ = [
     "ENTRY_HEADER",
@@ -128,23 +131,6 @@ class Kind(IntEnum):
     TURN = 2  # version 1: meta + the whole record (read, never written)
     IMAGE = 3
     DELTA = 4  # version 2: meta + what the turn adds (see the module doc)
-
-
-class _Image(Protocol):  # read-only: a frozen DecodedImage, or a StoredImage (data read from its span)
-    @property
-    def sha256(self) -> str: ...
-
-    @property
-    def mime_type(self) -> str: ...
-
-    @property
-    def width(self) -> int: ...
-
-    @property
-    def height(self) -> int: ...
-
-    @property
-    def data(self) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -515,7 +501,7 @@ class SessionJournal:
 
     def append_turn(self, base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord,
                     parts: RecordParts, base_record: RecordBody | None = None,
-                    images: Sequence[_Image] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
+                    images: Sequence[SessionImage] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
         """Append a turn (and its new images) as a DELTA entry on ``base_record`` (the record
         whose state is ``base``; None: the first turn); returns the turn and images as the
         session keeps them (pointing into the file). Raises :class:`InsufficientStorage`:
