@@ -28,6 +28,8 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │       └── RollbackTooDeep       400  rolls back more than one assistant step
     ├── SessionNotFound               404  unknown, deleted or closing session
     ├── SessionExists                 409  create_session with an id already in use
+    ├── TruncatedGeneration           409  a tree session's request extends a length-truncated generation
+    ├── TreeFull                      409  a tree session holds its maximum of nodes (webapp.tree)
     ├── SessionBusy                   503  waited too long for the session's previous turn
     ├── TooManySessions               429  the open-session cap is reached (webapp.limits)
     ├── InsufficientStorage           507  the journal could not be written; nothing stored
@@ -78,6 +80,8 @@ __all__ = [
     "StorageBudget",
     "TokenPrefixMismatch",
     "TooManyImages",
+    "TreeFull",
+    "TruncatedGeneration",
     "UnknownField",
     "UpstreamStatus",
 ]
@@ -190,6 +194,29 @@ class SessionExists(SessionError):
 
     def __str__(self) -> str:
         return f"session {self.session_id!r} already exists"
+
+
+class TruncatedGeneration(SessionError):
+    """409 (miles' ``TruncatedGenerationError``): the request attaches under a generation that
+    ended at the length cap, which closes its path for good; branch before the cut instead.
+    Nothing is sent to the engine or stored."""
+
+    status = 409
+    openai_type = "invalid_request_error"
+
+
+class TreeFull(SessionError):
+    """409: the tree session holds ``limit`` nodes and cannot branch or extend further (far past
+    any real retry pattern: the harness is most likely not replaying its history verbatim).
+    Checked before the engine is called; nothing is stored."""
+
+    status = 409
+    openai_type = "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the session's tree holds its maximum of {limit} nodes: it cannot branch or extend "
+                         "further (is the client replaying its history verbatim?)")
+        self.limit = limit
 
 
 class SessionBusy(SessionError):
