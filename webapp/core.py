@@ -517,7 +517,7 @@ class SessionCore:
             turns, state, metadata, _encoded, _version = self._snapshot(session)
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
                                                      max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
-            payload = encode_samples(samples, turns, metadata, empty_reason,
+            payload = encode_samples(samples, metadata, empty_reason,
                                      routing_replay_layers=self.routing_replay_layers,
                                      images=_session_images(session) if include_images else None)
         except SessionError as exc:

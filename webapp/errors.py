@@ -35,12 +35,14 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
     │   ├── FleetNotFound               404
     │   └── FrameRefused                400  type, size, tile or byte budget
     ├── ApiKeyFileError (ValueError)    500  webapp.serve: --api-key-file unreadable, empty or shared
+    ├── SampleHookSelectorError (ValueError)  500  webapp.tree_samples: a samples picker/post-processor
+    │                                        selector that names no synchronous function
     └── InflightRefused                 500  webapp.inflight: over max_inflight_bytes (the subclasses say)
         ├── Overloaded                  503  with Retry-After: others' bodies first
         └── BodyOverBudget              413  larger than the whole budget
 
-The start-up errors (the engine checks, the tokenizer, the data directory, the API key file) are
-reported by the launcher as one line and an exit code, never as an HTTP answer; they carry the
+The start-up errors (the engine checks, the tokenizer, the data directory, the API key file,
+the samples hooks) are reported by the launcher as one line and an exit code, never as an HTTP answer; they carry the
 root's 500 only because every class of the tree has a status. ``tests/test_error_trees.py``
 checks this drawing (and session_errors') against the classes.
 

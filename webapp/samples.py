@@ -38,7 +38,7 @@ Wire format (one safetensors payload): per sample ``i`` the tensors ``<field>.<i
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,10 +100,13 @@ class TurnRecord:
 
 @dataclass
 class _Replay:
-    """A replay payload not decoded yet: record ``turn``'s, first ``rows`` rows kept."""
+    """A replay payload not decoded yet: ``source``'s (record ``turn`` of its sample's
+    records), first ``rows`` rows kept. It names its record itself, so samples of several
+    record lists (a tree session's leaves) encode into one payload."""
 
     turn: int
     rows: int
+    source: TurnRecord
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Sample:
     prefix_cache_info: dict[str, int] = field(default_factory=lambda: {"cached_tokens": 0,
                                                                        "total_prompt_tokens": 0})
     metadata: dict[str, Any] = field(default_factory=dict)
+    reward: Any = None  # miles' Sample.reward: on the wire of tree sessions only (WIRE_FIELDS_V2)
 
     def strip_last_output_tokens(self, n: int, tokenizer: ChatTokenizer) -> None:
         if n <= 0:
@@ -149,7 +153,7 @@ def _turn_sample(i: int, turns: Sequence[TurnRecord], accumulated: np.ndarray,
                     loss_mask=[1] * len(output), rollout_log_probs=list(turn.logprobs),
                     status=_STATUS_BY_FINISH.get(turn.finish_reason, "pending"))
     for key in turn.replay:
-        sample.replay[R3_FIELD[key]] = _Replay(i, len(tokens) - 1)
+        sample.replay[R3_FIELD[key]] = _Replay(i, len(tokens) - 1, turn)
     meta = turn.meta
     sample.prefix_cache_info = {"cached_tokens": meta.get("cached_tokens", 0),
                                 "total_prompt_tokens": meta.get("prompt_tokens", 0)}
@@ -272,8 +276,8 @@ def assemble_samples(turns: Sequence[TurnRecord], accumulated: Sequence[int], to
     return [_merge(samples, tokenizer)], None
 
 
-def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, layers: int) -> np.ndarray:
-    turn = turns[payload.turn]
+def _replay_tensor(name: str, payload: _Replay, layers: int) -> np.ndarray:
+    turn = payload.source
     key = next(k for k, v in R3_FIELD.items() if v == name)
     if key == "indexer_topk":
         layers = turn.meta.get("indexer_topk_num_layers") or 0
@@ -293,18 +297,19 @@ def _replay_tensor(turns: Sequence[TurnRecord], name: str, payload: _Replay, lay
     return values.reshape(rows, layers, -1)[:payload.rows]
 
 
-def encode_samples(samples: Sequence[Sample], turns: Sequence[TurnRecord], session_metadata: dict[str, Any],
-                   empty_reason: str | None, *, routing_replay_layers: int,
-                   images: Sequence[Any] | None = None) -> bytes:
+def encode_samples(samples: Sequence[Sample], session_metadata: dict[str, Any], empty_reason: str | None, *,
+                   routing_replay_layers: int, images: Sequence[Any] | None = None,
+                   fields: Mapping[str, np.dtype | None] = WIRE_FIELDS) -> bytes:
     """One safetensors payload in miles' samples wire format (see the module docstring);
     ``images`` (``webapp.images.DecodedImage``): each also as a uint8 tensor ``image.<sha256>``
-    (the file's bytes), described in the meta's ``images``."""
+    (the file's bytes), described in the meta's ``images``. ``fields``: the wire's field table
+    (v1's :data:`WIRE_FIELDS`; tree sessions add ``reward``, ``webapp.tree_samples``)."""
     tensors: dict[str, np.ndarray] = {}
     metas = []
     for i, sample in enumerate(samples):
         meta: dict[str, Any] = {}
         nulls = []
-        for name, dtype in WIRE_FIELDS.items():
+        for name, dtype in fields.items():
             if dtype is None:
                 meta[name] = getattr(sample, name)
                 continue
@@ -313,7 +318,7 @@ def encode_samples(samples: Sequence[Sample], turns: Sequence[TurnRecord], sessi
                 if payload is None:
                     nulls.append(name)
                     continue
-                array = _replay_tensor(turns, name, payload, routing_replay_layers)
+                array = _replay_tensor(name, payload, routing_replay_layers)
             else:
                 array = np.asarray(getattr(sample, name), dtype=dtype)
             tensors[f"{name}.{i}"] = np.ascontiguousarray(array, dtype=dtype)

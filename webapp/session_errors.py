@@ -37,6 +37,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── JournalDamaged                500  the journal changed under the server; not served
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
+    │   └── SampleHookFailed          422  a tree session's picker or post-processor raised or broke its contract
     ├── BackendError                  502  the backend failed us
     │   ├── BackendUnreachable        502  connect/transport error
     │   │   └── BackendTimeout        502  connect or read timeout
@@ -73,6 +74,7 @@ __all__ = [
     "RemoteImageURL",
     "RollbackTooDeep",
     "SampleAssemblyError",
+    "SampleHookFailed",
     "SessionBusy",
     "SessionError",
     "SessionExists",
@@ -259,6 +261,17 @@ class SampleAssemblyError(SessionError):
 
     status = 422
     openai_type = "invalid_request_error"
+
+
+class SampleHookFailed(SampleAssemblyError):
+    """A tree session's samples picker or post-processor (``webapp.tree_samples``) raised or
+    broke its contract: miles' 422 naming both hooks as configured (``picker``,
+    ``postprocessor``)."""
+
+    def __init__(self, message: str, *, picker: str, postprocessor: str) -> None:
+        super().__init__(message)
+        self.picker = picker
+        self.postprocessor = postprocessor
 
 
 class BackendError(SessionError):
