@@ -96,6 +96,7 @@ from webapp.tito import (
     session_mismatch,
 )
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
+from webapp.tree_samples import SampleHooks
 
 __all__ = [
     "MAX_CHAT_BODY_BYTES",
@@ -197,6 +198,9 @@ class CoreConfig:
     max_session_bytes: int = default("max_session_bytes")  # one session's journal (webapp.journal)
     max_data_bytes: int | None = default("max_data_bytes")  # all the data directory's journals
     max_inflight_bytes: int = default("max_inflight_bytes")  # request bodies being handled (webapp.inflight)
+    # Tree sessions' /samples hooks: selectors of webapp.tree_samples (resolved by build_session_core).
+    session_sample_picker_path: str = default("session_sample_picker_path")
+    session_sample_postprocessor_path: str = default("session_sample_postprocessor_path")
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -420,10 +424,12 @@ class SessionCore:
                  routing_replay_layers: int = 0, indexer_replay: bool = False,
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
-                 image_limits: ImageLimits | None = None, dialect: Dialect | None = None) -> None:
+                 image_limits: ImageLimits | None = None, dialect: Dialect | None = None,
+                 sample_hooks: SampleHooks | None = None) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
         :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
-        engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here."""
+        engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here.
+        ``sample_hooks``: tree sessions' /samples picker and post-processor (None: miles' defaults)."""
         self.tokenizer = tokenizer
         self.backend = backend
         self._private_dir = None
@@ -439,6 +445,7 @@ class SessionCore:
         # build_session_core passes the configured one.
         self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
         self.routing_replay_layers = routing_replay_layers
+        self.sample_hooks = sample_hooks if sample_hooks is not None else SampleHooks()
         self.dialect = dialect if dialect is not None else dialect_for(
             "sglang", ReplayRequest(routed_experts=routing_replay_layers > 0, indexer_topk=indexer_replay))
         # miles' session_server_instance_id: the data directory's, so it changes exactly when
@@ -512,7 +519,7 @@ class SessionCore:
         payload in miles' samples wire format (see ``webapp.samples``); ``include_images``: the
         session's images too, one tensor each."""
         try:
-            max_seq_len = _parse_samples_body(body)
+            max_seq_len, _agent = _parse_samples_body(body)
             session = self.registry.get(session_id)
             turns, state, metadata, _encoded, _version = self._snapshot(session)
             samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
@@ -686,15 +693,20 @@ def _images_json(session: Session) -> list[bytes]:
     return out
 
 
-def _parse_samples_body(body: bytes) -> int | None:
-    """``{"max_seq_len": int | null}`` (an empty body is ``{}``) -> max_seq_len."""
+def _parse_samples_body(body: bytes) -> tuple[int | None, dict[str, Any] | None]:
+    """``{"max_seq_len": int | null, "metadata": object | null}`` (an empty body is ``{}``) ->
+    (max_seq_len, the agent's metadata). miles reads ``metadata`` on v2 (tree) sessions only
+    (``server.py``); a linear session checks it and leaves it unused, as miles' v1 ignores it."""
     params = loads_strict(body) if body.strip() else {}
     if not isinstance(params, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
     value = params.get("max_seq_len")
     if value is not None and (type(value) is not int or value < 1):
         raise InvalidField("max_seq_len", "expected a positive integer or null")
-    return value
+    agent = params.get("metadata")
+    if agent is not None and not isinstance(agent, dict):
+        raise InvalidField("metadata", "expected an object or null")
+    return value, agent
 
 
 def _auto_kind(url: str) -> str:
@@ -734,7 +746,9 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
                        indexer_replay=bool(config.indexer_replay),
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
                        max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl,
-                       image_limits=ImageLimits(config.max_image_bytes, config.max_images))
+                       image_limits=ImageLimits(config.max_image_bytes, config.max_images),
+                       sample_hooks=SampleHooks.resolve(config.session_sample_picker_path,
+                                                        config.session_sample_postprocessor_path))
     if shard is not None:
         core.restore_shard(shard, shards)
     return core

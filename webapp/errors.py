@@ -42,8 +42,8 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
         └── BodyOverBudget              413  larger than the whole budget
 
 The start-up errors (the engine checks, the tokenizer, the data directory, the API key file,
-the samples hooks) are reported by the launcher as one line and an exit code, never as an HTTP answer; they carry the
-root's 500 only because every class of the tree has a status. ``tests/test_error_trees.py``
+the samples hooks) are reported by the launcher as one line and an exit code, never as an HTTP
+answer; they carry the root's 500 only because every class of the tree has a status. ``tests/test_error_trees.py``
 checks this drawing (and session_errors') against the classes.
 
 Imports nothing: the router process may use it without the session core.

@@ -78,6 +78,7 @@ from webapp.settings import (
     parse_bind,
 )
 from webapp.tokenizers import ChatTokenizer, TokenizerLoadError, load_tokenizer
+from webapp.tree_samples import SampleHooks, SampleHookSelectorError
 
 if TYPE_CHECKING:
     from webapp.reference_backend import ReferenceBackendProcess
@@ -372,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
     elif values["backend_kind"] == "vllm":
         parser.error("--backend-kind vllm needs --backend-url: the embedded reference backend speaks sglang")
+    try:  # imported once here: a bad selector is one line, not a worker that cannot boot
+        SampleHooks.resolve(values["session_sample_picker_path"], values["session_sample_postprocessor_path"])
+    except SampleHookSelectorError as exc:
+        parser.error(str(exc))
     # Loaded once here, so a bad one is one line (not a traceback per worker and backend).
     try:
         tokenizer = load_tokenizer(values["tokenizer"])

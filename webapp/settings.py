@@ -94,6 +94,9 @@ class Setting:
 
 
 _S, _C, _R, _H, _L = Setting, Scope.CORE, Scope.ROUTER, Scope.HTTP, Scope.LAUNCHER
+# A samples hook's selector: a table name, package.module.function or package.module:function
+# (the launcher then imports it once: webapp.tree_samples.SampleHooks.resolve).
+_HOOK_SELECTOR = r"[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_.]*)?"
 
 # The table. Order is the --help and docs order. Defaults are stated here and nowhere else.
 SETTINGS: tuple[Setting, ...] = (
@@ -143,6 +146,12 @@ SETTINGS: tuple[Setting, ...] = (
     _S("max_inflight_bytes", int, 1 << 30, _C, "503 with Retry-After for a request body that would take the "
        "bytes of request bodies being handled past this, per server process and per session worker",
        minimum=1),
+    _S("session_sample_picker_path", str, "drop_retries", _C, "tree sessions' /samples picker, fn(leaf_samples, "
+       "session_metadata) -> a subset of them: a name of webapp.tree_samples.PICKERS or an import path "
+       "package.module:function (miles' own paths of its defaults select ours)", pattern=_HOOK_SELECTOR),
+    _S("session_sample_postprocessor_path", str, "default_postprocess", _C, "tree sessions' /samples "
+       "post-processor, fn(picked_samples, session_metadata) -> samples: a name of "
+       "webapp.tree_samples.POSTPROCESSORS or an import path package.module:function", pattern=_HOOK_SELECTOR),
     _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
     _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------
