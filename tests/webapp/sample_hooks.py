@@ -43,3 +43,10 @@ async def async_picker(leaf_samples: list[Sample], session_metadata: dict[str, A
 
 
 NOT_CALLABLE = 42
+
+
+def keep_all_or_explode(leaf_samples: list[Sample], session_metadata: dict[str, Any]) -> list[Sample]:
+    """:func:`keep_all`, unless the agent's metadata asks it to fail (one server, both cases)."""
+    if (session_metadata.get("agent") or {}).get("explode"):
+        raise RuntimeError("picker asked to explode")
+    return list(leaf_samples)
