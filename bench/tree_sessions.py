@@ -43,7 +43,7 @@ from webapp.serve import start_session_server
 READY_TIMEOUT = 120.0
 R3_LAYERS, R3_TOPK = 4, 8
 # The flag that makes a server's sessions trees (miles' --use-session-server v2).
-TREE_FLAGS: tuple[str, ...] = ("--session-mode", "tree")
+TREE_FLAGS: tuple[str, ...] = ("--session-mode", "v2")
 SYSTEM = {"role": "system", "content": "You operate a 1920x1080 desktop."}
 
 

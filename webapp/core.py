@@ -36,15 +36,17 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import operator
 import re
 import shutil
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import requests
 
@@ -82,6 +84,7 @@ from webapp.session_errors import (
     SessionError,
     SessionExists,
     SessionNotFound,
+    TruncatedGeneration,
     UpstreamStatus,
 )
 from webapp.settings import MAX_BODY_BYTES, default
@@ -92,11 +95,13 @@ from webapp.tito import (
     TitoState,
     TurnPlan,
     commit_turn,
+    normalize_messages,
     plan_turn,
     session_mismatch,
 )
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
-from webapp.tree_samples import SampleHooks
+from webapp.tree import Matcher, SessionTree, TreeNode
+from webapp.tree_samples import SampleHooks, collect_tree_samples, encode_tree_samples
 
 __all__ = [
     "MAX_CHAT_BODY_BYTES",
@@ -186,6 +191,7 @@ class CoreConfig:
     # The engine's dialect (webapp.engines): "auto" asks the engine at build time (webapp.engines.probe).
     backend_kind: str = default("backend_kind")
     tool_call_parser: str = default("tool_call_parser")  # for engines that answer text (vllm)
+    session_mode: str = default("session_mode")  # new sessions: "v1" line, "v2" tree (miles' v2)
     # Work and session bounds; see webapp.limits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
@@ -230,6 +236,11 @@ class Session:
     # (state, metadata, its JSON) of the last GET/samples: the mismatch check renders the session.
     metadata_cache: tuple[TitoState, dict[str, Any], bytes] | None = None
     ids_cache: tuple[TitoState, IdsText] | None = None  # the text of the state's token ids (records GET)
+    # A tree session (miles' v2): the forest and its active node (the last committed); ``state``
+    # and ``records`` are then the active path's, so a GET serves it as it serves a line.
+    tree: SessionTree | None = None
+    active: TreeNode | None = None
+    inflight: int = 0  # tree turns between positioning and commit (they hold no turn lock)
 
     def ids_text(self, state: TitoState) -> IdsText:
         """The JSON text of ``state``'s token ids: every record's prompt ids are a prefix of it."""
@@ -241,7 +252,7 @@ class Session:
     @classmethod
     def restored(cls, r: RestoredSession) -> Session:
         return cls(r.session_id, r.journal, created_at=r.created_at, state=r.state, previous=r.previous,
-                   records=r.records, rollbacks=r.rollbacks, images=r.images)
+                   records=r.records, rollbacks=r.rollbacks, images=r.images, tree=r.tree, active=r.active)
 
     def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
                images: dict[str, DecodedImage] | None = None,
@@ -272,6 +283,30 @@ class Session:
             self.image_urls.update(image_urls or {})  # every image of the turn is held now
             return True
 
+    def commit_node(self, parent: TreeNode | None, new_state: TitoState, plan: TurnPlan, turn: TurnRecord,
+                    record: RecordParts, response_id: str, images: dict[str, DecodedImage] | None = None,
+                    image_urls: Mapping[bytes, str] | None = None) -> bool:
+        """A tree session's :meth:`commit`: the generation becomes a new node under ``parent``
+        (the attach point found when it was positioned, so concurrent generations from one
+        spot become siblings) and the active node. Journal first, stored on the parent's
+        record; False if the session was closed meanwhile; ``TreeFull`` if concurrent turns
+        took the last places meanwhile (nothing stored)."""
+        assert self.tree is not None, "a tree session"
+        with self.state_lock:
+            if self.closed:
+                return False
+            self.tree.check_room()
+            turn, stored = self.journal.append_turn(
+                plan.base, new_state, False, turn, record, parent.turn.record if parent is not None else None,
+                list((images or {}).values()),
+                node={"parent": parent.seq if parent is not None else None, "response_id": response_id})
+            node = self.tree.add(parent, new_state, turn, response_id=response_id, committed_at=turn.timestamp)
+            self.active, self.state = node, new_state
+            self.records = [n.turn for n in node.path()]
+            self.images.update(stored)
+            self.image_urls.update(image_urls or {})
+            return True
+
     def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, str]:
         """(records, state, rollbacks, journal version): the version names this session's state."""
         with self.state_lock:
@@ -297,9 +332,11 @@ class SessionRegistry:
             n += 1
         return n
 
-    def create_session(self, session_id: str | None = None, admit: Callable[[int], None] | None = None) -> Session:
+    def create_session(self, session_id: str | None = None, admit: Callable[[int], None] | None = None,
+                       mode: str = "v1") -> Session:
         """``admit(sessions_on_disk)`` may refuse (raise) before a session is added; the count
-        is the whole server's (every shard's journals), taken under the store's create lock."""
+        is the whole server's (every shard's journals), taken under the store's create lock.
+        ``mode``: ``v2`` a tree session (fixed for its life: its journal says so)."""
         if session_id is None:
             session_id = uuid.uuid4().hex
         elif not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
@@ -308,8 +345,9 @@ class SessionRegistry:
             if session_id in self._sessions:
                 raise SessionExists(session_id)
             created_at = time.time()
-            journal = self.store.create(session_id, created_at, admit)
-            session = self._sessions[session_id] = Session(session_id, journal, created_at=created_at)
+            journal = self.store.create(session_id, created_at, admit, mode)
+            session = self._sessions[session_id] = Session(session_id, journal, created_at=created_at,
+                                                           tree=SessionTree() if mode == "v2" else None)
         return session
 
     def get(self, session_id: str) -> Session:
@@ -331,7 +369,8 @@ class SessionRegistry:
 
     def idle_since(self) -> list[tuple[str, float]]:
         """``(session_id, last_used)`` of every session without a turn in flight."""
-        return [(sid, s.last_used) for sid, s in list(self._sessions.items()) if not s.turn_lock.locked()]
+        return [(sid, s.last_used) for sid, s in list(self._sessions.items())
+                if not (s.turn_lock.locked() or s.inflight)]
 
     def remove(self, session_id: str) -> Session:
         with self._lock:
@@ -425,13 +464,18 @@ class SessionCore:
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
                  image_limits: ImageLimits | None = None, dialect: Dialect | None = None,
+                 session_mode: str = "v1", matcher: Matcher = operator.eq,
                  sample_hooks: SampleHooks | None = None) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
         :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
         engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here.
-        ``sample_hooks``: tree sessions' /samples picker and post-processor (None: miles' defaults)."""
+        ``session_mode``: new sessions' (``v2``: trees); ``matcher``: a tree session's message
+        equality when positioning a request (``webapp.tree``). ``sample_hooks``: tree sessions'
+        /samples picker and post-processor (None: miles' defaults)."""
         self.tokenizer = tokenizer
         self.backend = backend
+        self.session_mode = session_mode
+        self.matcher = matcher
         self._private_dir = None
         if registry is None:
             self._private_dir = tempfile.mkdtemp(prefix="shinken-sessions-")
@@ -446,6 +490,9 @@ class SessionCore:
         self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
         self.routing_replay_layers = routing_replay_layers
         self.sample_hooks = sample_hooks if sample_hooks is not None else SampleHooks()
+        # tree node -> its leaf's tito_session_mismatch; weak: a deleted session's nodes go
+        self._leaf_mismatches: weakref.WeakKeyDictionary[TreeNode, list[dict[str, Any]] | None] = \
+            weakref.WeakKeyDictionary()
         self.dialect = dialect if dialect is not None else dialect_for(
             "sglang", ReplayRequest(routed_experts=routing_replay_layers > 0, indexer_topk=indexer_replay))
         # miles' session_server_instance_id: the data directory's, so it changes exactly when
@@ -455,7 +502,7 @@ class SessionCore:
     def create_session(self, session_id: str | None = None) -> Reply:
         self.expiry.sweep()
         try:
-            session = self.registry.create_session(session_id, admit=self.expiry.admit)
+            session = self.registry.create_session(session_id, admit=self.expiry.admit, mode=self.session_mode)
         except SessionError as exc:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
@@ -465,7 +512,15 @@ class SessionCore:
         (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
         ``max_trim_tokens``, plus our counters), also as JSON bytes, and its journal's version.
         Computed once per committed turn: every commit makes a new state, the cache key."""
-        records, state, rollbacks, version = session.snapshot()
+        tree: dict[str, Any] | None = None
+        if session.tree is None:
+            records, state, rollbacks, version = session.snapshot()
+        else:  # the active path and the forest as one commit left them (metadata.tree)
+            with session.state_lock:
+                records, state, rollbacks, version = list(session.records), session.state, 0, session.journal.version
+                cached = session.metadata_cache
+                if cached is None or cached[0] is not state:
+                    tree = session.tree.metadata()
         cached = session.metadata_cache
         if cached is not None and cached[0] is state:
             return records, state, cached[1], cached[2], version
@@ -477,9 +532,12 @@ class SessionCore:
             mismatch = None
         if mismatch is not None:
             metadata["tito_session_mismatch"] = mismatch
-        metadata.update(accumulated_token_ids=list(state.token_ids), max_trim_tokens=MAX_TRIM_TOKENS,
-                        num_records=len(records), num_rollbacks=rollbacks, num_messages=len(state.messages),
-                        created_at=session.created_at)
+        metadata.update(accumulated_token_ids=list(state.token_ids), max_trim_tokens=MAX_TRIM_TOKENS)
+        if tree is not None:
+            metadata.update(tree=tree, num_records=len(records))  # a tree has no rollbacks
+        else:
+            metadata.update(num_records=len(records), num_rollbacks=rollbacks)
+        metadata.update(num_messages=len(state.messages), created_at=session.created_at)
         encoded = json.dumps(metadata, separators=(",", ":")).encode()
         session.metadata_cache = (state, metadata, encoded)
         return records, state, metadata, encoded, version
@@ -519,20 +577,52 @@ class SessionCore:
         payload in miles' samples wire format (see ``webapp.samples``); ``include_images``: the
         session's images too, one tensor each."""
         try:
-            max_seq_len, _agent = _parse_samples_body(body)
+            max_seq_len, agent = _parse_samples_body(body)
             session = self.registry.get(session_id)
-            turns, state, metadata, _encoded, _version = self._snapshot(session)
-            samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
-                                                     max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
-            payload = encode_samples(samples, metadata, empty_reason,
-                                     routing_replay_layers=self.routing_replay_layers,
-                                     images=_session_images(session) if include_images else None)
+            turns, state, metadata, encoded, _version = self._snapshot(session)
+            images = _session_images(session) if include_images else None
+            if session.tree is not None:
+                payload = self._tree_samples(session.tree, encoded, max_seq_len, agent, images)
+            else:
+                samples, empty_reason = assemble_samples(turns, state.token_ids, self.tokenizer,
+                                                         max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
+                payload = encode_samples(samples, metadata, empty_reason,
+                                         routing_replay_layers=self.routing_replay_layers, images=images)
         except SessionError as exc:
             return error_reply(exc)
         except Exception:
             log.exception("samples of session %s failed", session_id)
             return error_response(500, "internal error in the session core")
         return Reply(200, payload, content_type=SAMPLES_CONTENT_TYPE)
+
+    def _tree_samples(self, tree: SessionTree, encoded: bytes, max_seq_len: int | None,
+                      agent: dict[str, Any] | None, images: list[StoredImage] | None) -> bytes:
+        """A tree session's samples (``webapp.tree_samples``): the leaves of the nodes the
+        snapshot's ``metadata.tree`` names (commits may go on meanwhile), through this core's
+        hooks. The hooks get a copy of the session metadata of their own (decoded from the
+        snapshot's JSON: a hook may change it, the cached one stays), the agent's under ``agent``."""
+        metadata = json.loads(encoded)
+        if agent is not None:
+            metadata["agent"] = agent
+        samples, empty_reason = collect_tree_samples(tree, self.tokenizer, metadata, max_seq_len=max_seq_len,
+                                                     hooks=self.sample_hooks, mismatch=self._leaf_mismatch,
+                                                     upto=len(metadata["tree"]["nodes"]))
+        return encode_tree_samples(samples, metadata, empty_reason, routing_replay_layers=self.routing_replay_layers,
+                                   hooks=self.sample_hooks, images=images)
+
+    def _leaf_mismatch(self, leaf: TreeNode) -> list[dict[str, Any]] | None:
+        """A leaf's ``tito_session_mismatch``, computed once per node (a node's state never
+        changes; a leaf that gets children keeps its entry until the node goes)."""
+        cached: Any = self._leaf_mismatches.get(leaf, self._leaf_mismatches)  # the dict itself: not there
+        if cached is not self._leaf_mismatches:
+            return cast(list[dict[str, Any]] | None, cached)
+        try:
+            found = session_mismatch(leaf.state, self.tokenizer)
+        except Exception:  # as for a line: a failed check is logged and left out, never fails /samples
+            log.exception("tito_session_mismatch of tree node %d failed", leaf.seq)
+            found = None
+        self._leaf_mismatches[leaf] = found
+        return found
 
     def proxy(self, session_id: str, method: str, path: str, query: str, body: bytes,
               headers: dict[str, str]) -> Reply:
@@ -588,6 +678,8 @@ class SessionCore:
         self.limits.check_messages(request.get("messages"))
         # Before the turn lock: the pixel decoding of new images holds up no other turn.
         images = extract_images(request.get("messages"), self.image_limits, session.images, session.image_urls)
+        if session.tree is not None:
+            return self._tree_chat(session, request, images, deadline, request_timestamp)
         wait = self.turn_wait_timeout
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -617,13 +709,66 @@ class SessionCore:
             session.turn_lock.release()
         return self._client_reply(turn, request)
 
+    def _tree_chat(self, session: Session, request: dict[str, Any], images: Any, deadline: float | None,
+                   request_timestamp: float) -> Reply:
+        """A tree session's turn (miles' v2): positioned at the deepest node whose path of
+        messages prefixes the request (``SessionTree.find_attach_point``), its prompt the node's
+        ids plus the TITO append of the unmatched suffix, committed as a new child of that node.
+
+        No turn lock: as miles' v2, the engine call holds no lock (positioning and commit take
+        the state lock briefly), so concurrent generations from one spot both run and become
+        siblings; a truncated attach node (409) and a full tree (409) are refused before the
+        engine is called."""
+        tree = session.tree
+        assert tree is not None
+        messages = normalize_messages(images.messages)
+        with session.state_lock:  # a commit adds under it: position on a whole forest
+            if session.closed:
+                raise SessionNotFound(session.session_id)
+            attach = tree.find_attach_point(messages, self.matcher)
+            if attach.node is not None and attach.node.truncated:
+                raise TruncatedGeneration(
+                    f"the request extends node {attach.node.seq}, which ended with finish_reason 'length': "
+                    "a truncated generation closes its path for good; branch before the cut instead")
+            tree.check_room()
+            session.inflight += 1
+        try:
+            parent = attach.node
+            base = parent.state if parent is not None else INITIAL_STATE
+            # The stored path's messages stand for the request's that the matcher took as theirs;
+            # plan_turn checks the suffix as a line's turn (roles, not ending with an assistant).
+            plan = plan_turn(base, None, [*base.messages, *messages[attach.matched:]],
+                             request.get("tools"), self.tokenizer)
+            self.limits.check_prompt(plan.prompt_ids)
+            held = self._rows_held_on(parent.turn if parent is not None else None, plan)
+            engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
+                                                        replay_from=held[0] if held else 0)
+            reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
+            turn = self.dialect.parse_reply(reply, engine_request)
+            summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
+                                           tuple(image.sha256 for image, _url in images.images), tree=True)
+            if held:
+                record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
+            new_state = commit_turn(plan, turn.assistant_message, turn.output_ids, self.tokenizer.eos_token_id)
+            response_id = turn.completion.get("id")
+            session.commit_node(parent, new_state, plan, summary, record,
+                                response_id if isinstance(response_id, str) else "", images.new, images.url_keys)
+        finally:
+            with session.state_lock:
+                session.inflight -= 1
+        return self._client_reply(turn, request)
+
     def _rows_held(self, session: Session, plan: TurnPlan) -> tuple[int, int] | None:
         """(rows, bytes per row) of the routed experts the session holds for the turn's base
         state, when the dialect can ask for the rest only; None: a full request."""
-        if not (self.dialect.incremental_replay and self.dialect.replay.routed_experts):
-            return None
         records = session.records
         base = (records[-2] if len(records) > 1 else None) if plan.rollback else (records[-1] if records else None)
+        return self._rows_held_on(base, plan)
+
+    def _rows_held_on(self, base: TurnRecord | None, plan: TurnPlan) -> tuple[int, int] | None:
+        """:meth:`_rows_held` given the record whose state the turn builds on."""
+        if not (self.dialect.incremental_replay and self.dialect.replay.routed_experts):
+            return None
         rows = len(plan.base.token_ids) - 1
         if base is None or base.record is None or rows <= 0:
             return None
@@ -633,13 +778,16 @@ class SessionCore:
         return rows, held.length // rows
 
     @staticmethod
-    def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn,
-                request_timestamp: float, images: tuple[str, ...] = ()) -> tuple[TurnRecord, RecordParts]:
-        """The record's summary and its parts (the reply is not copied)."""
+    def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn, request_timestamp: float,
+                images: tuple[str, ...] = (), tree: bool = False) -> tuple[TurnRecord, RecordParts]:
+        """The record's summary and its parts (the reply is not copied). ``tree``: a tree
+        node's, miles' v2 ``SessionRecord`` (no ``rollback``: a tree never rolls back)."""
         timestamp = time.time()
-        head = json.dumps({"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
-                           "path": CHAT_PATH, "status_code": 200, "rollback": plan.rollback},
-                          separators=(",", ":"))
+        fields: dict[str, Any] = {"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
+                                  "path": CHAT_PATH, "status_code": 200}
+        if not tree:
+            fields["rollback"] = plan.rollback
+        head = json.dumps(fields, separators=(",", ":"))
         parts = RecordParts(head[:-1].encode() + b',"request":', payload, turn.record_response, turn.replay_spans)
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
@@ -747,6 +895,7 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
                        limits=RequestLimits(config.max_message_bytes, config.max_prompt_tokens),
                        max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl,
                        image_limits=ImageLimits(config.max_image_bytes, config.max_images),
+                       session_mode=config.session_mode,
                        sample_hooks=SampleHooks.resolve(config.session_sample_picker_path,
                                                         config.session_sample_postprocessor_path))
     if shard is not None:

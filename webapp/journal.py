@@ -11,7 +11,7 @@ Format, version 2 (all integers little-endian; docs/session-server-ops.md *Sessi
     file    = header entry*
     header  = "SHKJ" u32:version                        8 bytes (version 1 files are read too)
     entry   = u64:length u8:kind u32:crc32 payload      crc32 of the kind byte + payload
-    payload = CREATE: JSON {"session_id", "created_at"}
+    payload = CREATE: JSON {"session_id", "created_at" [, "mode": "v2"]}
               DELTA:  u32:meta_length meta-JSON [u32 ids] [f64 logprobs] field-bytes*
               IMAGE:  u32:meta_length meta-JSON image-file-bytes
               TURN:   u32:meta_length meta-JSON record  (version 1 only, never written)
@@ -25,6 +25,12 @@ ids, never stored as text) and replay payloads as packed rows (the base record's
 plus the new tokens' rows). A version 1 TURN's record is the whole record, served as it is.
 A turn's new images are IMAGE entries just before its DELTA entry, written with it in one
 ``writev``; images not followed by their turn are an unfinished commit.
+
+A tree session (miles' v2, ``"mode": "v2"`` in its CREATE; a line's CREATE has no mode) stores
+each node as a DELTA on its PARENT node (``"parent": seq | null`` and ``"response_id"`` in the
+meta; never a rollback): the same linear storage, per node. Restore re-adds the nodes in file
+order (their ``seq``) and the last one is the active node. A session keeps the mode it was
+created with whatever the server's ``--session-mode`` (which only decides new sessions').
 
 Write: the entries of a turn go out before the reply does (a large or fsync'ed append in a
 thread, so the worker's other sessions go on meanwhile); on any error (a full disk, EFBIG,
@@ -91,8 +97,15 @@ from webapp.filebody import FileSpan, read_pieces, slice_pieces
 from webapp.offload import run_blocking
 from webapp.records import Field, Ids, RecordBody, RecordParts, Rows, Text, b64_length, ids_json
 from webapp.samples import TurnRecord
-from webapp.session_errors import InsufficientStorage, JournalDamaged, SessionExists, StorageBudget
+from webapp.session_errors import (
+    InsufficientStorage,
+    JournalDamaged,
+    SessionError,
+    SessionExists,
+    StorageBudget,
+)
 from webapp.tito import INITIAL_STATE, TitoState
+from webapp.tree import SessionTree, TreeNode
 
 if TYPE_CHECKING:  # images imports nothing of the journal; the journal only names its type
     from webapp.images import SessionImage
@@ -168,6 +181,10 @@ class RestoredSession:
     rollbacks: int = 0
     images: dict[str, StoredImage] = field(default_factory=dict)
     damaged_create: tuple[int, int] | None = None  # a damaged CREATE entry's bytes, to be rewritten
+    # A tree session (miles' v2; its CREATE says ``"mode": "v2"``): the forest and its active
+    # node (the last committed); ``state``/``records`` are then the active path's.
+    tree: SessionTree | None = None
+    active: TreeNode | None = None
 
 
 # -- the turn meta: a state delta plus the TurnRecord fields -------------------------------------
@@ -388,8 +405,10 @@ def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | Non
 
 
 def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord, parts: RecordParts,
-                 base_record: RecordBody | None) -> tuple[list[bytes], list[Any]]:
-    """A DELTA entry's payload (meta length, meta, sections) and its field metas."""
+                 base_record: RecordBody | None,
+                 node: dict[str, Any] | None = None) -> tuple[list[bytes], list[Any]]:
+    """A DELTA entry's payload (meta length, meta, sections) and its field metas. ``node``: a
+    tree node's ``{"parent": seq | None, "response_id"}`` (``base`` is then the parent's)."""
     assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
     k, packed_ids, tail = _id_delta(base.token_ids, state.token_ids)
     sections: list[bytes] = []
@@ -420,6 +439,7 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         "request_timestamp": turn.request_timestamp,
         "images": list(turn.images),
         "fields": field_metas,
+        **(node or {}),
     }
     encoded = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
     return [META_LENGTH.pack(len(encoded)), encoded, *sections, *bodies], field_metas
@@ -501,17 +521,19 @@ class SessionJournal:
 
     def append_turn(self, base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord,
                     parts: RecordParts, base_record: RecordBody | None = None,
-                    images: Sequence[SessionImage] = ()) -> tuple[TurnRecord, dict[str, StoredImage]]:
+                    images: Sequence[SessionImage] = (),
+                    node: dict[str, Any] | None = None) -> tuple[TurnRecord, dict[str, StoredImage]]:
         """Append a turn (and its new images) as a DELTA entry on ``base_record`` (the record
         whose state is ``base``; None: the first turn); returns the turn and images as the
-        session keeps them (pointing into the file). Raises :class:`InsufficientStorage`:
-        nothing written."""
+        session keeps them (pointing into the file). ``node``: a tree node's parent and
+        response id (``base``/``base_record``: the parent's; see :func:`encode_delta`).
+        Raises :class:`InsufficientStorage`: nothing written."""
         entries: list[list[bytes]] = []
         for image in images:
             meta = json.dumps({"sha256": image.sha256, "mime_type": image.mime_type, "width": image.width,
                                "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(meta, image.data)))
-        payload, _fields = encode_delta(base, state, rollback, turn, parts, base_record)
+        payload, _fields = encode_delta(base, state, rollback, turn, parts, base_record, node)
         entries.append(_entry(Kind.DELTA, payload))
         starts = self._append(entries)
         stored = {}
@@ -706,12 +728,15 @@ class JournalStore:
         return SessionJournal(path, size, self.fsync, last_crc, usage=self.usage, max_bytes=self.max_session_bytes)
 
     def create(self, session_id: str, created_at: float,
-               admit: Callable[[int], None] | None = None) -> SessionJournal:
+               admit: Callable[[int], None] | None = None, mode: str = "v1") -> SessionJournal:
         """A new session's file (header + CREATE). ``admit(sessions_on_disk)`` may refuse
         (raise) first; the count and the create hold the data directory's create lock, so
         workers of one server admit against one count. Raises ``SessionExists`` if the file is
         there, :class:`InsufficientStorage` if it cannot be written (no file is left)."""
-        payload = json.dumps({"session_id": session_id, "created_at": created_at}).encode()
+        head: dict[str, Any] = {"session_id": session_id, "created_at": created_at}
+        if mode != "v1":  # a line's CREATE stays as it always was
+            head["mode"] = mode
+        payload = json.dumps(head).encode()
         entries = [[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])]
         size = sum(len(c) for entry in entries for c in entry)
         journal: SessionJournal = self.usage.add(1, size, "the session", admit,
@@ -857,8 +882,10 @@ class JournalStore:
         room = end - start - ENTRY_HEADER.size
         created_at = restored.records[0].request_timestamp if restored.records else os.fstat(f.fileno()).st_mtime
         for value in (created_at, round(created_at, 3), int(created_at)):
-            payload = json.dumps({"session_id": restored.session_id, "created_at": value},
-                                 separators=(",", ":")).encode()
+            head: dict[str, Any] = {"session_id": restored.session_id, "created_at": value}
+            if restored.tree is not None:  # known from its nodes
+                head["mode"] = "v2"
+            payload = json.dumps(head, separators=(",", ":")).encode()
             if len(payload) <= room:
                 break
         else:
@@ -891,10 +918,34 @@ class JournalStore:
                         raise _NotOurs(f"the first entry is not session {session_id}'s CREATE")
                     else:
                         restored = RestoredSession(session_id, float(meta["created_at"]), self._journal(path, 0))
+                        mode = meta.get("mode", "v1")
+                        if mode == "v2":
+                            restored.tree = SessionTree()
+                        elif mode != "v1":
+                            raise _NotOurs(f"session mode {mode!r}: this server serves v1 and v2")
                 elif kind is Kind.IMAGE:
                     pending_from = start if pending_from is None else pending_from
                     pending[meta["sha256"]] = StoredImage(meta["sha256"], meta["mime_type"], meta["width"],
                                                           meta["height"], FileSpan(path, body_at, end - body_at))
+                elif kind is Kind.DELTA and (restored.tree is not None or "parent" in meta):
+                    # A tree node: stored on its parent (a damaged CREATE: its turns name the mode).
+                    tree = restored.tree = restored.tree if restored.tree is not None else SessionTree()
+                    parent_seq = meta["parent"]
+                    if not (parent_seq is None or (type(parent_seq) is int and 0 <= parent_seq < len(tree))):
+                        raise _Torn(f"a node under unknown node {parent_seq!r}")
+                    parent = None if parent_seq is None else tree.nodes[parent_seq]
+                    try:
+                        state, turn = decode_delta(meta, parent.state if parent else INITIAL_STATE,
+                                                   parent.turn.record if parent else None,
+                                                   entries.f.fileno(), path, body_at, end)
+                        node = tree.add(parent, state, turn, response_id=str(meta["response_id"]),
+                                        committed_at=turn.timestamp)
+                    except (KeyError, TypeError, ValueError, SessionError) as exc:
+                        raise _Torn(f"an unreadable node ({exc})") from exc
+                    restored.active, restored.state = node, state
+                    restored.records = [n.turn for n in node.path()]
+                    restored.images.update(pending)
+                    pending, pending_from = {}, None
                 elif kind in (Kind.TURN, Kind.DELTA):
                     rollback = bool(meta.get("rollback"))
                     base = restored.previous if rollback else restored.state

@@ -117,6 +117,9 @@ SETTINGS: tuple[Setting, ...] = (
     _S("tool_call_parser", str, "hermes", _C, "how tool calls are read from the text of an engine that answers "
        "text (vllm): hermes (`<tool_call>` JSON blocks: Qwen and Hermes templates) or none",
        choices=("hermes", "none")),
+    _S("session_mode", str, "v1", _C, "new sessions' semantics (miles' --use-session-server): v1 a line with one-step "
+       "rollback, v2 a tree (every request attaches at its deepest matching node; retries become siblings); "
+       "a session keeps the mode it was created with", choices=("v1", "v2")),
     _S("tokenizer", str, None, _C, "dir with tokenizer.json + chat template (unset: the byte tokenizer)"),
     _S("connect_timeout", float, 5.0, _C, "backend connect timeout per turn, seconds", minimum=0),
     _S("read_timeout", float, 600.0, _C, "backend read timeout per turn, seconds", minimum=0),

@@ -71,6 +71,7 @@ __all__ = [
     "drop_retries",
     "encode_tree_samples",
     "leaf_material",
+    "leaves_of",
     "resolve_hook",
 ]
 
@@ -98,14 +99,24 @@ def _leaf_mismatch(state: TitoState, tokenizer: ChatTokenizer) -> list[dict[str,
         return None
 
 
+def leaves_of(tree: SessionTree, upto: int | None = None) -> list[TreeNode]:
+    """The leaves of the forest's first ``upto`` nodes (None: all), in commit order: the tree as
+    a snapshot saw it while commits go on (the forest is append-only, children have later seqs)."""
+    if upto is None or upto >= len(tree.nodes):
+        return tree.leaves()
+    return [node for node in tree.nodes[:upto] if not any(child.seq < upto for child in node.children)]
+
+
 def leaf_material(tree: SessionTree, tokenizer: ChatTokenizer, *, max_seq_len: int | None,
-                  mismatch: Callable[[TreeNode], list[dict[str, Any]] | None] | None = None) -> list[Sample]:
-    """One raw sample per leaf, in commit order (module docstring, step 1).
+                  mismatch: Callable[[TreeNode], list[dict[str, Any]] | None] | None = None,
+                  upto: int | None = None) -> list[Sample]:
+    """One raw sample per leaf of the first ``upto`` nodes (:func:`leaves_of`), in commit order
+    (module docstring, step 1).
 
     ``mismatch(leaf)``: the leaf's ``tito_session_mismatch`` (None: left out); default: computed
     here. Raises :class:`SampleAssemblyError` when a path's records break a v1 rule."""
     material: list[Sample] = []
-    for leaf in tree.leaves():
+    for leaf in leaves_of(tree, upto):
         path = leaf.path()
         samples, _empty = assemble_samples([node.turn for node in path], leaf.state.token_ids, tokenizer,
                                            max_seq_len=max_seq_len, max_trim_tokens=MAX_TRIM_TOKENS)
@@ -288,14 +299,14 @@ def _failed(hooks: SampleHooks, why: str) -> SampleHookFailed:
 def collect_tree_samples(tree: SessionTree, tokenizer: ChatTokenizer, session_metadata: dict[str, Any], *,
                          max_seq_len: int | None, hooks: SampleHooks = SampleHooks(),
                          mismatch: Callable[[TreeNode], list[dict[str, Any]] | None] | None = None,
-                         ) -> tuple[list[Sample], str | None]:
+                         upto: int | None = None) -> tuple[list[Sample], str | None]:
     """The samples and, when there are none, why (module docstring). ``session_metadata`` is
     what the hooks see and the reply carries (the agent's ``metadata`` under ``agent``): a hook
-    may change it, so pass one of this call's own. Raises :class:`SampleAssemblyError` or
-    :class:`SampleHookFailed`."""
-    if not tree.nodes:
+    may change it, so pass one of this call's own. ``upto``: the nodes its ``tree`` tables hold
+    (None: all). Raises :class:`SampleAssemblyError` or :class:`SampleHookFailed`."""
+    if not (tree.nodes[:upto] if upto is not None else tree.nodes):
         return [], "no_records"
-    material = leaf_material(tree, tokenizer, max_seq_len=max_seq_len, mismatch=mismatch)
+    material = leaf_material(tree, tokenizer, max_seq_len=max_seq_len, mismatch=mismatch, upto=upto)
     if not material:
         return [], "all_truncated"
     allowed = {id(sample) for sample in material}

@@ -29,7 +29,7 @@ from webapp.reference_backend import R3Shape, routed_experts_b64
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-TREE_FLAGS = ("--session-mode", "tree")  # the server's sessions are trees (miles' --use-session-server v2)
+TREE_FLAGS = ("--session-mode", "v2")  # the server's sessions are trees (miles' --use-session-server v2)
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
