@@ -43,13 +43,15 @@ AGENT_METADATA = {"shared_key": "from-agent", "agent_only": 1, "accumulated_toke
 
 # -- a miles v2 consumer, from miles' codec ---------------------------------------------------------
 
-def decode_v2(payload: bytes) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
+def decode_v2(payload: bytes, *, v1: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any], str | None]:
     """``decode_samples_and_merge_input_sample(..., fields=COMPUTED_FIELDS_V2)`` without miles'
-    Sample: the tensor fields with their pinned dtypes, the JSON fields, ``reward`` among them."""
+    Sample: the tensor fields with their pinned dtypes, the JSON fields, ``reward`` among them
+    (``v1``: miles' ``COMPUTED_FIELDS``, a linear session's wire, which has no ``reward``)."""
     wire = {"tokens": np.int64, "loss_mask": np.uint8, "rollout_log_probs": np.float64,
             "rollout_routed_experts": np.int32, "rollout_indexer_topk": np.int32}
-    json_fields = ("response", "response_length", "status", "weight_versions", "prefix_cache_info", "metadata",
-                   "reward")
+    json_fields: tuple[str, ...] = ("response", "response_length", "status", "weight_versions",
+                                    "prefix_cache_info", "metadata")
+    json_fields += () if v1 else ("reward",)
     tensors = safetensors.numpy.load(payload)
     meta = json.loads(tensors.pop("_samples_meta").tobytes().decode("utf-8"))
     samples = []
@@ -57,6 +59,7 @@ def decode_v2(payload: bytes) -> tuple[list[dict[str, Any]], dict[str, Any], str
         nulls = set(sample_meta["nulls"])
         assert nulls <= set(wire), "null markers only name tensor fields"
         sample: dict[str, Any] = {name: sample_meta[name] for name in json_fields}  # KeyError: field missing
+        assert not v1 or "reward" not in sample_meta, "the v1 wire carries no reward"
         for name, dtype in wire.items():
             if name in nulls:
                 sample[name] = None

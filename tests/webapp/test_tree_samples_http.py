@@ -117,7 +117,7 @@ def linear_oracle(url: str, requests_: list[list[dict[str, Any]]]) -> tuple[dict
     conversation = Conversation(url)
     for messages in requests_:
         conversation.send(messages)
-    (sample,), _, reason = decode_v2(conversation.samples().content)
+    (sample,), _, reason = decode_v2(conversation.samples().content, v1=True)
     assert reason is None
     records = requests.get(f"{url}/sessions/{conversation.sid}", timeout=30).json()["records"]
     spans = []
