@@ -283,3 +283,44 @@ def test_a_bad_metadata_field_is_400_on_both_kinds_of_session(servers):
         conversation = Conversation(url)
         reply = conversation.samples(metadata=5)
         assert reply.status_code == 400 and "metadata" in reply.json()["error"], reply.text
+
+
+# -- v1 / v2 parity on a linear conversation -------------------------------------------------------
+
+VARYING = ("timestamp", "request_timestamp")  # wall clocks of each run
+
+
+def _comparable_record(record: dict[str, Any]) -> dict[str, Any]:
+    record = {k: v for k, v in record.items() if k not in VARYING and k != "rollback"}  # a tree never rolls back
+    response = dict(record["response"])
+    response.pop("created")  # the engine's clock
+    return {**record, "response": response}
+
+
+def test_a_linear_conversation_is_the_same_on_both_kinds_of_session(servers):
+    line, tree = Conversation(servers.v1), Conversation(servers.v2)
+    messages: list[dict[str, Any]] = [SYSTEM, user("rename report.pdf")]
+    for i in range(5):
+        replies = line.send(messages), tree.send(messages)
+        assert replies[0] == replies[1]
+        messages = [*messages, replies[0], user(f"observation {i}")]
+    got = {name: requests.get(f"{c.url}/sessions/{c.sid}", timeout=30).json() for name, c in
+           (("v1", line), ("v2", tree))}
+    assert "rollback" not in got["v2"]["records"][0] and got["v1"]["records"][0]["rollback"] is False
+    assert [_comparable_record(r) for r in got["v1"]["records"]] == [_comparable_record(r) for r in
+                                                                      got["v2"]["records"]]
+    (v1,), v1_meta, _ = decode_v2(line.samples(max_seq_len=None).content, v1=True)
+    (v2,), v2_meta, _ = tree.decoded(max_seq_len=None)
+    for name in ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs", "status",
+                 "weight_versions", "prefix_cache_info"):
+        assert v1[name] == v2[name], name
+    assert np.array_equal(v1["rollout_routed_experts"], v2["rollout_routed_experts"])
+    assert v2["reward"] is None and v1["rollout_indexer_topk"] is v2["rollout_indexer_topk"] is None
+    # v2's sample metadata is v1's plus the flat keys of its leaf; lifecycle turn by turn
+    flat = {"accumulated_token_ids", "leaf", "tito_session_mismatch"}
+    assert set(v2["metadata"]) == set(v1["metadata"]) | flat
+    assert [t["turn"] for t in v2["metadata"]["lifecycle"]] == [t["turn"] for t in v1["metadata"]["lifecycle"]]
+    assert v2["metadata"]["tito_session_mismatch"] == v1_meta["tito_session_mismatch"]
+    for key in ("accumulated_token_ids", "tito_session_mismatch", "max_trim_tokens", "num_records"):
+        assert v1_meta[key] == v2_meta[key], key
+    assert v2_meta == got["v2"]["metadata"]  # the samples reply and the GET expose the same metadata
