@@ -18,8 +18,9 @@ For each: client wall time per turn (p50 / p99) and the server's CPU (user + sys
 launcher and its workers, from /proc) per turn. Then ``samples``: one tree session of
 ``1 + branches x branch_turns`` nodes (1,024 by default: a first turn shared, then
 ``--branches`` conversations off it, each diverging at its second user message), and
-``POST /sessions/{id}/samples`` on it ``--repeats`` times (wall time, bytes, samples), beside a
-linear session of one branch's length. Reports figures; gates nothing.
+``POST /sessions/{id}/samples`` on it ``--repeats`` times (request wall time, server CPU, bytes,
+samples, the client's decode), beside a linear session of one branch's length. Reports
+figures; gates nothing.
 """
 
 from __future__ import annotations
@@ -82,13 +83,14 @@ class Client:
         message: dict[str, Any] = reply.json()["choices"][0]["message"]
         return message
 
-    def samples(self, sid: str) -> tuple[float, int, int]:
+    def samples(self, sid: str) -> tuple[float, int, int, float]:
+        """(request wall seconds, bytes, samples, client decode seconds)."""
         t0 = time.perf_counter()
         reply = self.http.post(f"{self.url}/sessions/{sid}/samples", json={"max_seq_len": None}, timeout=600)
         elapsed = time.perf_counter() - t0
         reply.raise_for_status()
         meta = json.loads(bytes(safetensors.numpy.load(reply.content)["_samples_meta"]))
-        return elapsed, len(reply.content), len(meta["samples"])
+        return elapsed, len(reply.content), len(meta["samples"]), time.perf_counter() - t0 - elapsed
 
 
 def conversation(client: Client, turns: int, retry_every: int | None, latencies: list[float], tag: str) -> None:
@@ -142,12 +144,12 @@ def build_linear(client: Client, turns: int) -> str:
 def time_samples(client: Client, pid: int, sid: str, repeats: int) -> dict[str, float]:
     runs = []
     before = server_cpu(pid)
-    for _ in range(repeats):
+    for _ in range(repeats):  # the first call computes each leaf's mismatch check; later ones reuse it
         runs.append(client.samples(sid))
     cpu = (server_cpu(pid) - before) / repeats
     times = [r[0] for r in runs]
     return {"p50_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3, "bytes": runs[0][1],
-            "samples": runs[0][2], "cpu_ms": cpu * 1e3}
+            "samples": runs[0][2], "cpu_ms": cpu * 1e3, "decode_ms": statistics.median(r[3] for r in runs) * 1e3}
 
 
 def main() -> int:
@@ -188,7 +190,8 @@ def main() -> int:
                   f"v1 one path of {1 + args.branch_turns} turns; {args.repeats} repeats")
             for name, row in (("v2 tree", tree), ("v1 path", linear)):
                 print(f"  {name}: {row['samples']:.0f} samples, {row['bytes'] / 1e6:.2f} MB, p50 {row['p50_ms']:.1f} ms"
-                      f" (max {row['max_ms']:.1f}), server CPU {row['cpu_ms']:.1f} ms per call")
+                      f" (max {row['max_ms']:.1f}), server CPU {row['cpu_ms']:.1f} ms per call, client decode "
+                      f"{row['decode_ms']:.1f} ms")
             print(f"load at end {psutil.getloadavg()}")
     finally:
         backend.close()
