@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from webapp.journal import FILE_HEADER, FORMAT_VERSION, MAGIC, TREE_FORMAT_VERSION
 from webapp.reference_backend import reference_completion
 from webapp.tokenizers import load_tokenizer
 from webapp.tree import MAX_NODES
@@ -308,6 +309,10 @@ def test_a_server_restart_restores_the_tree_and_keeps_each_sessions_mode(session
     turn(second.url, line, [U1, a1, T1_DIFF])  # a v1 rollback, not a branch
     body = get(second.url, line)
     assert "tree" not in body["metadata"] and body["metadata"]["num_rollbacks"] == 1
+    # A tree's file has its own version: a server that knows no trees refuses it, never misreads it.
+    versions = {s: FILE_HEADER.unpack((tmp_path / "sessions" / f"{s}.journal").read_bytes()[:FILE_HEADER.size])
+                for s in (sid, line)}
+    assert versions == {sid: (MAGIC, TREE_FORMAT_VERSION), line: (MAGIC, FORMAT_VERSION)}
     second.close()
     # And a v2 server serves that line as a line.
     third = session_server_factory.launch(2, backend.url, "--session-mode", "v2", env=env)
