@@ -356,3 +356,28 @@ def test_v1_stays_the_default(session_server_factory, backend):
     assert "tree" not in body["metadata"]
     assert [r["rollback"] for r in body["records"]] == [False, True]
     assert post(server.url, sid, [{"role": "user", "content": "a different opening"}]).status_code == 400
+
+
+def test_refusals_never_reach_the_engine(session_server_factory, stub_backend_factory):
+    """A truncated attach node (409) and a suffix that adds nothing (400) are refused before the
+    engine is called: the engine sees only the turns that were committed."""
+    seen: list[list[int]] = []
+
+    def handler(request: dict[str, Any]) -> tuple[int, bytes]:
+        seen.append(request["input_ids"])
+        reply = reference_completion(request["input_ids"], TOKENIZER, max_tokens=request.get("max_tokens"))
+        return 200, json.dumps(reply).encode()
+
+    server = session_server_factory.launch(0, stub_backend_factory(handler), "--session-mode", "v2")
+    sid = new_session(server.url)
+    a1 = turn(server.url, sid, [U1])
+    assert post(server.url, sid, [U1, a1]).status_code == 400  # the path itself: no new message
+    cut = post(server.url, sid, [U1, a1, T1], max_tokens=2)
+    assert cut.status_code == 200 and cut.json()["choices"][0]["finish_reason"] == "length"
+    a2 = {k: v for k, v in cut.json()["choices"][0]["message"].items() if v is not None}
+    assert post(server.url, sid, [U1, a1, T1, a2, T2]).status_code == 409
+    assert len(seen) == 2
+    body = get(server.url, sid)
+    assert shape(body) == ([None, 0], [[0, 1]])
+    assert [n["truncated"] for n in body["metadata"]["tree"]["nodes"]] == [False, True]
+    assert body["records"][-1]["request"]["input_ids"] == seen[-1]
