@@ -9,7 +9,8 @@ re-sharding is a start-up with another N and moves no file).
 Format, version 2 (all integers little-endian; docs/session-server-ops.md *Sessions on disk*)::
 
     file    = header entry*
-    header  = "SHKJ" u32:version                        8 bytes (version 1 files are read too)
+    header  = "SHKJ" u32:version                        8 bytes (version 1 files are read too;
+                                                        3: a tree session's, see below)
     entry   = u64:length u8:kind u32:crc32 payload      crc32 of the kind byte + payload
     payload = CREATE: JSON {"session_id", "created_at" [, "mode": "v2"]}
               DELTA:  u32:meta_length meta-JSON [u32 ids] [f64 logprobs] field-bytes*
@@ -26,7 +27,7 @@ plus the new tokens' rows). A version 1 TURN's record is the whole record, serve
 A turn's new images are IMAGE entries just before its DELTA entry, written with it in one
 ``writev``; images not followed by their turn are an unfinished commit.
 
-A tree session (miles' v2, ``"mode": "v2"`` in its CREATE; a line's CREATE has no mode) stores
+A tree session (miles' v2: version 3 and ``"mode": "v2"`` in its CREATE; a line's has no mode) stores
 each node as a DELTA on its PARENT node (``"parent": seq | null`` and ``"response_id"`` in the
 meta; never a rollback): the same linear storage, per node. Restore re-adds the nodes in file
 order (their ``seq``) and the last one is the active node. A session keeps the mode it was
@@ -115,7 +116,9 @@ __all__ = [
     "FILE_HEADER",
     "FORMAT_VERSION",
     "MAGIC",
+    "READ_VERSIONS",
     "SIDECAR",
+    "TREE_FORMAT_VERSION",
     "JournalStore",
     "Kind",
     "RestoredSession",
@@ -128,7 +131,10 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"SHKJ"
 FORMAT_VERSION = 2  # what a new file's header says
-READ_VERSIONS = (1, 2)  # what is read (a version 1 file is served and continued with DELTA entries)
+# A tree session's file: format 2 whose DELTAs are stored on their parent node. Its own version so
+# a server that does not know trees refuses the file (it would apply the nodes as one line).
+TREE_FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)  # what is read (a version 1 file is served and continued with DELTA entries)
 FILE_HEADER = struct.Struct("<4sI")  # magic, version
 ENTRY_HEADER = struct.Struct("<QBI")  # payload length, kind, crc32(kind byte + payload)
 META_LENGTH = struct.Struct("<I")
@@ -737,7 +743,8 @@ class JournalStore:
         if mode != "v1":  # a line's CREATE stays as it always was
             head["mode"] = mode
         payload = json.dumps(head).encode()
-        entries = [[FILE_HEADER.pack(MAGIC, FORMAT_VERSION)], _entry(Kind.CREATE, [payload])]
+        version = FORMAT_VERSION if mode == "v1" else TREE_FORMAT_VERSION
+        entries = [[FILE_HEADER.pack(MAGIC, version)], _entry(Kind.CREATE, [payload])]
         size = sum(len(c) for entry in entries for c in entry)
         journal: SessionJournal = self.usage.add(1, size, "the session", admit,
                                                  lambda: self._create(session_id, entries))

@@ -16,7 +16,7 @@ import pytest
 
 from webapp.core import SessionCore, SessionRegistry
 from webapp.filebody import FileSpan, decode_layout, encode_layout, file_response, read_pieces, slice_pieces
-from webapp.journal import ENTRY_HEADER, FILE_HEADER, FORMAT_VERSION, MAGIC, JournalStore, Kind
+from webapp.journal import ENTRY_HEADER, FILE_HEADER, FORMAT_VERSION, MAGIC, READ_VERSIONS, JournalStore, Kind
 from webapp.sharding import shard_for
 
 from .test_core import R3, TOK, WAIT, FakeBackend, body_of, chat, error_of, new_session
@@ -268,7 +268,7 @@ def test_delete_removes_the_file_and_max_sessions_counts_the_directory(tmp_path)
 def test_a_file_of_another_format_version_is_left_alone(tmp_path, caplog):
     core_on(tmp_path)
     path = tmp_path / "sessions" / "future.journal"
-    path.write_bytes(FILE_HEADER.pack(MAGIC, FORMAT_VERSION + 1) + b"whatever")
+    path.write_bytes(FILE_HEADER.pack(MAGIC, max(READ_VERSIONS) + 1) + b"whatever")
     with caplog.at_level(logging.ERROR, logger="webapp.journal"):
         core = core_on(tmp_path)
     assert "format version" in caplog.text

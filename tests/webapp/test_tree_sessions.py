@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from webapp.journal import FILE_HEADER, FORMAT_VERSION, MAGIC, TREE_FORMAT_VERSION
 from webapp.reference_backend import reference_completion
 from webapp.tokenizers import load_tokenizer
 from webapp.tree import MAX_NODES
@@ -204,9 +205,10 @@ def test_extending_a_truncated_node_is_409_and_records_nothing(server, backend):
 def test_a_full_tree_refuses_the_next_node_with_409(server):
     sid = new_session(server.url)
     opening = [{"role": "user", "content": "x"}]
-    with ThreadPoolExecutor(8) as pool:  # retries of one opening: 1,024 roots
-        replies = list(pool.map(lambda _i: post(server.url, sid, opening, max_tokens=1), range(MAX_NODES)))
-    assert [r.status_code for r in replies] == [200] * MAX_NODES
+    with requests.Session() as http:  # retries of one opening: 1,024 roots, over one connection
+        statuses = [http.post(f"{server.url}/sessions/{sid}/v1/chat/completions", timeout=60,
+                              json={"messages": opening, "max_tokens": 1}).status_code for _ in range(MAX_NODES)]
+    assert statuses == [200] * MAX_NODES
     body = get(server.url, sid)
     parents, leaves = shape(body)
     assert parents == [None] * MAX_NODES and len(leaves) == MAX_NODES
@@ -307,12 +309,16 @@ def test_a_server_restart_restores_the_tree_and_keeps_each_sessions_mode(session
     turn(second.url, line, [U1, a1, T1_DIFF])  # a v1 rollback, not a branch
     body = get(second.url, line)
     assert "tree" not in body["metadata"] and body["metadata"]["num_rollbacks"] == 1
+    # A tree's file has its own version: a server that knows no trees refuses it, never misreads it.
+    versions = {s: FILE_HEADER.unpack((tmp_path / "sessions" / f"{s}.journal").read_bytes()[:FILE_HEADER.size])
+                for s in (sid, line)}
+    assert versions == {sid: (MAGIC, TREE_FORMAT_VERSION), line: (MAGIC, FORMAT_VERSION)}
     second.close()
     # And a v2 server serves that line as a line.
     third = session_server_factory.launch(2, backend.url, "--session-mode", "v2", env=env)
-    assert _wait_get(third.url, line) == json.dumps(body, separators=(",", ":")).encode() or \
-        json.loads(_wait_get(third.url, line)) == body
-    assert json.loads(_wait_get(third.url, sid)) == json.loads(before)
+    line_body = json.loads(_wait_get(third.url, line))
+    assert line_body == body and [r["rollback"] for r in line_body["records"]] == [False, True]
+    assert _wait_get(third.url, sid) == before
 
 
 def test_a_linear_tree_get_is_a_line_get_but_for_miles_v2_fields(session_server_factory, backend):
@@ -350,3 +356,28 @@ def test_v1_stays_the_default(session_server_factory, backend):
     assert "tree" not in body["metadata"]
     assert [r["rollback"] for r in body["records"]] == [False, True]
     assert post(server.url, sid, [{"role": "user", "content": "a different opening"}]).status_code == 400
+
+
+def test_refusals_never_reach_the_engine(session_server_factory, stub_backend_factory):
+    """A truncated attach node (409) and a suffix that adds nothing (400) are refused before the
+    engine is called: the engine sees only the turns that were committed."""
+    seen: list[list[int]] = []
+
+    def handler(request: dict[str, Any]) -> tuple[int, bytes]:
+        seen.append(request["input_ids"])
+        reply = reference_completion(request["input_ids"], TOKENIZER, max_tokens=request.get("max_tokens"))
+        return 200, json.dumps(reply).encode()
+
+    server = session_server_factory.launch(0, stub_backend_factory(handler), "--session-mode", "v2")
+    sid = new_session(server.url)
+    a1 = turn(server.url, sid, [U1])
+    assert post(server.url, sid, [U1, a1]).status_code == 400  # the path itself: no new message
+    cut = post(server.url, sid, [U1, a1, T1], max_tokens=2)
+    assert cut.status_code == 200 and cut.json()["choices"][0]["finish_reason"] == "length"
+    a2 = {k: v for k, v in cut.json()["choices"][0]["message"].items() if v is not None}
+    assert post(server.url, sid, [U1, a1, T1, a2, T2]).status_code == 409
+    assert len(seen) == 2
+    body = get(server.url, sid)
+    assert shape(body) == ([None, 0], [[0, 1]])
+    assert [n["truncated"] for n in body["metadata"]["tree"]["nodes"]] == [False, True]
+    assert body["records"][-1]["request"]["input_ids"] == seen[-1]
