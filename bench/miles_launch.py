@@ -101,12 +101,16 @@ class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install_standins(packages: tuple[str, ...] = STANDIN_PACKAGES) -> None:
     """Make ``import torch`` (etc.) give a stand-in module; a real install is not consulted.
 
-    And one switch-off: ``load_tokenizer`` first registers miles' model-type aliases with
+    And one switch-off (:func:`switch_off_aliases`): ``load_tokenizer`` first registers miles' model-type aliases with
     transformers (``miles.utils.hf_config.register_hf_config_aliases``), which subclasses
     transformers' torch model classes; without torch those do not exist. It concerns model
     configs only (the bench's tokenizer is no aliased model type), so it becomes a no-op.
     """
     sys.meta_path.insert(0, _StandinFinder(packages))
+
+
+def switch_off_aliases() -> None:
+    """See :func:`install_standins`: after it, with the miles tree on ``sys.path``."""
     import miles.utils.hf_config
     import miles.utils.processing_utils
 
@@ -191,11 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     sys.path.insert(0, ns.miles_tree)
     install_standins()
+    switch_off_aliases()
     args = miles_args(ns.tokenizer, ns.port, r3=not ns.no_r3)
     if ns.check_imports:
-        import miles.rollout.session.server  # noqa: F401 (the import is the check)
+        import miles.rollout.session.server
         if ns.workers:
-            import miles.rollout.session.router  # noqa: F401
+            import miles.rollout.session.router
             import miles.rollout.session.worker  # noqa: F401
         print("imports ok")
         return
@@ -207,5 +212,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__mp_main__":
     install_standins()  # a spawned worker re-imports this file under this name (sys.path is set)
+    switch_off_aliases()
 elif __name__ == "__main__":
     main()

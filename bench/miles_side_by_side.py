@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import procfs
-from rawhttp import MiB, Http
+from rawhttp import Http, MiB
 from scratch import scratch_state_home
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,12 +228,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_ours(name: str, tree: Path, workers: int, backend: str, tokenizer: Path, logs: Path) -> Server:
+def start_ours(name: str, tree: Path, workers: int, backend: str, tokenizer: Path, logs: Path,
+               r3_layers: int) -> Server:
     from webapp.serve import server_argv
 
     log = logs / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=str(tree))
     argv = server_argv(workers, backend, "127.0.0.1:0", "--tokenizer", str(tokenizer))
+    # R3 on: a tree with the routing-replay setting asks the engine for routed experts only when
+    # it is set (with an external engine); older trees asked whenever the engine returned them.
+    if "routing_replay_layers" in (tree / "webapp" / "settings.py").read_text():
+        argv += ["--routing-replay-layers", str(r3_layers)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log.open("wb"), env=env, cwd=tree,
                             start_new_session=True)
     assert proc.stdout is not None
@@ -509,11 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in wanted:
             if name == "ours-w0":
-                servers.append(start_ours(name, REPO, 0, backend.url, tokenizer, logs))
+                servers.append(start_ours(name, REPO, 0, backend.url, tokenizer, logs, args.r3_layers))
             elif name == "ours-w2":
-                servers.append(start_ours(name, REPO, 2, backend.url, tokenizer, logs))
+                servers.append(start_ours(name, REPO, 2, backend.url, tokenizer, logs, args.r3_layers))
             elif name == "old-w0" and args.ours_old:
-                servers.append(start_ours(name, trees[name], 0, backend.url, tokenizer, logs))
+                servers.append(start_ours(name, trees[name], 0, backend.url, tokenizer, logs, args.r3_layers))
             elif name == "miles-main":
                 servers.append(start_miles(name, python, trees[name], 0, backend.url, tokenizer, logs))
             elif name == "miles-pr-w2":
