@@ -33,7 +33,8 @@ The load: ``--clients`` client threads (in ``--load-procs`` load processes) each
 chats as conversations of ``--turns`` turns: a new session, then each turn sends the whole
 conversation so far (the replies it got, then one more user message) to
 ``/sessions/{id}/v1/chat/completions``; the session is deleted after its last turn. Reported:
-chats/s over the load's wall time, p50/p99 of a chat's latency, the server's CPU per chat (utime
+chats/s over the load's wall time (``--rounds``: the order of the servers rotated each round,
+each server's rounds pooled), p50/p99 of a chat's latency, the server's CPU per chat (utime
 + stime of the server's process tree from /proc, before and after the load), then one records
 GET: a fresh session grown to ~``--records-mib`` MiB of records (``--records-turns`` turns, long
 user messages so the R3 per turn is large), then one timed ``GET /sessions/{id}`` read and
@@ -100,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients (default %(default)s)")
     ap.add_argument("--chats", type=int, default=100, help="chats per client (default %(default)s)")
     ap.add_argument("--turns", type=int, default=10, help="turns per conversation (session) (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="load rounds per server, the order rotated each round (default %(default)s)")
     ap.add_argument("--load-procs", type=int, default=2, help="processes the client threads are spread over")
     ap.add_argument("--r3-layers", type=int, default=4, help="engine routed-expert layers (default %(default)s)")
     ap.add_argument("--r3-topk", type=int, default=8, help="engine routed experts per layer (default %(default)s)")
@@ -112,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.only.split(",")) - set(ALL_SERVERS)
     if unknown:
         ap.error(f"--only: unknown servers {sorted(unknown)}")
-    if min(args.clients, args.chats, args.turns, args.load_procs) < 1:
-        ap.error("--clients, --chats, --turns and --load-procs must be >= 1")
+    if min(args.clients, args.chats, args.turns, args.load_procs, args.rounds) < 1:
+        ap.error("--clients, --chats, --turns, --load-procs and --rounds must be >= 1")
     return args
 
 
@@ -371,7 +374,8 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q)
 
 
-def measure_chats(server: Server, args: argparse.Namespace, tmp: Path) -> tuple[int, float, float, float, float]:
+def measure_chats(server: Server, args: argparse.Namespace, tmp: Path) -> tuple[int, float, list[float], float]:
+    """One load on ``server``: (chats, wall seconds, latencies in ms, server CPU seconds)."""
     procs = []
     per = [args.clients // args.load_procs + (1 if i < args.clients % args.load_procs else 0)
            for i in range(args.load_procs)]
@@ -392,9 +396,7 @@ def measure_chats(server: Server, args: argparse.Namespace, tmp: Path) -> tuple[
         latencies += got["latencies"]
     seconds = time.perf_counter() - t0
     cpu = tree_cpu(server.pid) - cpu0
-    n = len(latencies)
-    ms = [x * 1e3 for x in latencies]
-    return n, seconds, pct(ms, 50), pct(ms, 99), cpu / n * 1e3
+    return len(latencies), seconds, [x * 1e3 for x in latencies], cpu
 
 
 def measure_records_get(server: Server, args: argparse.Namespace, tokens_per_char: float) -> tuple[float, float]:
@@ -528,10 +530,23 @@ def main(argv: list[str] | None = None) -> int:
             http = Http(server.url)
             conversation(http, args.turns, random.Random(99), [])
             http.close()
+        # Rounds rotate the order, so no server always runs first (or last) while the shared
+        # machine's load drifts; a server's figures pool its rounds.
+        pooled: dict[str, list[tuple[int, float, list[float], float]]] = {s.name: [] for s in servers}
+        for round_ in range(args.rounds):
+            shift = round_ % len(servers)
+            for server in servers[shift:] + servers[:shift]:
+                print(f"round {round_ + 1}: {server.name}: {server.label} at {server.url} ...", flush=True)
+                pooled[server.name].append(measure_chats(server, args, tmp))
+                n, seconds, lat, cpu = pooled[server.name][-1]
+                print(f"  {n} chats {n / seconds:.0f}/s p50 {pct(lat, 50):.0f} ms p99 {pct(lat, 99):.0f} ms "
+                      f"CPU {cpu / n * 1e3:.2f} ms/chat; load {procfs.loadavg()}", flush=True)
         for server in servers:
-            print(f"{server.name}: {server.label} at {server.url} ...", flush=True)
-            n, seconds, p50, p99, cpu = measure_chats(server, args, tmp)
-            res = Result(server.name, server.label, n, seconds, n / seconds, p50, p99, cpu)
+            n = sum(r[0] for r in pooled[server.name])
+            seconds = sum(r[1] for r in pooled[server.name])
+            lat = [x for r in pooled[server.name] for x in r[2]]
+            cpu = sum(r[3] for r in pooled[server.name])
+            res = Result(server.name, server.label, n, seconds, n / seconds, pct(lat, 50), pct(lat, 99), cpu / n * 1e3)
             if args.records_mib > 0:
                 res.records_mib, res.get_mib_s = measure_records_get(server, args, tokens_per_char)
             results[server.name] = res

@@ -30,7 +30,7 @@ def test_defaults_are_the_issue_shape():
     assert args.miles_repo.startswith("https://github.com/radixark/miles")
 
 
-@pytest.mark.parametrize("argv", [["--only", "ours-w0,nginx"], ["--clients", "0"], ["--turns", "0"]])
+@pytest.mark.parametrize("argv", [["--only", "ours-w0,nginx"], ["--clients", "0"], ["--turns", "0"], ["--rounds", "0"]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as exc:
         sbs.parse_args(argv)
