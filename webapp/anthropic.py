@@ -105,8 +105,10 @@ def _number(request: Mapping[str, Any], name: str) -> None:
 
 
 def _check_keys(block: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    for key in block:
-        if key not in allowed:
+    """A key outside ``allowed`` is refused, unless null: the SDK's models echo every optional
+    field they know (``caller: null``, ``citations: null``), and null asks for nothing."""
+    for key, value in block.items():
+        if key not in allowed and value is not None:
             raise UnmappableField(f"{where}.{key}", f"not a field this endpoint can map onto a chat turn "
                                                     f"(accepted: {', '.join(sorted(allowed))})")
 
