@@ -60,6 +60,8 @@ setup(
             "pytest-timeout>=2.3",
             "websocket-client>=1.7,<2",
             "openai>=1.30",
+            # the official Anthropic client, against the Messages route (tests/webapp/test_anthropic.py)
+            "anthropic>=0.40",
             "mss>=9,<11",
             "tokenizers>=0.15",
             "Jinja2>=3.1",

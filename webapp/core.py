@@ -50,6 +50,7 @@ from typing import Any, cast
 
 import requests
 
+from webapp import anthropic
 from webapp.backend import BackendClient
 from webapp.datadir import default_data_dir, instance_id
 from webapp.engines import Dialect, EngineTurn, ReplayRequest, dialect_for
@@ -74,7 +75,7 @@ from webapp.limits import (
 )
 from webapp.records import IdsText, RecordParts, Rows
 from webapp.request_fields import check_request_fields
-from webapp.routes import PROXY_HEADERS, openai_error_body
+from webapp.routes import PROXY_HEADERS, anthropic_error_body, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
     BodyTooLarge,
@@ -111,6 +112,7 @@ __all__ = [
     "Session",
     "SessionCore",
     "SessionRegistry",
+    "anthropic_error_response",
     "build_session_core",
     "error_reply",
     "error_response",
@@ -163,6 +165,11 @@ def error_response(status: int, message: str) -> Reply:
 def openai_error_response(status: int, message: str, type_: str, code: str) -> Reply:
     """The error shape of the OpenAI routes: ``{"error": {"message", "type", "code"}}``."""
     return json_response(status, openai_error_body(message, type_, code))
+
+
+def anthropic_error_response(status: int, message: str) -> Reply:
+    """The error shape of the Messages route: ``{"type": "error", "error": {"type", "message"}}``."""
+    return json_response(status, anthropic_error_body(status, message))
 
 
 def error_reply(exc: SessionError, *, openai: bool = False) -> Reply:
@@ -670,6 +677,35 @@ class SessionCore:
         except Exception:  # a bug in one turn must not take the worker (and other sessions) down
             log.exception("chat turn on session %s failed", session_id)
             return openai_error_response(500, "internal error in the session core", "server_error", "internal_error")
+
+    def messages(self, session_id: str, body: bytes | memoryview, budget: float | None = None) -> Reply:
+        """``POST /sessions/{id}/v1/messages``: one turn asked in Anthropic's Messages API,
+        translated (``webapp.anthropic``) and run as :meth:`chat` runs it — the canonical OpenAI
+        turn and record —, then answered as Anthropic's message or stream; errors in its shape."""
+        try:
+            if len(body) > MAX_CHAT_BODY_BYTES:
+                raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
+            request = loads_strict(body)
+            chat_request = anthropic.chat_request(request)
+            session = self.registry.get(session_id)
+            anthropic.restore_tool_arguments(chat_request["messages"], anthropic.stored_tool_arguments(
+                session.state.messages, session.previous.messages if session.previous else ()))
+        except SessionError as exc:
+            return anthropic_error_response(exc.status, str(exc))
+        reply = self.chat(session_id, json.dumps(chat_request, ensure_ascii=False).encode(), budget)
+        if reply.status != 200:
+            return replace(json_response(reply.status, anthropic.anthropic_error(reply.status, reply.read())),
+                           headers=reply.headers)
+        try:
+            message = anthropic.message_reply(json.loads(reply.read()), request)
+        except SessionError as exc:  # an aborted generation (recorded as the chat route records it)
+            return anthropic_error_response(exc.status, str(exc))
+        except Exception:  # as in chat: a bug here must not take the worker down
+            log.exception("Messages reply of session %s failed", session_id)
+            return anthropic_error_response(500, "internal error in the session core")
+        if request.get("stream"):
+            return Reply(200, list(anthropic.message_events(message)), content_type=SSE_CONTENT_TYPE)
+        return json_response(200, message)
 
     def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
               request_timestamp: float) -> Reply:

@@ -150,6 +150,7 @@ class Op(str, enum.Enum):
     GET_SESSION = "get_session"
     DELETE_SESSION = "delete_session"
     CHAT = "chat"  # body: the client's request; ``budget``: seconds the turn may take
+    MESSAGES = "messages"  # as chat, the request and reply in Anthropic's Messages API
     SAMPLES = "samples"  # body: the client's ``{"max_seq_len": ...}``
     PROXY = "proxy"  # ``method``, ``path``, ``query``, ``headers``; body: the client's
     # The viewer's reads (webapp.viewer_data): every shard's summaries (``prefix``: of the id;

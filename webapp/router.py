@@ -44,6 +44,8 @@ from webapp.routes import (
     ROUTES,
     Body,
     Route,
+    anthropic_error_body,
+    is_anthropic_path,
     is_openai_path,
     no_route_message,
     openai_error_body,
@@ -131,11 +133,14 @@ class RouterConfig:
 
 def _error(status: int, message: str, **extra: object) -> Response:
     """The router's own error, in the shape of the route: OpenAI's under ``/sessions/<id>/v1/``
-    (``code`` from the status, ``extra`` beside the error object), else miles'."""
-    if has_request_context() and is_openai_path(request.path):
+    (``code`` from the status, ``extra`` beside the error object), Anthropic's on its Messages
+    route, else miles'."""
+    if has_request_context() and is_anthropic_path(request.path):
+        obj: dict[str, object] = {**anthropic_error_body(status, message), **extra}
+    elif has_request_context() and is_openai_path(request.path):
         code = HTTP_STATUS_CODES.get(status, "error").lower().replace(" ", "_")
-        obj: dict[str, object] = {**openai_error_body(message, "server_error" if status >= 500
-                                                      else "invalid_request_error", code), **extra}
+        obj = {**openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", code),
+               **extra}
     else:
         obj = {"error": message, **extra}
     return Response(json.dumps(obj, separators=(",", ":")), status=status, content_type="application/json")
@@ -355,7 +360,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         meta: dict[str, Any] = {}
         if route.images:
             meta["images"] = wants_images(request.args.get(IMAGES_QUERY))
-        if route.op is Op.CHAT:  # the worker's own 503/502 arrives before this router's 504
+        if route.body is Body.CHAT:  # a turn: the worker's own 503/502 arrives before this router's 504
             meta["budget"] = config.chat_budget
         if route.op is Op.PROXY:
             meta.update(method=request.method, path=path, query=request.query_string.decode(),

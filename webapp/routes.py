@@ -11,7 +11,9 @@ HTTP surface of both server modes, :mod:`webapp.router`) builds itself from it.
 - ``GET /sessions/<id>?images=1`` (and ``/samples?images=1``): the session's images as well.
 - The error shapes: OpenAI's ``{"error": {"message", "type", "code"}}`` under
   ``/sessions/<id>/v1/`` (the OpenAI routes) and ``/v1/`` (an OpenAI client whose base URL
-  lacks the session), miles' ``{"error": "<text>"}`` elsewhere.
+  lacks the session), Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on
+  ``/sessions/<id>/v1/messages`` (:func:`anthropic_error_body`), miles' ``{"error": "<text>"}``
+  elsewhere.
 - The 404 of a path no route serves (:func:`no_route_message`): it names the routes.
 """
 
@@ -22,10 +24,12 @@ from dataclasses import dataclass
 
 from webapp.ipc import Op
 
-__all__ = ["IMAGES_QUERY", "OPEN_PATHS", "PROXY_HEADERS", "PROXY_METHODS", "ROUTES", "Body", "Route",
-           "is_openai_path", "no_route_message", "openai_error_body", "wants_images"]
+__all__ = ["ANTHROPIC_ERROR_TYPES", "IMAGES_QUERY", "MESSAGES_PATH", "OPEN_PATHS", "PROXY_HEADERS", "PROXY_METHODS",
+           "ROUTES", "Body", "Route", "anthropic_error_body", "is_anthropic_path", "is_openai_path",
+           "no_route_message", "openai_error_body", "wants_images"]
 
 PROXY_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH")
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API, under the session (webapp.anthropic)
 
 
 class Body(enum.Enum):
@@ -65,6 +69,8 @@ ROUTES: tuple[Route, ...] = (
     Route(("GET",), "/sessions/<session_id>", Op.GET_SESSION, images=True),
     Route(("DELETE",), "/sessions/<session_id>", Op.DELETE_SESSION),
     Route(("POST",), "/sessions/<session_id>/v1/chat/completions", Op.CHAT, Body.CHAT, backend=True),
+    # the same turn as chat, asked and answered in Anthropic's Messages API (webapp.anthropic)
+    Route(("POST",), "/sessions/<session_id>" + MESSAGES_PATH, Op.MESSAGES, Body.CHAT, backend=True),
     Route(("POST",), "/sessions/<session_id>/samples", Op.SAMPLES, Body.SMALL, images=True),
     # miles' catch-all (``session_proxy``): forwarded to the backend by the owning shard (``v1/models``)
     Route(PROXY_METHODS, "/sessions/<session_id>/<path:path>", Op.PROXY, Body.SMALL, backend=True,
@@ -88,6 +94,12 @@ def is_openai_path(path: str) -> bool:
     base URL): the paths whose errors take OpenAI's shape."""
     parts = path.split("/", 4)
     return (len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1") or (len(parts) >= 2 and parts[1] == "v1")
+
+
+def is_anthropic_path(path: str) -> bool:
+    """``/sessions/<id>/v1/messages``: the path whose errors take Anthropic's shape."""
+    parts = path.split("/")
+    return len(parts) == 5 and parts[1] == "sessions" and "/" + "/".join(parts[3:]) == MESSAGES_PATH
 
 
 def no_route_message(method: str, path: str, base_url: str) -> str:
@@ -120,3 +132,16 @@ _ROUTE_LIST = _route_list()
 def openai_error_body(message: str, type_: str, code: str) -> dict[str, dict[str, str]]:
     """OpenAI's error object, ``{"error": {"message", "type", "code"}}``."""
     return {"error": {"message": message, "type": type_, "code": code}}
+
+
+# Anthropic's error types by HTTP status (its API reference; 529 is its "overloaded").
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``: the type
+    from the status (another 4xx: ``invalid_request_error``, another 5xx: ``api_error``)."""
+    type_ = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": type_, "message": message}}

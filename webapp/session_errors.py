@@ -15,7 +15,8 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     ├── BadRequest                    400  the client broke the rules; nothing is stored
     │   ├── InvalidJSON               400  body is not UTF-8 JSON (or not an object)
     │   ├── InvalidField              400  a field is missing or has the wrong type/value
-    │   │   └── UnknownField          400  a top-level field the server neither forwards nor uses
+    │   │   ├── UnknownField          400  a top-level field the server neither forwards nor uses
+    │   │   └── UnmappableField       400  a Messages API field or block with no chat-turn equivalent
     │   ├── BodyTooLarge              413  request body over the named limit, refused unread
     │   │   └── LimitExceeded         413  the request would make the core do more work than a limit allows (webapp.limits)
     │   ├── ImageRefused              400  an image part the server does not take (webapp.images)
@@ -36,6 +37,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
     ├── JournalDamaged                500  the journal changed under the server; not served
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
+    ├── GenerationAborted             529  the engine aborted the generation (Messages route); retry
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     │   └── SampleHookFailed          422  a tree session's picker or post-processor raised or broke its contract
     ├── BackendError                  502  the backend failed us
@@ -62,6 +64,7 @@ __all__ = [
     "BackendUnreachable",
     "BadRequest",
     "BodyTooLarge",
+    "GenerationAborted",
     "ImageNotBase64",
     "ImageRefused",
     "ImageTooLarge",
@@ -85,6 +88,7 @@ __all__ = [
     "TreeFull",
     "TruncatedGeneration",
     "UnknownField",
+    "UnmappableField",
     "UpstreamStatus",
 ]
 
@@ -127,6 +131,11 @@ class InvalidField(BadRequest):
 class UnknownField(InvalidField):
     """A top-level request field the server neither forwards to the engine nor uses itself
     (``webapp.request_fields``): refused by name rather than stored every turn."""
+
+
+class UnmappableField(InvalidField):
+    """``POST /sessions/{id}/v1/messages``: a field or content block of Anthropic's Messages API
+    that cannot be mapped onto an OpenAI chat turn (``webapp.anthropic``): refused by name."""
 
 
 class BodyTooLarge(BadRequest):
@@ -253,6 +262,14 @@ class JournalDamaged(SessionError):
 
 class TokenPrefixMismatch(SessionError):
     status = 500
+
+
+class GenerationAborted(SessionError):
+    """The Messages route's answer to a turn whose generation the engine aborted (finish reason
+    ``abort``): Anthropic's retryable 529 ``overloaded_error``, as miles answers it. The turn is
+    recorded as the chat route records it; the retry rolls it back (the same messages again)."""
+
+    status = 529
 
 
 class SampleAssemblyError(SessionError):

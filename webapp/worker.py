@@ -172,12 +172,14 @@ class SessionOps:
         self._shard_for = shard_for
         self._json_response = core_module.json_response
         self._openai_error_response = core_module.openai_error_response
+        self._anthropic_error_response = core_module.anthropic_error_response
         self._inflight = InflightBudget(config.max_inflight_bytes if config is not None
                                         else core_module.CoreConfig("").max_inflight_bytes)
         self._error_response = core_module.error_response
         # The ops that name a session, each a method taking (session_id, meta, body).
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
             Op.CHAT: self._chat,
+            Op.MESSAGES: self._chat,
             Op.CREATE_SESSION: lambda sid, meta, body: core.create_session(sid),
             Op.GET_SESSION: lambda sid, meta, body: core.get_session(sid, include_images=meta.get("images") is True),
             Op.DELETE_SESSION: lambda sid, meta, body: core.delete_session(sid),
@@ -232,17 +234,24 @@ class SessionOps:
             self._restored.set()
 
     def _chat(self, session_id: str, meta: dict[str, Any], body: memoryview) -> Any:
+        """A turn: ``chat``, or ``messages`` (the same turn in Anthropic's API)."""
+        op = Op(meta["op"])
         budget = meta.get("budget")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not budget > 0):
-            return self._error_response(400, f"op 'chat' needs a positive number as budget, got {budget!r}")
+            return self._error_response(400, f"op {op.value!r} needs a positive number as budget, got {budget!r}")
         try:
             with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
                 # The receive buffer's view itself: the core only parses it (no copy of the body)
                 # and keeps nothing of it past this call, when the buffer goes back to the pool.
+                if op is Op.MESSAGES:
+                    return self._core.messages(session_id, body, budget)
                 return self._core.chat(session_id, body, budget)
         except InflightRefused as exc:
-            reply = self._openai_error_response(exc.status, str(exc), "server_error", "overloaded")
+            if op is Op.MESSAGES:
+                reply = self._anthropic_error_response(exc.status, str(exc))
+            else:
+                reply = self._openai_error_response(exc.status, str(exc), "server_error", "overloaded")
             reply.headers = refusal_headers(exc)
             return reply
 

@@ -30,6 +30,7 @@ INSTANCE = "p7"
 MAX_MESSAGE_BYTES = 4096
 MAX_INFLIGHT_BYTES = 256 << 10
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
+MESSAGES = {"model": "m", **CHAT}  # Anthropic's Messages API: model and max_tokens required
 
 Answer = tuple[int, dict[str, str], Any]
 
@@ -102,7 +103,11 @@ def _scenario(url: str, auth: bool) -> list[tuple[str, Answer]]:
     status, _, turn = ask("chat", "POST", f"{base}/v1/chat/completions", CHAT)
     assert status == 200 and turn["choices"][0]["message"]["role"] == "assistant"
     follow = {**CHAT, "messages": [*CHAT["messages"], turn["choices"][0]["message"], {"role": "user", "content": "and?"}]}
-    assert ask("chat again", "POST", f"{base}/v1/chat/completions", follow)[0] == 200
+    status, _, turn2 = ask("chat again", "POST", f"{base}/v1/chat/completions", follow)
+    assert status == 200
+    # the Messages route goes on with the same conversation (it is the same turn, asked in Anthropic's API)
+    history = [*follow["messages"], {"role": "assistant", "content": turn2["choices"][0]["message"]["content"]},
+               {"role": "user", "content": "more"}]
     assert ask("chat: bad json", "POST", f"{base}/v1/chat/completions", b"{")[0] == 400
     assert ask("chat: wrong type", "POST", f"{base}/v1/chat/completions", {**CHAT, "stream": 1})[0] == 400
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_MESSAGE_BYTES * 2)}]}
@@ -111,8 +116,21 @@ def _scenario(url: str, auth: bool) -> list[tuple[str, Answer]]:
     # bigger than the whole budget of bytes in flight: it could never be admitted
     assert ask("chat: over the bytes in flight", "POST", f"{base}/v1/chat/completions", huge)[0] == 413
     assert ask("chat: no such session", "POST", "/sessions/nope/v1/chat/completions", CHAT)[0] == 404
+    status, _, message = ask("messages", "POST", f"{base}/v1/messages", {**MESSAGES, "messages": history})
+    assert status == 200 and message["type"] == "message" and message["content"][0]["type"] == "text"
+    status, headers, events = ask("messages: stream", "POST", f"{base}/v1/messages", {
+        **MESSAGES, "stream": True, "messages": [*history, {"role": "assistant", "content": message["content"]},
+                                                 {"role": "user", "content": "and?"}]})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert events.startswith(b"event: message_start") and events.endswith(b'{"type":"message_stop"}\n\n')
+    status, _, bad = ask("messages: no max_tokens", "POST", f"{base}/v1/messages", {"model": "m",
+                                                                                  "messages": CHAT["messages"]})
+    assert status == 400 and bad["type"] == "error" and bad["error"]["type"] == "invalid_request_error"
+    assert ask("messages: no such session", "POST", "/sessions/nope/v1/messages", MESSAGES)[0] == 404
+    status, _, over = ask("messages: over the bytes in flight", "POST", f"{base}/v1/messages", huge)
+    assert status == 413 and over["error"]["type"] == "request_too_large"
     status, _, records = ask("get", "GET", base)
-    assert status == 200 and len(records["records"]) == 2
+    assert status == 200 and len(records["records"]) == 4
     assert ask("get with images", "GET", f"{base}?images=1")[0] == 200
     assert ask("get: no such session", "GET", "/sessions/nope")[0] == 404
     status, _, samples = ask("samples", "POST", f"{base}/samples", {})
@@ -132,6 +150,7 @@ def _scenario(url: str, auth: bool) -> list[tuple[str, Answer]]:
     assert ask("viewer: timeline", "GET", f"/ui/api/sessions/{sid}/timeline")[0] == 200
     if auth:
         for what, method, path in (("create", "POST", "/sessions"), ("chat", "POST", f"{base}/v1/chat/completions"),
+                                   ("messages", "POST", f"{base}/v1/messages"),
                                    ("get", "GET", base), ("samples", "POST", f"{base}/samples"),
                                    ("proxy", "GET", f"{base}/v1/models"), ("delete", "DELETE", base),
                                    ("viewer", "GET", "/ui/api/sessions")):
@@ -209,7 +228,8 @@ def test_both_modes_answer_every_route_the_same(servers, auth):
 def test_the_scenario_covers_every_route_of_the_table():
     """A route added to the table without a parity case fails here."""
     covered = {("POST", "/sessions"), ("GET", "/sessions/<session_id>"), ("DELETE", "/sessions/<session_id>"),
-               ("POST", "/sessions/<session_id>/v1/chat/completions"), ("POST", "/sessions/<session_id>/samples"),
+               ("POST", "/sessions/<session_id>/v1/chat/completions"), ("POST", "/sessions/<session_id>/v1/messages"),
+               ("POST", "/sessions/<session_id>/samples"),
                ("GET", "/sessions/<session_id>/<path:path>"), ("GET", "/health")}
     declared = {(route.methods[0], route.path) for route in ROUTES}
     assert declared == covered
