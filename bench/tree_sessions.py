@@ -38,6 +38,7 @@ import requests
 import safetensors.numpy
 from scratch import scratch_state_home
 
+from shinken_sync.stats import percentile
 from webapp.reference_backend import start_reference_backend
 from webapp.serve import start_session_server
 
@@ -59,11 +60,6 @@ def server_cpu(pid: int) -> float:
             continue
         total += times.user + times.system
     return total
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class Client:
@@ -114,7 +110,7 @@ def run_turns(servers: dict[str, tuple[Client, int]], args: argparse.Namespace, 
             before = server_cpu(pid)
             conversation(client, args.turns, retry_every, latencies[mode], f"{name}{c}")
             cpu[mode] += server_cpu(pid) - before
-    return {mode: {"turns": len(lat), "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
+    return {mode: {"turns": len(lat), "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
                    "cpu_ms_per_turn": cpu[mode] / len(lat) * 1e3} for mode, lat in latencies.items()}
 
 
