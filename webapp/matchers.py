@@ -300,9 +300,9 @@ def resolve_matcher(selector: str | None) -> ConfiguredMatcher:
 
     Raises :class:`UnknownMatcher` when it names none, names something that is not callable,
     or an async function (matchers run synchronously, under a session's lock)."""
-    name = (selector or DEFAULT_MATCHER).strip() if isinstance(selector, str) or selector is None else selector
-    if not isinstance(name, str):
+    if selector is not None and not isinstance(selector, str):
         raise UnknownMatcher(f"session message matcher {selector!r}: not a string")
+    name = (selector or "").strip() or DEFAULT_MATCHER
     fn: Any = MATCHERS.get(name) or _MILES_PATHS.get(name)
     if fn is None:
         module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")

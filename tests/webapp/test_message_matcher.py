@@ -460,6 +460,30 @@ def test_a_failing_matcher_is_a_typed_500_and_stores_nothing(servers, mode):
     assert len(h.get()["records"]) == 1
 
 
+@pytest.mark.integration
+def test_a_restart_serves_the_stored_spelling_not_the_replayed_one(servers, session_server_factory, backend,
+                                                                    tmp_path):
+    """The journal keeps what the session holds: after a loose turn and a restart under
+    ``strict``, the verbatim stored history extends the session and the respelled one does not."""
+    env = {**HOOK_ENV, "SHINKEN_DATA_DIR": str(tmp_path)}
+
+    def launch(matcher: str) -> Any:
+        return session_server_factory.launch(servers.workers, backend.url, "--session-message-matcher", matcher,
+                                             env=env)
+
+    loose = launch("loose_tool_call")
+    h = Harness(loose.url)
+    history = two_turns(h)
+    r3 = h.turn([*respelled(history), AGAIN])
+    loose.close()
+    h.url = launch("strict").url
+    assert h.post([*respelled(history), AGAIN, r3, USER]).status_code == 400
+    h.turn([*history, AGAIN, r3, USER])
+    body = h.get()
+    assert body["records"][-1]["request"]["input_ids"] == canonical([*history, AGAIN, r3, USER])
+    assert len(body["records"]) == 4 and body["metadata"]["tito_session_mismatch"] == []
+
+
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
     full.update(HOOK_ENV)
