@@ -291,7 +291,18 @@ def _canonical_b64(text: bytes) -> bytes | None:
     return packed
 
 
-_Raw = tuple[str, str | None, bytes]  # ("t", None, text) | ("i", None, b"") | ("r", key, packed)
+@dataclass(frozen=True)
+class _Incremental:
+    """Replay rows an engine sent after the first ``prefix`` packed bytes of ``held`` (the base
+    record's same payload): the record's rows are ``held[:prefix] + new``, never joined here."""
+
+    held: Rows
+    prefix: int
+    new: bytes
+
+
+# ("t", None, text) | ("i", None, b"") | ("r", key, packed or _Incremental)
+_Raw = tuple[str, str | None, "bytes | _Incremental"]
 
 
 def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None) -> list[_Raw]:
@@ -316,14 +327,15 @@ def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBod
         packed = _canonical_b64(resp[start:end])
         if packed is None:
             continue
+        rows: bytes | _Incremental = packed
         prefix = parts.replay_prefix.get(key, 0)
         if prefix:
             held = next((f for f in base.fields if isinstance(f, Rows) and f.key == key), None) if base else None
             if held is None or held.length < prefix:
                 raise ValueError(f"an incremental {key} payload on a base record without {prefix} bytes of it")
-            packed = read_pieces(slice_pieces(held.pieces, 0, prefix)) + packed
+            rows = _Incremental(held, prefix, packed)
         rest.append(resp[pos:start])
-        fields += [("t", None, b"".join(rest)), ("r", key, packed)]
+        fields += [("t", None, b"".join(rest)), ("r", key, rows)]
         rest, pos = [], end
     rest += (resp[pos:], b"}")
     fields.append(("t", None, b"".join(rest)))
@@ -351,6 +363,13 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None) -> tuple[list[Any],
             metas.append(["i"])
             continue
         old = _base_field(base, i, kind, key)
+        if isinstance(data, _Incremental):
+            if old is data.held:  # shared up to the prefix by construction: read only the base's rest
+                metas_body = _encode_incremental(data)
+                metas.append(["r", key, *metas_body[0]])
+                bodies.append(metas_body[1])
+                continue
+            data = read_pieces(slice_pieces(data.held.pieces, 0, data.prefix)) + data.new
         old_bytes = read_pieces(old.pieces) if old is not None else b""
         p = _lcp(old_bytes, data)
         if kind == "t":
@@ -363,6 +382,20 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None) -> tuple[list[Any],
             metas.append(["r", key, p, len(middle)])
         bodies.append(middle)
     return metas, bodies
+
+
+def _encode_incremental(data: _Incremental) -> tuple[tuple[int, int], bytes]:
+    """(prefix kept, new length) and the new bytes of incremental rows: what comparing the whole
+    base payload with ``held[:prefix] + new`` gives, reading only the base's bytes after the
+    last whole base64 quantum of the prefix (its first ``prefix`` bytes are the same by
+    construction), never the whole payload (the longest field of a long session)."""
+    start = data.prefix - data.prefix % 3
+    tail = read_pieces(slice_pieces(data.held.pieces, start, data.held.length))
+    ours = tail[:data.prefix - start] + data.new
+    p = _lcp(tail, ours)
+    p -= p % 3  # the shared part and the new one each a whole number of base64 quanta
+    middle = ours[p:]
+    return (start + p, len(middle)), middle
 
 
 def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end: int,
