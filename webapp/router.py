@@ -365,6 +365,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         if route.op is Op.PROXY:
             meta.update(method=request.method, path=path, query=request.query_string.decode(),
                         headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
+        elif route.headers:  # the route table's request headers (webapp.routes.Route.headers)
+            meta["headers"] = {name.lower(): request.headers[name] for name in route.headers if name in request.headers}
         return meta
 
     def view(route: Route) -> Callable[..., WerkzeugResponse]:
