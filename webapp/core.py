@@ -55,6 +55,7 @@ from webapp.backend import BackendClient
 from webapp.datadir import default_data_dir, instance_id
 from webapp.engines import Dialect, EngineTurn, ReplayRequest, dialect_for
 from webapp.engines.probe import EngineCheckFailed, identify_engine
+from webapp.errors import WebappError
 from webapp.filebody import Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -934,9 +935,12 @@ class SessionCore:
         tombstones (``webapp.tombstones``); how many sessions."""
         started = time.monotonic()
         store = self.registry.store
-        self.registry.tombstones = Tombstones.open(
-            store.data_dir, shard, shards, self.tombstone_ttl, self.max_tombstones,
-            owns=lambda session_id: shard_for(session_id, shards) == shard, fsync=store.fsync)
+        try:
+            self.registry.tombstones = Tombstones.open(
+                store.data_dir, shard, shards, self.tombstone_ttl, self.max_tombstones,
+                owns=lambda session_id: shard_for(session_id, shards) == shard, fsync=store.fsync)
+        except (OSError, WebappError) as exc:  # breadcrumbs: never in the way of the sessions
+            log.warning("tombstones of shard %d/%d kept in memory only: %s", shard, shards, exc)
         loaded = self.registry.restore(lambda session_id: shard_for(session_id, shards) == shard, pause)
         log.info("restored %d sessions of shard %d/%d from %s in %.2f s", loaded, shard, shards,
                  self.registry.store.dir, time.monotonic() - started)

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from webapp.datadir import ensure_private_dir, open_private
+from webapp.datadir import DataDirUnsafe, ensure_private_dir, open_private
 
 __all__ = ["TOMBSTONES_DIR", "Tombstone", "Tombstones", "tombstones_path"]
 
@@ -117,9 +117,14 @@ class Tombstones:
 
     @staticmethod
     def _read(path: str) -> list[Tombstone]:
+        """The tombstones of a file; none of one that is missing, a link or unreadable (logged:
+        tombstones are breadcrumbs, they never keep a shard from starting)."""
         try:
             fd = open_private(path, os.O_RDONLY)
         except FileNotFoundError:
+            return []
+        except (OSError, DataDirUnsafe) as exc:
+            log.warning("tombstones of %s not read: %s", path, exc)
             return []
         with os.fdopen(fd, "rb") as f:
             return [s for s in map(_parse, f.read().splitlines()) if s is not None]
@@ -148,7 +153,7 @@ class Tombstones:
             finally:
                 os.close(fd)
             os.replace(tmp, self.path)
-        except OSError as exc:  # a full disk costs the 410s of a restart, never a delete
+        except (OSError, DataDirUnsafe) as exc:  # a full disk costs the 410s of a restart, never a delete
             log.warning("could not rewrite %s: %s", self.path, exc)
             try:
                 os.unlink(tmp)
@@ -175,7 +180,7 @@ class Tombstones:
                     finally:
                         os.close(fd)
                     self._lines += 1
-                except OSError as exc:
+                except (OSError, DataDirUnsafe) as exc:  # (a planted link: not followed, not written)
                     log.warning("could not write the tombstone of session %s to %s: %s", session_id, self.path, exc)
             self._stones.pop(session_id, None)
             self._stones[session_id] = stone
