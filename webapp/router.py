@@ -52,7 +52,6 @@ from webapp.routes import (
     wants_images,
 )
 from webapp.scaleout import check_instance_tag
-from webapp.session_errors import SessionGone
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
@@ -175,8 +174,9 @@ def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> WerkzeugResp
         pieces = decode_layout(inline, reply.file_layout)
         return file_response(pieces, status=reply.status, content_type=reply.content_type, headers=headers,
                              environ=request.environ)
-    except FileNotFoundError:  # deleted between the worker's answer and now: gone, as the next request says
-        return _error(410, str(SessionGone(str((request.view_args or {}).get("session_id", "")))))
+    except FileNotFoundError:  # deleted between the worker's answer and now: gone (410), as the next request says
+        sid = (request.view_args or {}).get("session_id", "")  # (webapp.session_errors.SessionGone's prefix)
+        return _error(410, f"session reclaimed: session_id={sid} (deleted during the request)")
     except (TypeError, ValueError) as exc:
         log.error("malformed file layout from a worker: %s", exc)
         return _error(502, f"malformed reply from the session worker: {exc}")
