@@ -429,3 +429,27 @@ def test_the_tombstone_file_is_rewritten_whole_within_its_bound(session_server_f
         assert_gone(get(server.url, sid), sid)
     assert all(line.endswith(b"}") for line in Path(path).read_bytes().splitlines())
     server.close()
+
+
+def test_a_planted_tombstone_link_is_never_followed(session_server_factory, engine, tmp_path) -> None:
+    """A symlink where a tombstone file belongs is neither read nor written through; the shard's
+    sessions are served as ever and its tombstones work."""
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    outside.mkdir()
+    server = launch(session_server_factory, engine, 0, "--data-dir", str(data))
+    kept = create(server.url)
+    turn(server.url, kept, [U1])
+    server.close()
+    victim = outside / "victim"
+    victim.write_bytes(b'{"session_id":"' + b"3" * 32 + b'","at":1e18,"reason":"deleted"}\n')
+    before = victim.read_bytes()
+    path = data / "tombstones" / "0-of-1"
+    path.unlink()
+    path.symlink_to(victim)
+    server = launch(session_server_factory, engine, 0, "--data-dir", str(data))
+    assert num_records(server.url, kept) == 1
+    assert_unknown(get(server.url, "3" * 32), "3" * 32)  # the link's target was not read
+    assert delete(server.url, kept).status_code == 204
+    assert_gone(get(server.url, kept), kept)
+    assert victim.read_bytes() == before and not path.is_symlink()
+    server.close()
