@@ -19,6 +19,7 @@ plain base64 and parses the rest; the raw bytes, R3 included, go into the record
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
+from requests.utils import get_environ_proxies
 
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
@@ -121,6 +123,13 @@ class BackendClient:
         self.name = name
         self.timeout = (connect_timeout, read_timeout)
         self._http = requests.Session()
+        # What requests takes from the environment (HTTP_PROXY/NO_PROXY for the engine's URL, a
+        # CA bundle), read once here: it would otherwise read and match the whole environment on
+        # every call (~5 % of a chat's server CPU, measured). Set after start, they are not seen;
+        # ~/.netrc credentials are not used for the engine.
+        self._http.proxies = get_environ_proxies(self.base_url)
+        self._http.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+        self._http.trust_env = False
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_maxsize, max_retries=0)
         self._http.mount("http://", adapter)
         self._http.mount("https://", adapter)

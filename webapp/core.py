@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import operator
 import re
 import shutil
 import tempfile
@@ -74,6 +73,7 @@ from webapp.limits import (
     SessionExpiry,
     loads_strict,
 )
+from webapp.matchers import DEFAULT_MATCHER, resolve_matcher
 from webapp.records import IdsText, RecordParts, Rows
 from webapp.request_fields import check_request_fields
 from webapp.routes import GENERATION_HEADER, PROXY_HEADERS, anthropic_error_body, openai_error_body
@@ -221,6 +221,8 @@ class CoreConfig:
     # Tree sessions' /samples hooks: selectors of webapp.tree_samples (resolved by build_session_core).
     session_sample_picker_path: str = default("session_sample_picker_path")
     session_sample_postprocessor_path: str = default("session_sample_postprocessor_path")
+    # When a replayed message is the stored one: a selector of webapp.matchers (resolved by build_session_core).
+    session_message_matcher: str = default("session_message_matcher")
 
     def turn_wait(self) -> float:
         """How long a turn waits for its session's previous one: as set, else that turn's whole
@@ -522,19 +524,20 @@ class SessionCore:
                  limits: RequestLimits | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
                  image_limits: ImageLimits | None = None, dialect: Dialect | None = None,
-                 session_mode: str = "v1", matcher: Matcher = operator.eq,
+                 session_mode: str = "v1", matcher: Matcher | None = None,
                  sample_hooks: SampleHooks | None = None, tombstone_ttl: float = default("tombstone_ttl"),
                  max_tombstones: int = default("max_tombstones")) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
         :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
         engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here.
-        ``session_mode``: new sessions' (``v2``: trees); ``matcher``: a tree session's message
-        equality when positioning a request (``webapp.tree``). ``sample_hooks``: tree sessions'
+        ``session_mode``: new sessions' (``v2``: trees); ``matcher``: when a request's message is
+        the stored one, for a line session's append check (``webapp.tito.plan_turn``) and a tree
+        session's positioning (``webapp.tree``); None: miles' ``strict`` (``webapp.matchers``). ``sample_hooks``: tree sessions'
         /samples picker and post-processor (None: miles' defaults)."""
         self.tokenizer = tokenizer
         self.backend = backend
         self.session_mode = session_mode
-        self.matcher = matcher
+        self.matcher = matcher if matcher is not None else resolve_matcher(DEFAULT_MATCHER)
         self._private_dir = None
         if registry is None:
             self._private_dir = tempfile.mkdtemp(prefix="shinken-sessions-")
@@ -796,7 +799,7 @@ class SessionCore:
                 raise self.registry.missing(session_id)
             render = self._check_render(session, request)
             plan = plan_turn(session.state, session.previous, images.messages,
-                             request.get("tools"), self.tokenizer)
+                             request.get("tools"), self.tokenizer, self.matcher)
             self.limits.check_prompt(plan.prompt_ids)
             held = self._rows_held(session, plan)
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
@@ -948,6 +951,7 @@ class SessionCore:
 
     def close(self) -> None:
         self.backend.close()
+        self.registry.store.usage.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
@@ -1075,6 +1079,7 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
                        max_sessions=config.max_sessions, session_idle_ttl=config.session_idle_ttl,
                        image_limits=ImageLimits(config.max_image_bytes, config.max_images),
                        session_mode=config.session_mode,
+                       matcher=resolve_matcher(config.session_message_matcher),
                        sample_hooks=SampleHooks.resolve(config.session_sample_picker_path,
                                                         config.session_sample_postprocessor_path),
                        tombstone_ttl=config.tombstone_ttl, max_tombstones=config.max_tombstones)

@@ -37,13 +37,16 @@ app) maps any of them with one rule: answer ``exc.status`` with ``str(exc)``::
     ├── ApiKeyFileError (ValueError)    500  webapp.serve: --api-key-file unreadable, empty or shared
     ├── SampleHookSelectorError (ValueError)  500  webapp.tree_samples: a samples picker/post-processor
     │                                        selector that names no synchronous function
+    ├── UnknownMatcher (ValueError)     500  webapp.matchers: a session message matcher selector that
+    │                                        names no synchronous function
     └── InflightRefused                 500  webapp.inflight: over max_inflight_bytes (the subclasses say)
         ├── Overloaded                  503  with Retry-After: others' bodies first
         └── BodyOverBudget              413  larger than the whole budget
 
 The start-up errors (the engine checks, the tokenizer, the data directory, the API key file,
-the samples hooks) are reported by the launcher as one line and an exit code, never as an HTTP
-answer; they carry the root's 500 only because every class of the tree has a status. ``tests/test_error_trees.py``
+the samples hooks, the message matcher) are reported by the launcher as one line and an exit
+code, never as an HTTP answer; they carry the root's 500 only because every class of the tree
+has a status. ``tests/test_error_trees.py``
 checks this drawing (and session_errors') against the classes.
 
 Imports nothing: the router process may use it without the session core.

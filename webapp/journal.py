@@ -659,37 +659,54 @@ class Usage:
         self.lock_path = os.path.join(data_dir, "create.lock")
         self.journals_dir = journals_dir
         self.max_bytes = max_bytes  # max_data_bytes (None: no budget)
+        # (pid, lock fd, usage fd), opened at the first add and kept: every turn moves the counts,
+        # and opening both files each time was ten syscalls of a turn. Per process: a forked
+        # child sharing the parent's descriptions would share its flock, so it opens its own.
+        # The files stay put while the server runs (only the owner removes usage, at its start).
+        self._fds: tuple[int, int, int] | None = None
+
+    def _open(self, what: str) -> tuple[int, int]:
+        if self._fds is not None and self._fds[0] == os.getpid():
+            return self._fds[1], self._fds[2]
+        try:
+            lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
+        try:
+            fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+        except (DataDirUnsafe, OSError) as exc:
+            os.close(lock)
+            raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
+        self._fds = (os.getpid(), lock, fd)
+        return lock, fd
+
+    def close(self) -> None:
+        """Close the kept descriptors (this process's); the next :meth:`add` opens them again."""
+        fds, self._fds = self._fds, None
+        if fds is not None and fds[0] == os.getpid():
+            os.close(fds[1])
+            os.close(fds[2])
 
     def add(self, sessions: int, nbytes: int, what: str = "the turn",
             admit: Callable[[int], None] | None = None, then: Callable[[], Any] | None = None) -> Any:
         """Under the lock: ``admit(sessions now)`` may refuse (raise); a growth past
         ``max_bytes`` raises :class:`StorageBudget`; then ``then()`` (its result returned) and,
         unless it raised, the counts are moved by ``sessions`` and ``nbytes``."""
+        lock, fd = self._open(what)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
-        except (DataDirUnsafe, OSError) as exc:
-            raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
-            except (DataDirUnsafe, OSError) as exc:
-                raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
-            try:
-                raw = os.pread(fd, self.RECORD.size, 0)
-                count, total = self.RECORD.unpack(raw) if len(raw) == self.RECORD.size else self._scan()
-                if admit is not None:
-                    admit(count)
-                if nbytes > 0 and self.max_bytes is not None and total + nbytes > self.max_bytes:
-                    raise StorageBudget("max_data_bytes", self.max_bytes, total + nbytes,
-                                        f"{what} (the server's journals)")
-                result = then() if then is not None else (count, total)
-                os.pwrite(fd, self.RECORD.pack(max(0, count + sessions), max(0, total + nbytes)), 0)
-                return result
-            finally:
-                os.close(fd)
+            raw = os.pread(fd, self.RECORD.size, 0)
+            count, total = self.RECORD.unpack(raw) if len(raw) == self.RECORD.size else self._scan()
+            if admit is not None:
+                admit(count)
+            if nbytes > 0 and self.max_bytes is not None and total + nbytes > self.max_bytes:
+                raise StorageBudget("max_data_bytes", self.max_bytes, total + nbytes,
+                                    f"{what} (the server's journals)")
+            result = then() if then is not None else (count, total)
+            os.pwrite(fd, self.RECORD.pack(max(0, count + sessions), max(0, total + nbytes)), 0)
+            return result
         finally:
-            os.close(lock)  # releases the lock
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _scan(self) -> tuple[int, int]:
         count = total = 0

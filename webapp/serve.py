@@ -68,6 +68,7 @@ from webapp.engines.probe import (
     wait_for_engine,
 )
 from webapp.errors import WebappError
+from webapp.matchers import UnknownMatcher, resolve_matcher
 from webapp.settings import (
     BY_NAME,
     add_arguments,
@@ -377,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         SampleHooks.resolve(values["session_sample_picker_path"], values["session_sample_postprocessor_path"])
     except SampleHookSelectorError as exc:
         parser.error(str(exc))
+    try:  # likewise the message matcher: an unknown one refuses start-up in both modes
+        resolve_matcher(values["session_message_matcher"])
+    except UnknownMatcher as exc:
+        parser.error(f"--session-message-matcher: {type(exc).__name__}: {exc}")
     # Loaded once here, so a bad one is one line (not a traceback per worker and backend).
     try:
         tokenizer = load_tokenizer(values["tokenizer"])

@@ -40,6 +40,7 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   └── StorageBudget             507  over max_session_bytes or max_data_bytes (``limit``)
     ├── JournalDamaged                500  the journal changed under the server; not served
     ├── TokenPrefixMismatch           500  the template re-renders stored turns differently
+    ├── MessageMatcherFailed          500  the configured message matcher raised or returned a non-bool (webapp.matchers)
     ├── GenerationAborted             529  the engine aborted the generation (Messages route); retry
     ├── SampleAssemblyError           422  the records cannot be assembled into a training sample
     │   └── SampleHookFailed          422  a tree session's picker or post-processor raised or broke its contract

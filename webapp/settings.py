@@ -159,6 +159,10 @@ SETTINGS: tuple[Setting, ...] = (
     _S("session_sample_postprocessor_path", str, "default_postprocess", _C, "tree sessions' /samples "
        "post-processor, fn(picked_samples, session_metadata) -> samples: a name of "
        "webapp.tree_samples.POSTPROCESSORS or an import path package.module:function", pattern=_HOOK_SELECTOR),
+    _S("session_message_matcher", str, "strict", _C, "when a replayed message is the stored one (miles' "
+       "--session-message-matcher), for v1's append check and v2's positioning: strict, loose_tool_call "
+       "(tool-call arguments may be any spelling of the same JSON object), role_content_only (high risk: "
+       "only role and content compared), or an import path package.module:function", pattern=_HOOK_SELECTOR),
     _S("max_image_bytes", int, 16 << 20, _C, "400 for an image over this many (decoded) bytes", minimum=1),
     _S("max_images", int, 1024, _C, "400 for a request with more images than this", minimum=0),
     # -- router: router mode only ----------------------------------------------------------------

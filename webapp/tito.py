@@ -7,7 +7,9 @@ what is needed to append the next turn without re-tokenizing earlier ones.
 Rules (see docs/session-server.md):
 
 - First turn: prompt ids = ``encode(render(messages, add_generation_prompt=True))``.
-- Later turns: the request's messages must extend the stored ones append-only. Prompt ids =
+- Later turns: the request's messages must extend the stored ones append-only, message
+  equality being the server's matcher's (``webapp.matchers``; the stored message stays where
+  it says equal). Prompt ids =
   stored ids + ``encode(closer + suffix)``, where ``suffix`` is what the chat template renders
   for the new messages (the text past the rendering of the stored messages) and ``closer`` is
   what the template puts after the model's end-of-turn token (ChatML: ``"\\n"``; the whole
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webapp.images import image_refs
+from webapp.matchers import MessageMatcher, strict_message_matches
 from webapp.session_errors import AppendOnlyViolation, InvalidField, RollbackTooDeep, TokenPrefixMismatch
 from webapp.tokenizers import ChatTokenizer, decode_lenient
 
@@ -163,26 +166,26 @@ def tools_of(key: str | None) -> list[Any] | None:
     return None if key is None else json.loads(key)
 
 
-def _extends(messages: tuple[Message, ...], stored: tuple[Message, ...]) -> bool:
-    return len(messages) > len(stored) and messages[: len(stored)] == stored
+def _extends(messages: tuple[Message, ...], stored: tuple[Message, ...], matcher: MessageMatcher) -> bool:
+    return len(messages) > len(stored) and all(matcher(a, b) for a, b in zip(stored, messages))
 
 
-def _first_difference(messages: tuple[Message, ...], stored: tuple[Message, ...]) -> int:
-    for i, (a, b) in enumerate(zip(messages, stored)):
-        if a != b:
+def _first_difference(messages: tuple[Message, ...], stored: tuple[Message, ...], matcher: MessageMatcher) -> int:
+    for i, (a, b) in enumerate(zip(stored, messages)):
+        if not matcher(a, b):
             return i
     return min(len(messages), len(stored))
 
 
 def _choose_base(messages: tuple[Message, ...], current: TitoState,
-                 previous: TitoState | None) -> tuple[TitoState, bool]:
-    if _extends(messages, current.messages):
+                 previous: TitoState | None, matcher: MessageMatcher) -> tuple[TitoState, bool]:
+    if _extends(messages, current.messages, matcher):
         return current, False
-    if previous is not None and _extends(messages, previous.messages):
+    if previous is not None and _extends(messages, previous.messages, matcher):
         return previous, True
-    if messages == current.messages:
+    i = _first_difference(messages, current.messages, matcher)
+    if i == len(messages) == len(current.messages):
         raise AppendOnlyViolation("no new message after the stored conversation")
-    i = _first_difference(messages, current.messages)
     if previous is not None and i < len(previous.messages):
         raise RollbackTooDeep(
             f"message {i} differs from the stored conversation; only the last assistant step "
@@ -213,16 +216,23 @@ def encode_messages(tokenizer: ChatTokenizer, text: str, messages: Sequence[Mess
 
 
 def plan_turn(current: TitoState, previous: TitoState | None, raw_messages: Any, tools: Any,
-              tokenizer: ChatTokenizer) -> TurnPlan:
+              tokenizer: ChatTokenizer, matcher: MessageMatcher = strict_message_matches) -> TurnPlan:
     """Validate a turn's messages against the session and compute its prompt ids.
 
-    Raises ``InvalidField``, ``AppendOnlyViolation``/``RollbackTooDeep`` (400) or
-    ``TokenPrefixMismatch`` (500); never mutates state.
+    ``matcher(stored, request)`` decides whether a request's message is the stored one at its
+    position (``webapp.matchers``); where it says so, the stored message stays: the plan's
+    messages are the base's followed by the request's beyond them, as miles'
+    ``effective_messages``, so the prompt ids are the stored ones and the next turn compares
+    against the same stored history.
+
+    Raises ``InvalidField``, ``AppendOnlyViolation``/``RollbackTooDeep`` (400),
+    ``MessageMatcherFailed`` or ``TokenPrefixMismatch`` (500); never mutates state.
     """
-    messages = normalize_messages(raw_messages)
+    requested = normalize_messages(raw_messages)
     key = tools_key(tools)
     tools = tools_of(key)
-    base, rollback = _choose_base(messages, current, previous)
+    base, rollback = _choose_base(requested, current, previous, matcher)
+    messages = (*base.messages, *requested[len(base.messages):])
     if messages[-1]["role"] == "assistant":
         raise AppendOnlyViolation("the last message must not be an assistant message")
     prompt_text = tokenizer.render(messages, add_generation_prompt=True, tools=tools)

@@ -127,6 +127,17 @@ def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> lis
             "-b", "127.0.0.1:0", "--graceful-timeout", "5", app]
 
 
+# Fixtures that start real processes: a test using one is an integration test whatever its
+# module says, so the fast tiers on the other interpreters (-m "not integration") skip it.
+PROCESS_FIXTURES = frozenset({"reference_backend_factory", "session_server_factory"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="module")
 def reference_backend_factory() -> Iterator[Callable[..., ReferenceBackendProcess]]:
     started: list[ReferenceBackendProcess] = []

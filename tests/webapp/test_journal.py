@@ -345,3 +345,32 @@ def test_file_response_ranges(tmp_path, headers, status, span):
         assert response.headers["Content-Range"].endswith(f"/{len(whole)}")
     else:
         assert response.headers["Content-Range"] == f"bytes */{len(whole)}"
+
+
+def test_usage_counts_across_a_fork_each_process_with_its_own_lock(tmp_path) -> None:
+    """The usage counter keeps its files open; a forked child opens its own (a shared open file
+    description would share the parent's flock), and the counts of both processes add up."""
+    store = JournalStore(str(tmp_path / "data"))
+    store.usage.add(1, 10)
+    parent_fds = store.usage._fds
+    pid = os.fork()
+    if pid == 0:  # the child: its add must not reuse the parent's descriptors
+        code = 4
+        try:
+            store.usage.add(1, 5)
+            code = 0 if store.usage._fds is not None and store.usage._fds[0] == os.getpid() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.usage._fds == parent_fds
+    assert store.usage.read() == (2, 15)
+    store.usage.close()
+    assert store.usage._fds is None and store.usage.read() == (2, 15)  # opened again
+
+
+def test_read_pieces_of_many_spans_of_one_file(tmp_path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4)
+    spans = [FileSpan(str(path), off, 7) for off in range(0, 1000, 100)]
+    assert read_pieces([b"<", *spans, b">"]) == b"<" + b"".join(path.read_bytes()[o:o + 7] for o in range(0, 1000, 100)) + b">"
