@@ -54,6 +54,7 @@ from webapp.backend import BackendClient
 from webapp.datadir import default_data_dir, instance_id
 from webapp.engines import Dialect, EngineTurn, ReplayRequest, dialect_for
 from webapp.engines.probe import EngineCheckFailed, identify_engine
+from webapp.errors import WebappError
 from webapp.filebody import Piece, read_pieces
 from webapp.images import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -75,15 +76,18 @@ from webapp.limits import (
 from webapp.matchers import DEFAULT_MATCHER, resolve_matcher
 from webapp.records import IdsText, RecordParts, Rows
 from webapp.request_fields import check_request_fields
-from webapp.routes import PROXY_HEADERS, anthropic_error_body, openai_error_body
+from webapp.routes import GENERATION_HEADER, PROXY_HEADERS, anthropic_error_body, openai_error_body
 from webapp.samples import TurnRecord, assemble_samples, encode_samples
 from webapp.session_errors import (
     BodyTooLarge,
+    GenerationMismatch,
     InvalidField,
     InvalidJSON,
+    RenderSettingsChanged,
     SessionBusy,
     SessionError,
     SessionExists,
+    SessionGone,
     SessionNotFound,
     TruncatedGeneration,
     UpstreamStatus,
@@ -101,6 +105,7 @@ from webapp.tito import (
     session_mismatch,
 )
 from webapp.tokenizers import ChatTokenizer, load_tokenizer
+from webapp.tombstones import Tombstones
 from webapp.tree import Matcher, SessionTree, TreeNode
 from webapp.tree_samples import SampleHooks, collect_tree_samples, encode_tree_samples
 
@@ -204,6 +209,8 @@ class CoreConfig:
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL
+    tombstone_ttl: float = default("tombstone_ttl")  # a gone session's 410 (webapp.tombstones)
+    max_tombstones: int = default("max_tombstones")
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's decoded bytes (webapp.images)
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
     data_dir: str | None = default("data_dir")  # None: webapp.datadir.default_data_dir()
@@ -250,6 +257,12 @@ class Session:
     tree: SessionTree | None = None
     active: TreeNode | None = None
     inflight: int = 0  # tree turns between positioning and commit (they hold no turn lock)
+    # The session's generation: the turns committed to it since it was created (a line's
+    # rollback turns included, a tree's every node), X-Miles-Session-Generation on its replies.
+    generation: int = 0
+    # The first committed turn's chat_template_kwargs (canonical JSON; None: no turn yet, or
+    # not read back from the journal yet after a restart): every later turn must send the same.
+    render_pin: str | None = None
 
     def ids_text(self, state: TitoState) -> IdsText:
         """The JSON text of ``state``'s token ids: every record's prompt ids are a prefix of it."""
@@ -260,15 +273,18 @@ class Session:
 
     @classmethod
     def restored(cls, r: RestoredSession) -> Session:
+        generation = len(r.tree) if r.tree is not None else len(r.records) + r.rollbacks
         return cls(r.session_id, r.journal, created_at=r.created_at, state=r.state, previous=r.previous,
-                   records=r.records, rollbacks=r.rollbacks, images=r.images, tree=r.tree, active=r.active)
+                   records=r.records, rollbacks=r.rollbacks, images=r.images, tree=r.tree, active=r.active,
+                   generation=generation)
 
     def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
                images: dict[str, DecodedImage] | None = None,
-               image_urls: Mapping[bytes, str] | None = None) -> bool:
-        """Store a finished turn, journal first; False (nothing stored) if the session was
-        closed meanwhile. Raises ``InsufficientStorage`` (nothing stored) if the journal
-        cannot be written.
+               image_urls: Mapping[bytes, str] | None = None, render: str | None = None) -> int:
+        """Store a finished turn, journal first; the session's generation after it, 0 (nothing
+        stored) if the session was closed meanwhile. Raises ``InsufficientStorage`` (nothing
+        stored) if the journal cannot be written. ``render``: the turn's render pin (see
+        :meth:`pin_render`).
 
         A rollback turn replaces the rolled-back record, as miles truncates its records: the
         records always match the checkpoints of the current state (the rolled-back history
@@ -276,7 +292,8 @@ class Session:
         """
         with self.state_lock:  # a GET snapshots before or after the append, never during it
             if self.closed:
-                return False
+                return 0
+            self.pin_render(render)
             # The record whose state the turn builds on: the journal stores what this one adds.
             base = (self.records[-2] if len(self.records) > 1 else None) if plan.rollback \
                 else (self.records[-1] if self.records else None)
@@ -290,21 +307,24 @@ class Session:
             self.records.append(turn)
             self.images.update(stored)
             self.image_urls.update(image_urls or {})  # every image of the turn is held now
-            return True
+            self.generation += 1
+            return self.generation
 
     def commit_node(self, parent: TreeNode | None, new_state: TitoState, plan: TurnPlan, turn: TurnRecord,
                     record: RecordParts, response_id: str, images: dict[str, DecodedImage] | None = None,
-                    image_urls: Mapping[bytes, str] | None = None) -> bool:
+                    image_urls: Mapping[bytes, str] | None = None, render: str | None = None) -> int:
         """A tree session's :meth:`commit`: the generation becomes a new node under ``parent``
         (the attach point found when it was positioned, so concurrent generations from one
         spot become siblings) and the active node. Journal first, stored on the parent's
-        record; False if the session was closed meanwhile; ``TreeFull`` if concurrent turns
-        took the last places meanwhile (nothing stored)."""
+        record; the generation after it, 0 if the session was closed meanwhile; ``TreeFull``
+        if concurrent turns took the last places meanwhile, ``RenderSettingsChanged`` if a
+        concurrent first turn pinned other settings (nothing stored)."""
         assert self.tree is not None, "a tree session"
         with self.state_lock:
             if self.closed:
-                return False
+                return 0
             self.tree.check_room()
+            self.pin_render(render)
             turn, stored = self.journal.append_turn(
                 plan.base, new_state, False, turn, record, parent.turn.record if parent is not None else None,
                 list((images or {}).values()),
@@ -314,7 +334,18 @@ class Session:
             self.records = [n.turn for n in node.path()]
             self.images.update(stored)
             self.image_urls.update(image_urls or {})
-            return True
+            self.generation += 1
+            return self.generation
+
+    def pin_render(self, render: str | None) -> None:
+        """Under the state lock, at commit: the first turn pins ``render``; a later one must
+        match it (checked before the engine call too; this catches concurrent first turns)."""
+        if render is None:
+            return
+        if self.render_pin is None and not self.generation:
+            self.render_pin = render
+        elif self.render_pin is not None and self.render_pin != render:
+            raise RenderSettingsChanged(json.loads(self.render_pin), json.loads(render))
 
     def snapshot(self) -> tuple[list[TurnRecord], TitoState, int, str]:
         """(records, state, rollbacks, journal version): the version names this session's state."""
@@ -324,12 +355,20 @@ class Session:
 
 class SessionRegistry:
     """Live sessions by id, each with its journal in ``store``. A deleted session leaves at
-    once (its file too), so it 404s while a turn finishes."""
+    once (its file too), its id to ``tombstones``, so it answers 410 while a turn finishes."""
 
-    def __init__(self, store: JournalStore) -> None:
+    def __init__(self, store: JournalStore, tombstones: Tombstones | None = None) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self.store = store
+        # in memory until the core opens the shard's file (SessionCore.restore_shard)
+        self.tombstones = tombstones if tombstones is not None else Tombstones(default("tombstone_ttl"),
+                                                                               default("max_tombstones"))
+
+    def missing(self, session_id: str) -> SessionError:
+        """The error of an id with no live session: 410 while its tombstone lasts, else 404."""
+        stone = self.tombstones.get(session_id)
+        return SessionGone(session_id, stone.reason) if stone is not None else SessionNotFound(session_id)
 
     def restore(self, owns: Callable[[str], bool], pause: Callable[[], object] = lambda: None) -> int:
         """Load the sessions on disk that ``owns`` accepts (this worker's shard); how many.
@@ -362,7 +401,7 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(session_id)
+            raise self.missing(session_id)
         session.last_used = time.monotonic()
         return session
 
@@ -370,7 +409,7 @@ class SessionRegistry:
         """The session, without counting as use: looking at it (the viewer) never delays its expiry."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(session_id)
+            raise self.missing(session_id)
         return session
 
     def ids(self) -> list[str]:
@@ -381,12 +420,24 @@ class SessionRegistry:
         return [(sid, s.last_used) for sid, s in list(self._sessions.items())
                 if not (s.turn_lock.locked() or s.inflight)]
 
-    def remove(self, session_id: str) -> Session:
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
+    def remove(self, session_id: str, reason: str = "deleted",
+               precondition: Callable[[Session], None] | None = None) -> Session:
+        """Delete the session (``reason``: ``deleted`` or ``expired``, its tombstone's), after
+        ``precondition(session)`` (may raise: then nothing changes), both after a commit in
+        flight, so the precondition sees it and its append is removed too."""
+        session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(session_id)
-        with session.state_lock:  # after a commit in flight, so its append is removed too
+            raise self.missing(session_id)
+        with session.state_lock:
+            with self._lock:
+                if self._sessions.get(session_id) is not session:  # removed meanwhile
+                    raise self.missing(session_id)
+                if precondition is not None:
+                    precondition(session)
+                del self._sessions[session_id]
+            # The tombstone before the journal goes: a worker killed between the two leaves a
+            # live session, never an id that 404s; before ``closed``, so a turn that sees it 410s.
+            self.tombstones.add(session_id, reason)
             session.closed = True
             self.store.remove(session.journal)
         return session
@@ -474,7 +525,8 @@ class SessionCore:
                  session_idle_ttl: float = DEFAULT_SESSION_IDLE_TTL,
                  image_limits: ImageLimits | None = None, dialect: Dialect | None = None,
                  session_mode: str = "v1", matcher: Matcher | None = None,
-                 sample_hooks: SampleHooks | None = None) -> None:
+                 sample_hooks: SampleHooks | None = None, tombstone_ttl: float = default("tombstone_ttl"),
+                 max_tombstones: int = default("max_tombstones")) -> None:
         """``registry``: None is one over a private temporary directory, deleted by
         :meth:`close` (tests, embedding); a server passes its data directory's. ``dialect``: the
         engine's (:mod:`webapp.engines`); None is the ``sglang`` one with the replay asked here.
@@ -491,10 +543,12 @@ class SessionCore:
             self._private_dir = tempfile.mkdtemp(prefix="shinken-sessions-")
             registry = SessionRegistry(JournalStore(self._private_dir))
         self.registry = registry
+        self.tombstone_ttl, self.max_tombstones = tombstone_ttl, max_tombstones
+        registry.tombstones = Tombstones(tombstone_ttl, max_tombstones)  # the shard's file: restore_shard
         self.limits = limits if limits is not None else RequestLimits()
         self.image_limits = image_limits if image_limits is not None else ImageLimits()
         self.expiry = SessionExpiry(max_sessions, session_idle_ttl, self.registry.idle_since,
-                                    self.registry.remove)
+                                    lambda session_id: self.registry.remove(session_id, reason="expired"))
         # None: CoreConfig's rule over the default timeouts (one rule, not a second default);
         # build_session_core passes the configured one.
         self.turn_wait_timeout = turn_wait_timeout if turn_wait_timeout is not None else CoreConfig("").turn_wait()
@@ -517,23 +571,26 @@ class SessionCore:
             return error_reply(exc)
         return json_response(200, {"session_id": session.session_id})
 
-    def _snapshot(self, session: Session) -> tuple[list[TurnRecord], TitoState, dict[str, Any], bytes, str]:
+    def _snapshot(self, session: Session) -> tuple[list[TurnRecord], TitoState, dict[str, Any], bytes, str, int]:
         """A consistent snapshot of the session: its records, state and miles' session metadata
         (``tito_session_mismatch`` when computable, ``accumulated_token_ids``,
-        ``max_trim_tokens``, plus our counters), also as JSON bytes, and its journal's version.
+        ``max_trim_tokens``, plus our counters), also as JSON bytes, its journal's version and
+        its generation.
         Computed once per committed turn: every commit makes a new state, the cache key."""
         tree: dict[str, Any] | None = None
         if session.tree is None:
             records, state, rollbacks, version = session.snapshot()
+            generation = len(records) + rollbacks  # the snapshot's own (Session.generation's rule)
         else:  # the active path and the forest as one commit left them (metadata.tree)
             with session.state_lock:
                 records, state, rollbacks, version = list(session.records), session.state, 0, session.journal.version
+                generation = session.generation
                 cached = session.metadata_cache
                 if cached is None or cached[0] is not state:
                     tree = session.tree.metadata()
         cached = session.metadata_cache
         if cached is not None and cached[0] is state:
-            return records, state, cached[1], cached[2], version
+            return records, state, cached[1], cached[2], version, generation
         metadata: dict[str, Any] = {}
         try:
             mismatch = session_mismatch(state, self.tokenizer)
@@ -550,7 +607,7 @@ class SessionCore:
         metadata.update(num_messages=len(state.messages), created_at=session.created_at)
         encoded = json.dumps(metadata, separators=(",", ":")).encode()
         session.metadata_cache = (state, metadata, encoded)
-        return records, state, metadata, encoded, version
+        return records, state, metadata, encoded, version, generation
 
     def get_session(self, session_id: str, include_images: bool = False) -> Reply:
         """miles' ``GetSessionResponse``; ``include_images``: plus ``"images"``, every image the
@@ -564,7 +621,7 @@ class SessionCore:
             session.journal.check_unchanged()  # damaged on disk while running: not served (webapp.journal)
         except SessionError as exc:
             return error_reply(exc)
-        records, state, _metadata, encoded, version = self._snapshot(session)
+        records, state, _metadata, encoded, version, generation = self._snapshot(session)
         body: list[Piece] = [json.dumps({"session_id": session_id}, separators=(",", ":"))[:-1].encode()
                              + b',"records":[']
         ids = session.ids_text(state)
@@ -580,16 +637,17 @@ class SessionCore:
         # Every commit grows the journal by an entry: its size and the last entry's checksum
         # name this version of the body (a Range request resumes only it, ``If-Range``).
         etag = f'"{version}{"-i" if include_images else ""}"'
-        return Reply(200, body, headers=(("ETag", etag),))
+        return Reply(200, body, headers=(("ETag", etag), (GENERATION_HEADER, str(generation))))
 
     def samples(self, session_id: str, body: bytes, include_images: bool = False) -> Reply:
         """``POST /sessions/{id}/samples``: the session's training sample(s) as one safetensors
         payload in miles' samples wire format (see ``webapp.samples``); ``include_images``: the
         session's images too, one tensor each."""
+        self.expiry.sweep()
         try:
             max_seq_len, agent = _parse_samples_body(body)
             session = self.registry.get(session_id)
-            turns, state, metadata, encoded, _version = self._snapshot(session)
+            turns, state, metadata, encoded, _version, generation = self._snapshot(session)
             images = _session_images(session) if include_images else None
             if session.tree is not None:
                 payload = self._tree_samples(session.tree, encoded, max_seq_len, agent, images)
@@ -603,7 +661,7 @@ class SessionCore:
         except Exception:
             log.exception("samples of session %s failed", session_id)
             return error_response(500, "internal error in the session core")
-        return Reply(200, payload, content_type=SAMPLES_CONTENT_TYPE)
+        return Reply(200, payload, content_type=SAMPLES_CONTENT_TYPE, headers=((GENERATION_HEADER, str(generation)),))
 
     def _tree_samples(self, tree: SessionTree, encoded: bytes, max_seq_len: int | None,
                       agent: dict[str, Any] | None, images: list[StoredImage] | None) -> bytes:
@@ -638,6 +696,7 @@ class SessionCore:
               headers: dict[str, str]) -> Reply:
         """The catch-all ``/sessions/{id}/{path}``: forwarded to ``<backend>/{path}`` (e.g.
         ``v1/models``) with the backend's status, content type and body relayed untouched."""
+        self.expiry.sweep()
         try:
             self.registry.get(session_id)
             wanted = {k: v for k, v in headers.items() if k.lower() in PROXY_HEADERS}
@@ -649,12 +708,22 @@ class SessionCore:
             return error_response(500, "internal error in the session core")
         return Reply(reply.status, reply.body, content_type=reply.content_type)
 
-    def delete_session(self, session_id: str) -> Reply:
+    def delete_session(self, session_id: str, if_match: str | None = None) -> Reply:
+        """``DELETE /sessions/{id}``; ``if_match``: the request's ``If-Match``, a condition on
+        the session's generation (:func:`_if_match_allows`): 412 ``GenerationMismatch`` and
+        nothing deleted when it names another. The 204 and the 412 carry the generation."""
+        def condition(session: Session) -> None:
+            if if_match is not None and not _if_match_allows(if_match, session.generation):
+                raise GenerationMismatch(session_id, session.generation, if_match[:64])
+
+        self.expiry.sweep()
         try:
-            self.registry.remove(session_id)
+            session = self.registry.remove(session_id, precondition=condition)
+        except GenerationMismatch as exc:
+            return replace(error_reply(exc), headers=((GENERATION_HEADER, str(exc.generation)),))
         except SessionError as exc:
             return error_reply(exc)
-        return Reply(204, b"", content_type="")
+        return Reply(204, b"", content_type="", headers=((GENERATION_HEADER, str(session.generation)),))
 
     def health(self) -> Reply:
         self.expiry.sweep()
@@ -707,8 +776,9 @@ class SessionCore:
             log.exception("Messages reply of session %s failed", session_id)
             return anthropic_error_response(500, "internal error in the session core")
         if request.get("stream"):
-            return Reply(200, list(anthropic.message_events(message)), content_type=SSE_CONTENT_TYPE)
-        return json_response(200, message)
+            return Reply(200, list(anthropic.message_events(message)), content_type=SSE_CONTENT_TYPE,
+                         headers=reply.headers)
+        return replace(json_response(200, message), headers=reply.headers)
 
     def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
               request_timestamp: float) -> Reply:
@@ -726,7 +796,8 @@ class SessionCore:
             raise SessionBusy(f"session {session_id!r}: previous turn still running after {wait:.3g} s")
         try:
             if session.closed:
-                raise SessionNotFound(session_id)
+                raise self.registry.missing(session_id)
+            render = self._check_render(session, request)
             plan = plan_turn(session.state, session.previous, images.messages,
                              request.get("tools"), self.tokenizer, self.matcher)
             self.limits.check_prompt(plan.prompt_ids)
@@ -743,10 +814,10 @@ class SessionCore:
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
             # A journal that cannot be written: InsufficientStorage (507), nothing stored.
-            session.commit(new_state, plan, summary, record, images.new, images.url_keys)
+            generation = session.commit(new_state, plan, summary, record, images.new, images.url_keys, render)
         finally:
             session.turn_lock.release()
-        return self._client_reply(turn, request)
+        return _with_generation(self._client_reply(turn, request), generation)
 
     def _tree_chat(self, session: Session, request: dict[str, Any], images: Any, deadline: float | None,
                    request_timestamp: float) -> Reply:
@@ -761,9 +832,10 @@ class SessionCore:
         tree = session.tree
         assert tree is not None
         messages = normalize_messages(images.messages)
+        render = self._check_render(session, request)  # (reads the journal after a restart: no lock held)
         with session.state_lock:  # a commit adds under it: position on a whole forest
             if session.closed:
-                raise SessionNotFound(session.session_id)
+                raise self.registry.missing(session.session_id)
             attach = tree.find_attach_point(messages, self.matcher)
             if attach.node is not None and attach.node.truncated:
                 raise TruncatedGeneration(
@@ -790,12 +862,25 @@ class SessionCore:
                 record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids, self.tokenizer.eos_token_id)
             response_id = turn.completion.get("id")
-            session.commit_node(parent, new_state, plan, summary, record,
-                                response_id if isinstance(response_id, str) else "", images.new, images.url_keys)
+            generation = session.commit_node(parent, new_state, plan, summary, record,
+                                             response_id if isinstance(response_id, str) else "", images.new,
+                                             images.url_keys, render)
         finally:
             with session.state_lock:
                 session.inflight -= 1
-        return self._client_reply(turn, request)
+        return _with_generation(self._client_reply(turn, request), generation)
+
+    def _check_render(self, session: Session, request: dict[str, Any]) -> str:
+        """The turn's render pin (its ``chat_template_kwargs`` as canonical JSON; absent, null
+        and ``{}`` render alike): ``RenderSettingsChanged`` if the session's first turn pinned
+        others. Before the engine call: a refused turn sends and records nothing."""
+        render = _render_key(request)
+        pinned = session.render_pin
+        if pinned is None and session.generation:  # restored: the first record says what it sent
+            pinned = session.render_pin = _first_render(session)
+        if pinned is not None and pinned != render:
+            raise RenderSettingsChanged(json.loads(pinned), json.loads(render))
+        return render
 
     def _rows_held(self, session: Session, plan: TurnPlan) -> tuple[int, int] | None:
         """(rows, bytes per row) of the routed experts the session holds for the turn's base
@@ -849,8 +934,16 @@ class SessionCore:
         return json_response(200, completion)
 
     def restore_shard(self, shard: int, shards: int, pause: Callable[[], object] = lambda: None) -> int:
-        """Load the sessions of ``shard`` of ``shards`` from the journals; how many."""
+        """Load the sessions of ``shard`` of ``shards`` from the journals, and the shard's
+        tombstones (``webapp.tombstones``); how many sessions."""
         started = time.monotonic()
+        store = self.registry.store
+        try:
+            self.registry.tombstones = Tombstones.open(
+                store.data_dir, shard, shards, self.tombstone_ttl, self.max_tombstones,
+                owns=lambda session_id: shard_for(session_id, shards) == shard, fsync=store.fsync)
+        except (OSError, WebappError) as exc:  # breadcrumbs: never in the way of the sessions
+            log.warning("tombstones of shard %d/%d kept in memory only: %s", shard, shards, exc)
         loaded = self.registry.restore(lambda session_id: shard_for(session_id, shards) == shard, pause)
         log.info("restored %d sessions of shard %d/%d from %s in %.2f s", loaded, shard, shards,
                  self.registry.store.dir, time.monotonic() - started)
@@ -861,6 +954,56 @@ class SessionCore:
         self.registry.store.usage.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+
+
+def _with_generation(reply: Reply, generation: int) -> Reply:
+    """A turn's reply with the generation its commit made (none: deleted during the turn)."""
+    return replace(reply, headers=(*reply.headers, (GENERATION_HEADER, str(generation)))) if generation else reply
+
+
+def _render_key(request: Mapping[str, Any]) -> str:
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise InvalidField("chat_template_kwargs", "expected an object")
+    return json.dumps(kwargs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _first_render(session: Session) -> str | None:
+    """The render pin of a restored session: its first committed turn's ``chat_template_kwargs``
+    as its record's request holds them (every dialect records the client's). None if unreadable
+    (logged): the session is then pinned by its next turn."""
+    with session.state_lock:
+        if session.tree is not None and len(session.tree):
+            first = session.tree.nodes[0]
+            turn, ids = first.turn, first.state.token_ids
+        elif session.records:
+            turn, ids = session.records[0], session.state.token_ids
+        else:
+            return None
+    try:
+        assert turn.record is not None, "a committed record is in the journal"
+        request = json.loads(read_pieces(turn.record.pieces(IdsText(ids).prefix)))["request"]
+        return _render_key(request)
+    except Exception:
+        log.exception("the first record of session %s does not say its chat_template_kwargs", session.session_id)
+        return None
+
+
+def _if_match_allows(value: str, generation: int) -> bool:
+    """``If-Match`` (RFC 9110 13.1.1) against a session's generation: ``*`` (any session), or a
+    list of entity tags one of which is the generation (``"3"``; a bare ``3`` too). A weak tag
+    (``W/"3"``) never matches: If-Match compares strongly."""
+    for tag in value.split(","):
+        tag = tag.strip()
+        if tag == "*":
+            return True
+        if tag.startswith('"') and tag.endswith('"') and len(tag) >= 2:
+            tag = tag[1:-1]
+        if tag == str(generation):
+            return True
+    return False
 
 
 def _session_images(session: Session) -> list[StoredImage]:
@@ -938,7 +1081,8 @@ def build_session_core(config: CoreConfig, shard: int | None = 0, shards: int = 
                        session_mode=config.session_mode,
                        matcher=resolve_matcher(config.session_message_matcher),
                        sample_hooks=SampleHooks.resolve(config.session_sample_picker_path,
-                                                        config.session_sample_postprocessor_path))
+                                                        config.session_sample_postprocessor_path),
+                       tombstone_ttl=config.tombstone_ttl, max_tombstones=config.max_tombstones)
     if shard is not None:
         core.restore_shard(shard, shards)
     return core

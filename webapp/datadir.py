@@ -6,6 +6,7 @@ The data directory (setting ``data_dir``) holds::
     <data_dir>/instance_id   miles' session_server_instance_id, minted once: sessions outlive a
                              restart, so the id a client compares does too
     <data_dir>/sessions/     one journal per session (webapp.journal)
+    <data_dir>/tombstones/   one file per worker of deleted/expired session ids (webapp.tombstones)
 
 Who may touch it: this server's user only. A root server follows no symlink in it (a planted
 ``lock`` or ``instance_id`` link would make it write or publish another file), so every file is

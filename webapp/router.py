@@ -174,8 +174,9 @@ def _relay_file(reply: IpcReply, headers: list[tuple[str, str]]) -> WerkzeugResp
         pieces = decode_layout(inline, reply.file_layout)
         return file_response(pieces, status=reply.status, content_type=reply.content_type, headers=headers,
                              environ=request.environ)
-    except FileNotFoundError:  # deleted between the worker's answer and now
-        return _error(404, "session not found (deleted during the request)")
+    except FileNotFoundError:  # deleted between the worker's answer and now: gone (410), as the next request says
+        sid = (request.view_args or {}).get("session_id", "")  # (webapp.session_errors.SessionGone's prefix)
+        return _error(410, f"session reclaimed: session_id={sid} (deleted during the request)")
     except (TypeError, ValueError) as exc:
         log.error("malformed file layout from a worker: %s", exc)
         return _error(502, f"malformed reply from the session worker: {exc}")
@@ -365,6 +366,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         if route.op is Op.PROXY:
             meta.update(method=request.method, path=path, query=request.query_string.decode(),
                         headers={k: v for k, v in request.headers.items() if k.lower() in PROXY_HEADERS})
+        elif route.headers:  # the route table's request headers (webapp.routes.Route.headers)
+            meta["headers"] = {name.lower(): request.headers[name] for name in route.headers if name in request.headers}
         return meta
 
     def view(route: Route) -> Callable[..., WerkzeugResponse]:

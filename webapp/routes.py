@@ -8,6 +8,9 @@ HTTP surface of both server modes, :mod:`webapp.router`) builds itself from it.
 
 - The catch-all proxy ``/sessions/<id>/<path>`` (miles' ``session_proxy``): its methods and
   the client headers forwarded to the backend (the API key and hop-by-hop headers stay here).
+- The session's generation (:data:`GENERATION_HEADER`): on the replies of the session routes; a
+  route's request headers the owning shard reads (:attr:`Route.headers`: ``If-Match`` on
+  ``DELETE /sessions/<id>``, a condition on that generation).
 - ``GET /sessions/<id>?images=1`` (and ``/samples?images=1``): the session's images as well.
 - The error shapes: OpenAI's ``{"error": {"message", "type", "code"}}`` under
   ``/sessions/<id>/v1/`` (the OpenAI routes) and ``/v1/`` (an OpenAI client whose base URL
@@ -24,12 +27,15 @@ from dataclasses import dataclass
 
 from webapp.ipc import Op
 
-__all__ = ["ANTHROPIC_ERROR_TYPES", "IMAGES_QUERY", "MESSAGES_PATH", "OPEN_PATHS", "PROXY_HEADERS", "PROXY_METHODS",
+__all__ = ["ANTHROPIC_ERROR_TYPES", "GENERATION_HEADER", "IMAGES_QUERY", "MESSAGES_PATH", "OPEN_PATHS", "PROXY_HEADERS", "PROXY_METHODS",
            "ROUTES", "Body", "Route", "anthropic_error_body", "is_anthropic_path", "is_openai_path",
            "no_route_message", "openai_error_body", "wants_images"]
 
 PROXY_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH")
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API, under the session (webapp.anthropic)
+# The turns committed to the session (webapp.core.Session.generation), on every reply of a
+# session route that names it: GET, DELETE (204 and 412), samples, chat and messages turns.
+GENERATION_HEADER = "X-Miles-Session-Generation"
 
 
 class Body(enum.Enum):
@@ -48,7 +54,9 @@ class Route:
     every shard). ``auth``: wants ``Authorization: Bearer <key>`` when the server has a key.
     ``images``: honours ``?images=1``. ``backend``: may wait on the backend, so the chat deadline
     applies (the backend's connect + read timeouts and a margin) instead of the control one.
-    ``text``: how the 404 of an unknown path names it (default: its methods and path)."""
+    ``text``: how the 404 of an unknown path names it (default: its methods and path).
+    ``headers``: request headers handed to the owning shard (op meta ``headers``, names in
+    lower case); the proxy's are :data:`PROXY_HEADERS`."""
 
     methods: tuple[str, ...]
     path: str  # a Flask rule
@@ -58,6 +66,7 @@ class Route:
     images: bool = False
     backend: bool = False
     text: str = ""
+    headers: tuple[str, ...] = ()
 
     @property
     def endpoint(self) -> str:
@@ -67,7 +76,8 @@ class Route:
 ROUTES: tuple[Route, ...] = (
     Route(("POST",), "/sessions", Op.CREATE_SESSION),
     Route(("GET",), "/sessions/<session_id>", Op.GET_SESSION, images=True),
-    Route(("DELETE",), "/sessions/<session_id>", Op.DELETE_SESSION),
+    # If-Match: delete only the session at that generation (else 412, nothing deleted)
+    Route(("DELETE",), "/sessions/<session_id>", Op.DELETE_SESSION, headers=("If-Match",)),
     Route(("POST",), "/sessions/<session_id>/v1/chat/completions", Op.CHAT, Body.CHAT, backend=True),
     # the same turn as chat, asked and answered in Anthropic's Messages API (webapp.anthropic)
     Route(("POST",), "/sessions/<session_id>" + MESSAGES_PATH, Op.MESSAGES, Body.CHAT, backend=True),

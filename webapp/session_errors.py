@@ -25,9 +25,12 @@ Exception tree (a branch of :class:`webapp.errors.WebappError`)::
     │   │   ├── ImageUndecodable      400  not a decodable JPEG/PNG, or a shape the vision rule refuses
     │   │   ├── ImageTooLarge         400  over max_image_bytes or the pixel cap
     │   │   └── TooManyImages         400  over max_images in one request
-    │   └── AppendOnlyViolation       400  messages do not extend the stored ones
-    │       └── RollbackTooDeep       400  rolls back more than one assistant step
-    ├── SessionNotFound               404  unknown, deleted or closing session
+    │   ├── AppendOnlyViolation       400  messages do not extend the stored ones
+    │   │   └── RollbackTooDeep       400  rolls back more than one assistant step
+    │   └── RenderSettingsChanged     400  a turn's chat_template_kwargs differ from the session's first turn's
+    ├── SessionNotFound               404  a session id this server never had (or whose tombstone is gone)
+    ├── SessionGone                   410  a deleted or expired session, while its tombstone lasts (webapp.tombstones)
+    ├── GenerationMismatch            412  DELETE's If-Match names another generation; nothing deleted
     ├── SessionExists                 409  create_session with an id already in use
     ├── TruncatedGeneration           409  a tree session's request extends a length-truncated generation
     ├── TreeFull                      409  a tree session holds its maximum of nodes (webapp.tree)
@@ -66,6 +69,7 @@ __all__ = [
     "BadRequest",
     "BodyTooLarge",
     "GenerationAborted",
+    "GenerationMismatch",
     "ImageNotBase64",
     "ImageRefused",
     "ImageTooLarge",
@@ -76,12 +80,14 @@ __all__ = [
     "JournalDamaged",
     "MalformedReplyField",
     "RemoteImageURL",
+    "RenderSettingsChanged",
     "RollbackTooDeep",
     "SampleAssemblyError",
     "SampleHookFailed",
     "SessionBusy",
     "SessionError",
     "SessionExists",
+    "SessionGone",
     "SessionNotFound",
     "StorageBudget",
     "TokenPrefixMismatch",
@@ -184,6 +190,19 @@ class RollbackTooDeep(AppendOnlyViolation):
     pass
 
 
+class RenderSettingsChanged(BadRequest):
+    """400: the turn's ``chat_template_kwargs`` differ from those of the session's first
+    committed turn. A session's tokens are one rendering: a template setting that changes
+    mid-session (a thinking mode, say) would render the history differently from the tokens
+    already stored. Nothing is sent to the engine or recorded."""
+
+    def __init__(self, pinned: object, sent: object) -> None:
+        super().__init__(f"chat_template_kwargs are fixed per session: its first turn rendered with {pinned!r}, "
+                         f"this turn sent {sent!r}; start a new session to render with other settings")
+        self.pinned = pinned
+        self.sent = sent
+
+
 class SessionNotFound(SessionError):
     status = 404
     openai_type = "not_found_error"
@@ -194,6 +213,47 @@ class SessionNotFound(SessionError):
 
     def __str__(self) -> str:
         return f"session not found: session_id={self.session_id}"  # miles' wording
+
+
+class SessionGone(SessionError):
+    """410 (miles' ``SessionReclaimedError``): the session existed here and was deleted, or
+    expired unused (``reason``: ``deleted`` or ``expired``), so a client still at work learns it
+    was let go instead of getting the 404 of a mistyped id. A sibling of
+    :class:`SessionNotFound`, not a kind of it: catching one never swallows the other. Lasts as
+    long as the id's tombstone (``tombstone_ttl``, ``max_tombstones``: :mod:`webapp.tombstones`)."""
+
+    status = 410
+    openai_type = "not_found_error"
+
+    def __init__(self, session_id: str, reason: str = "deleted") -> None:
+        super().__init__(session_id, reason)
+        self.session_id = session_id
+        self.reason = reason
+
+    def __str__(self) -> str:
+        # miles' wording, which a client may match on; an expiry says so instead
+        why = ("the trainer released this session and is no longer waiting for the agent" if self.reason == "deleted"
+               else "it expired: unused for longer than the server's session_idle_ttl")
+        return f"session reclaimed: session_id={self.session_id} ({why})"
+
+
+class GenerationMismatch(SessionError):
+    """412: a conditional ``DELETE /sessions/{id}`` whose ``If-Match`` names none of the
+    session's current generation (``generation``: the number of turns committed to it); the
+    session is left as it is."""
+
+    status = 412
+    openai_type = "invalid_request_error"
+
+    def __init__(self, session_id: str, generation: int, wanted: str) -> None:
+        super().__init__(session_id, generation, wanted)
+        self.session_id = session_id
+        self.generation = generation
+        self.wanted = wanted
+
+    def __str__(self) -> str:
+        return (f"session {self.session_id} is at generation {self.generation}, If-Match asked for {self.wanted!r}: "
+                "nothing was deleted")
 
 
 class SessionExists(SessionError):

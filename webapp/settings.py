@@ -138,6 +138,10 @@ SETTINGS: tuple[Setting, ...] = (
        "worker's, counted in the data directory)", minimum=1),
     _S("session_idle_ttl", float, 86_400.0, _C, "seconds after which a session nobody used is deleted",
        minimum=0),
+    _S("tombstone_ttl", float, 3600.0, _C, "seconds a deleted or expired session's id answers 410 Gone "
+       "instead of 404 (its tombstone, kept in the data directory; 0: none)", minimum=0),
+    _S("max_tombstones", int, 4096, _C, "tombstones kept per session worker, the oldest dropped first "
+       "(0: none)", minimum=0),
     _S("data_dir", str, None, _C, "the sessions' journals live here and survive restarts (unset: "
        "$XDG_STATE_HOME/shinken/session-server/HOST-PORT, see docs/session-server-ops.md)"),
     _S("fsync", bool, False, _C, "fsync each journal append before the reply: a machine crash then loses "

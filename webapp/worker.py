@@ -146,6 +146,13 @@ class _FileReply:
     file_layout: dict[str, Any]
 
 
+def _header(meta: dict[str, Any], name: str) -> str | None:
+    """A request header the route table hands the shard (op meta ``headers``, lower-case names)."""
+    headers = meta.get("headers")
+    value = headers.get(name) if isinstance(headers, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _wire_reply(reply: Any) -> Any:
     if not isinstance(reply.body, list) or not has_spans(reply.body):
         return reply
@@ -182,7 +189,7 @@ class SessionOps:
             Op.MESSAGES: self._chat,
             Op.CREATE_SESSION: lambda sid, meta, body: core.create_session(sid),
             Op.GET_SESSION: lambda sid, meta, body: core.get_session(sid, include_images=meta.get("images") is True),
-            Op.DELETE_SESSION: lambda sid, meta, body: core.delete_session(sid),
+            Op.DELETE_SESSION: lambda sid, meta, body: core.delete_session(sid, if_match=_header(meta, "if-match")),
             Op.SAMPLES: lambda sid, meta, body: core.samples(sid, bytes(body),
                                                              include_images=meta.get("images") is True),
             Op.PROXY: self._proxy,

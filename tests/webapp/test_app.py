@@ -42,8 +42,9 @@ def test_routes_and_lifecycle(client):
     assert "routed_experts" in record["response"]["choices"][0]["meta_info"]
     deleted = client.delete(f"/sessions/{sid}")
     assert deleted.status_code == 204 and deleted.data == b"" and "Content-Type" not in deleted.headers
-    assert client.delete(f"/sessions/{sid}").status_code == 404
-    assert client.get(f"/sessions/{sid}").get_json() == {"error": f"session not found: session_id={sid}"}
+    assert client.delete(f"/sessions/{sid}").status_code == 410
+    assert client.get(f"/sessions/{sid}").get_json() == {"error": f"session reclaimed: session_id={sid} (the trainer "
+                                                         "released this session and is no longer waiting for the agent)"}
 
 
 @pytest.mark.parametrize("method, path, status", [

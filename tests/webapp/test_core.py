@@ -96,8 +96,9 @@ def test_lifecycle():
     assert core.delete_session(sid).status == 204
     for reply in (core.get_session(sid), core.delete_session(sid),
                   chat(core, sid, [{"role": "user", "content": "x"}])):
-        assert reply.status == 404
-        assert error_of(reply) == f"session not found: session_id={sid}"  # miles' wording
+        assert reply.status == 410  # deleted, not unknown (its tombstone)
+        assert error_of(reply).startswith(f"session reclaimed: session_id={sid} ")  # miles' wording
+    assert core.get_session("f" * 32).status == 404  # an id never seen
     health = body_of(core.health())
     assert core.health().status == 200 and health["status"] == "ok"
     assert health["session_server_instance_id"] == body_of(core.health())["session_server_instance_id"]
@@ -206,9 +207,9 @@ def test_delete_racing_a_chat_answers_but_commits_nothing():
     worker.start()
     assert backend.entered.acquire(timeout=WAIT)
     assert core.delete_session(sid).status == 204
-    assert core.get_session(sid).status == 404
-    assert chat(core, sid, [{"role": "user", "content": "b"}]).status == 404  # closing: no new turn
-    assert core.delete_session(sid).status == 404  # already closing
+    assert core.get_session(sid).status == 410
+    assert chat(core, sid, [{"role": "user", "content": "b"}]).status == 410  # closing: no new turn
+    assert core.delete_session(sid).status == 410  # already closing
     backend.release.set()
     worker.join(WAIT)
     assert result["r"].status == 200 and body_of(result["r"])["choices"][0]["message"]["content"]

@@ -120,7 +120,7 @@ def test_parity_workers_1_and_3(session_server_factory, backend_url) -> None:
     assert by_label["delete"]["status"] == 204 and by_label["delete"]["length"] == 0
     assert by_label["delete"]["content_type"] == ""
     assert by_label["backend malformed"]["status"] == 502
-    assert by_label["delete again"]["status"] == 404 and by_label["get deleted"]["status"] == 404
+    assert by_label["delete again"]["status"] == 410 and by_label["get deleted"]["status"] == 410
     assert by_label["chat 1.2"]["content_type"].startswith("text/event-stream")
     # records bodies big enough to cross as streamed chunks, and intact
     big = [e for e in got_three if e["label"].startswith("records") and e["length"] > 1024 * 1024]

@@ -116,7 +116,7 @@ def test_idle_sessions_expire_after_the_ttl(mode, backend, session_server_factor
     while time.monotonic() < until:
         assert requests.get(f"{server.url}/sessions/{used}", timeout=30).status_code == 200
         time.sleep(0.2)
-    assert requests.get(f"{server.url}/sessions/{idle}", timeout=30).status_code == 404
+    assert requests.get(f"{server.url}/sessions/{idle}", timeout=30).status_code == 410  # expired: gone
     assert requests.get(f"{server.url}/sessions/{used}", timeout=30).status_code == 200
 
 

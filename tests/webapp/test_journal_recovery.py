@@ -609,8 +609,8 @@ def test_delete_removes_the_journal_and_max_sessions_counts_the_whole_server(ses
     assert_full()
     assert http("DELETE", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 204
     assert not journal_path(data, sids[1]).exists()
-    assert http("GET", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
-    assert http("DELETE", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 404
+    assert http("GET", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 410
+    assert http("DELETE", f"{base}/sessions/{sids[1]}", timeout=30).status_code == 410
     sids[1] = create(base)  # room for one again
     assert_full()
     server.close()

@@ -160,9 +160,14 @@ def _scenario(url: str, auth: bool) -> list[tuple[str, Answer]]:
             assert ask(f"{what}: wrong key", method, path, CHAT, headers=wrong)[0] == 401
         status, _, open_health = ask("health: no key", "GET", "/health", headers={})
         assert status == 200 and "sessions" not in open_health
-    assert ask("delete", "DELETE", base)[0] == 204
-    assert ask("delete again", "DELETE", base)[0] == 404
-    assert ask("get after delete", "GET", base)[0] == 404
+    status, headers, stale = ask("delete: stale If-Match", "DELETE", base, headers={**bearer, "If-Match": '"999"'})
+    assert status == 412 and "nothing was deleted" in stale["error"]
+    generation = headers["X-Miles-Session-Generation"]
+    assert ask("get after a refused delete", "GET", base)[0] == 200
+    status, headers, _ = ask("delete", "DELETE", base, headers={**bearer, "If-Match": f'"{generation}"'})
+    assert status == 204 and headers["X-Miles-Session-Generation"] == generation
+    assert ask("delete again", "DELETE", base)[0] == 410  # gone: its tombstone
+    assert ask("get after delete", "GET", base)[0] == 410
     return seen
 
 
