@@ -25,6 +25,7 @@ SERVER = [
     "setproctitle>=1.3,<2",
     "numpy>=1.24",
     "safetensors>=0.4",
+    "pybase64>=1.3",  # the records GET and each turn's R3 check are base64-bound (docs/dependencies.md)
 ]
 # The demo, above both: the session server's stack plus its progress bar and tables.
 DEMO = [

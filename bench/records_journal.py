@@ -556,8 +556,9 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
     buf = bytearray(READ_BUF)
     try:
         http = Http(server.url)
-        big_shard = 1 % args.workers
-        sid = new_session(http, big_shard, args.workers)
+        shards = max(1, args.workers)  # --workers 0: one in-process shard
+        big_shard = 1 % shards
+        sid = new_session(http, big_shard, shards)
         http.close()
         sampler.set_phase("build")
         print(f"  building {sid}: {turns} turns x ~{args.turn_mib:g} MiB (R3 {layers} layers x top-{topk}, "
@@ -723,7 +724,8 @@ def bench_prod(args: argparse.Namespace, tmp: Path) -> dict:
         time.sleep(1.0)
         out["worker_rss_idle"] = sampler.worker_max("start")
         http = Http(server.url)
-        sids = [new_session(http, i % args.workers, args.workers) for i in range(args.prod_sessions)]
+        shards = max(1, args.workers)
+        sids = [new_session(http, i % shards, shards) for i in range(args.prod_sessions)]
         http.close()
         sampler.set_phase("turns")
         builds: list[Build] = []

@@ -28,7 +28,6 @@ stalled clients never hold the pool.
 
 from __future__ import annotations
 
-import binascii
 import os
 import select
 import socket
@@ -38,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pybase64
 from werkzeug.http import parse_range_header, unquote_etag
 from werkzeug.wrappers import Response
 
@@ -308,7 +308,7 @@ class _FileBody:
         def encoded() -> None:
             nonlocal size
             if packed:
-                text = binascii.b2a_base64(b"".join(packed), newline=False)
+                text = pybase64.b64encode(b"".join(packed))
                 packed.clear()
                 out.append(text)
 
@@ -364,7 +364,7 @@ def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:
     """Characters ``[start, end)`` of the span's base64 text: only the quanta they fall in."""
     first, last = start // 4, (end + 3) // 4  # quanta: 3 bytes -> 4 characters
     lo, hi = first * 3, min(span.length, last * 3)
-    text = binascii.b2a_base64(_pread_all(fd, hi - lo, span.offset + lo), newline=False)
+    text = pybase64.b64encode(_pread_all(fd, hi - lo, span.offset + lo))
     return text[start - first * 4:end - first * 4]
 
 

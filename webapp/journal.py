@@ -92,6 +92,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pybase64
 
 from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
 from webapp.filebody import FileSpan, read_pieces, slice_pieces
@@ -283,10 +284,10 @@ def _canonical_b64(text: bytes) -> bytes | None:
     (the payload is then kept as text). Checked by re-encoding: base64 has other texts for
     the same bytes (newlines, non-zero padding bits) that must not be normalized away."""
     try:
-        packed = binascii.a2b_base64(text)
-    except binascii.Error:
+        packed = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
         return None
-    if b64_length(len(packed)) != len(text) or binascii.b2a_base64(packed, newline=False) != text:
+    if b64_length(len(packed)) != len(text) or pybase64.b64encode(packed) != text:
         return None
     return packed
 
