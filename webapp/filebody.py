@@ -60,6 +60,7 @@ __all__ = [
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
 _B64_CHUNK = 3 << 20  # packed bytes read per piece of a B64Span (a multiple of 3: the texts join)
 _BATCH = 2 << 20  # small pieces are gathered into writes of about this size
+_WHOLE_MAX = 8 << 20  # a journal up to this size may be read whole for a GET (see _FileBody)
 _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter ones join the batch
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
@@ -293,16 +294,36 @@ class _FileBody:
         except OSError:
             self.close()
             raise
+        # A small file whose spans add up to more than its size (a long text session's journal:
+        # a few MiB for hundreds of turns, while its records GET is hundreds of MiB of spans) is
+        # read once and its spans sliced from memory: a pread per span (one per record per
+        # earlier turn) cost more than the bytes. Never more bytes read than the preads would.
+        spanned: dict[str, int] = {}
+        for piece in pieces:
+            if isinstance(piece, _SPANS):
+                spanned[piece.path] = spanned.get(piece.path, 0) + piece.length
+        self._whole: dict[str, bytes] = {}
+        for path, fd in self._fds.items():
+            size = os.fstat(fd).st_size
+            if size <= _WHOLE_MAX and spanned[path] >= size:
+                self._whole[path] = os.pread(fd, size, 0)
         # sendfile only after something went through the server: its headers are on the wire.
         self._headers_out = False
+
+    def _read(self, path: str, offset: int, length: int) -> bytes | memoryview:
+        """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or a pread."""
+        whole = self._whole.get(path)
+        if whole is not None and offset + length <= len(whole):
+            return memoryview(whole)[offset:offset + length]
+        return _pread_all(self._fds[path], length, offset)
 
     def __iter__(self) -> Iterator[bytes]:
         # Small pieces (inline bytes, spans under _SENDFILE_MIN, base64 spans) are gathered and
         # written in _BATCH-sized pieces: a records GET is many short spans (each turn's share
         # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
         # are encoded together (each but the last a whole number of quanta: the texts join).
-        out: list[bytes] = []
-        packed: list[bytes] = []
+        out: list[bytes | memoryview] = []
+        packed: list[bytes | memoryview] = []
         size = 0
 
         def encoded() -> None:
@@ -323,9 +344,8 @@ class _FileBody:
 
         for piece in self._pieces:
             if isinstance(piece, B64Span):
-                fd = self._fds[piece.path]
                 for pos in range(0, piece.length, _B64_CHUNK):
-                    packed.append(_pread_all(fd, min(_B64_CHUNK, piece.length - pos), piece.offset + pos))
+                    packed.append(self._read(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
                     size += min(_B64_CHUNK, piece.length - pos)
                     if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
                         yield from flush()
@@ -335,9 +355,8 @@ class _FileBody:
                 out.append(piece)
                 size += len(piece)
             elif piece.length < _SENDFILE_MIN or self._sock is None:
-                fd = self._fds[piece.path]
                 for pos in range(0, piece.length, READ_CHUNK):
-                    out.append(_pread_all(fd, min(READ_CHUNK, piece.length - pos), piece.offset + pos))
+                    out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
                     if size >= _BATCH:
                         yield from flush()
@@ -355,6 +374,7 @@ class _FileBody:
         yield from flush()
 
     def close(self) -> None:
+        self._whole = {}
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
