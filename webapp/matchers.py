@@ -38,8 +38,6 @@ Imports only the error roots, so the launcher checks a selector without the sess
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import math
 from collections.abc import Callable
@@ -47,6 +45,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from webapp.errors import WebappError
+from webapp.named_functions import resolve_function
 from webapp.session_errors import SessionError
 
 __all__ = [
@@ -303,24 +302,7 @@ def resolve_matcher(selector: str | None) -> ConfiguredMatcher:
     if selector is not None and not isinstance(selector, str):
         raise UnknownMatcher(f"session message matcher {selector!r}: not a string")
     name = (selector or "").strip() or DEFAULT_MATCHER
-    fn: Any = MATCHERS.get(name) or _MILES_PATHS.get(name)
-    if fn is None:
-        module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
-        if not sep or not module_name or not attr:
-            raise UnknownMatcher(f"unknown session message matcher {name!r}: use one of {_choices()}, or an "
-                                 "import path package.module.function (or package.module:function)")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # any import-time failure of the named module is the selector's
-            raise UnknownMatcher(f"session message matcher {name!r}: cannot import {module_name!r}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        fn = module
-        for part in attr.split("."):
-            fn = getattr(fn, part, None)
-            if fn is None:
-                raise UnknownMatcher(f"session message matcher {name!r}: module {module_name!r} has no {attr!r}")
-    if not callable(fn):
-        raise UnknownMatcher(f"session message matcher {name!r}: {type(fn).__name__} is not callable")
-    if inspect.iscoroutinefunction(fn):
-        raise UnknownMatcher(f"session message matcher {name!r}: an async function; a synchronous one is required")
+    fn = resolve_function(name, {**MATCHERS, **_MILES_PATHS}, UnknownMatcher, "session message matcher",
+                          f"unknown session message matcher {name!r}: use one of {_choices()}, or an "
+                          "import path package.module.function (or package.module:function)")
     return ConfiguredMatcher(fn, name)

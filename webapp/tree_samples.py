@@ -40,8 +40,6 @@ decoder reads as "keep the driver's own reward").
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from webapp.errors import WebappError
+from webapp.named_functions import resolve_function
 from webapp.samples import WIRE_FIELDS, Sample, assemble_samples, encode_samples
 from webapp.session_errors import SampleHookFailed
 from webapp.tito import MAX_TRIM_TOKENS, TitoState, session_mismatch
@@ -244,26 +243,9 @@ def resolve_hook(selector: str, table: Mapping[str, SampleHook], what: str = "ho
     if not isinstance(selector, str) or not selector.strip():
         raise SampleHookSelectorError(f"{what}: empty selector (a name of {sorted(table)} or package.module:function)")
     selector = selector.strip()
-    fn: Any = table.get(selector) or _MILES_PATHS.get(selector)
-    if fn is None:
-        module_name, sep, attr = selector.partition(":") if ":" in selector else selector.rpartition(".")
-        if not sep or not module_name or not attr:
-            raise SampleHookSelectorError(f"{what} {selector!r}: not one of {sorted(table)} and not an import "
-                                          "path package.module:function")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # any import-time failure of the named module is the selector's
-            raise SampleHookSelectorError(f"{what} {selector!r}: cannot import {module_name!r}: "
-                                          f"{type(exc).__name__}: {exc}") from exc
-        fn = module
-        for part in attr.split("."):
-            fn = getattr(fn, part, None)
-            if fn is None:
-                raise SampleHookSelectorError(f"{what} {selector!r}: module {module_name!r} has no {attr!r}")
-    if not callable(fn):
-        raise SampleHookSelectorError(f"{what} {selector!r}: {type(fn).__name__} is not callable")
-    if inspect.iscoroutinefunction(fn):
-        raise SampleHookSelectorError(f"{what} {selector!r}: an async function; a synchronous one is required")
+    fn = resolve_function(selector, {**_MILES_PATHS, **table}, SampleHookSelectorError, what,
+                          f"{what} {selector!r}: not one of {sorted(table)} and not an import path "
+                          "package.module:function")
     hook: SampleHook = fn
     return hook
 
