@@ -67,13 +67,22 @@ def test_errors_surface_as_openai_exceptions(server):
     assert "only n=1" in bad.value.message and bad.value.code == "invalid_field"
     assert bad.value.response.json()["error"]["type"] == "invalid_request_error"
     assert requests.delete(f"{server.url}/sessions/{sid}", timeout=10).status_code == 204
-    with pytest.raises(openai.NotFoundError) as missing:
+    with pytest.raises(openai.APIStatusError) as gone:  # a deleted session is gone, not unknown
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}])
-    assert f"session not found: session_id={sid}" in missing.value.message  # was "Error code: 404" alone
+    assert gone.value.status_code == 410 and gone.value.code == "session_gone"
+    assert f"session reclaimed: session_id={sid}" in gone.value.message
+    never = "0" * 32
+    unknown = openai.OpenAI(base_url=f"{server.url}/sessions/{never}/v1", api_key="unused", max_retries=0,
+                            timeout=30)
+    with pytest.raises(openai.NotFoundError) as missing:
+        unknown.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}])
+    assert f"session not found: session_id={never}" in missing.value.message  # was "Error code: 404" alone
     assert missing.value.code == "session_not_found"
     # The session-management routes keep miles' shape.
-    assert requests.get(f"{server.url}/sessions/{sid}", timeout=10).json() == {
-        "error": f"session not found: session_id={sid}"}
+    assert requests.get(f"{server.url}/sessions/{never}", timeout=10).json() == {
+        "error": f"session not found: session_id={never}"}
+    assert requests.get(f"{server.url}/sessions/{sid}", timeout=10).json()["error"].startswith(
+        f"session reclaimed: session_id={sid}")
 
 
 def test_logprobs_in_openai_shape_when_asked(server):
