@@ -220,11 +220,14 @@ def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = No
         hosted = _HOSTED[loop] = weakref.WeakSet()
         _LOOPS[id(loop)] = loop
     hosted.add(connection)
-    _recount(loop)
+    _recount(loop, timer=False)
 
 
-def _recount(loop: asyncio.AbstractEventLoop) -> None:
-    _RECOUNT_SCHEDULED.discard(loop)
+def _recount(loop: asyncio.AbstractEventLoop, timer: bool = True) -> None:
+    # One recount timer per loop: a connect reports at once but must not start another chain
+    # (1024 connects would otherwise leave 1024 timers each counting the whole fleet).
+    if timer:
+        _RECOUNT_SCHEDULED.discard(loop)
     hosted = _HOSTED.get(loop)
     count = 0 if hosted is None else sum(1 for c in list(hosted) if not getattr(c, "closed", False))
     _AUTO.report(loop, count)

@@ -160,3 +160,27 @@ def test_a_loop_reports_its_open_connections_and_the_closed_ones_release():
     )
     assert state["engaged"] == [True, list(FLEET_GC_THRESHOLDS)]
     assert state["after"] == [False, [700, 10, 10]]
+
+
+def test_many_connects_on_one_loop_keep_one_recount_timer():
+    """Each connect reports at once; only one recount timer runs per loop (a timer per
+    connect would recount the whole fleet N times every interval)."""
+    import asyncio
+
+    from shinken_sync import fleetgc
+
+    class Conn:
+        closed = False
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        conns = [Conn() for _ in range(50)]
+        for c in conns:
+            fleetgc.host_connection(c, loop)
+        timers = sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
+        for c in conns:
+            c.closed = True
+        fleetgc._recount(loop)
+        return timers
+
+    assert asyncio.run(main()) == 1
