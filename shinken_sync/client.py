@@ -52,7 +52,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from . import actions as build
-from . import protocol
+from . import fleetgc, protocol
 from . import transport as transports
 from .client_protocol import (
     DEFAULT,
@@ -398,6 +398,7 @@ class AsyncSandbox:
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
+        fleetgc.host_connection(self, self._loop)  # the automatic fleet GC policy counts open connections
 
     # -- properties --------------------------------------------------------
 

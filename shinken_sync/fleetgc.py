@@ -22,10 +22,26 @@ collects every couple of steps). Cyclic garbage still gets collected, later.
 
 from __future__ import annotations
 
+import _thread
+import asyncio
 import gc
+import os
+import sys
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["FLEET_GC_THRESHOLDS", "GcTuning", "tune_gc_for_fleet"]
+__all__ = [
+    "AUTO_GC_ENV",
+    "FLEET_GC_ENGAGE_AT",
+    "FLEET_GC_RELEASE_BELOW",
+    "FLEET_GC_THRESHOLDS",
+    "FleetGcPolicy",
+    "GcTuning",
+    "auto_policy",
+    "host_connection",
+    "tune_gc_for_fleet",
+]
 
 #: ``gc.set_threshold`` values used by :func:`tune_gc_for_fleet`: gen 0 after
 #: this many net allocations (default 700), gen 1 after this many gen-0
@@ -59,3 +75,162 @@ def tune_gc_for_fleet(thresholds: tuple[int, int, int] | None = FLEET_GC_THRESHO
     if thresholds is not None:
         gc.set_threshold(*thresholds)
     return GcTuning(previous_thresholds=previous, frozen_objects=gc.get_freeze_count())
+
+
+# The SDK's own, default-on policy.
+#
+# While the process's SharedLoops together host at least FLEET_GC_ENGAGE_AT
+# open connections, the young-generation thresholds are raised to
+# FLEET_GC_THRESHOLDS; once the count falls below FLEET_GC_RELEASE_BELOW the
+# interpreter's previous thresholds come back. The gap is hysteresis, so a
+# fleet hovering around one number does not flip the collector back and forth.
+#
+# It deliberately does NOT freeze: gc.freeze() moves every object of the whole
+# process (the user's too) into the permanent generation, and the only undo,
+# gc.unfreeze(), would also thaw whatever the user froze themselves. Thresholds
+# are one process-wide triple the policy can save and put back exactly; and if
+# the user changed them meanwhile (or had raised them already, e.g. with
+# tune_gc_for_fleet), the policy leaves theirs alone.
+
+#: Environment variable switching the automatic policy: ``auto`` (default) or ``off``.
+AUTO_GC_ENV = "SHINKEN_FLEET_GC"
+#: Open connections (all SharedLoops of the process together) at which the policy engages.
+FLEET_GC_ENGAGE_AT = 64
+#: Below this many open connections an engaged policy restores the previous thresholds.
+FLEET_GC_RELEASE_BELOW = 32
+
+
+def _native_lock() -> _thread.LockType:
+    """A lock of the native thread kind even under gevent: the loop threads report
+    to the policy, and a gevent lock belongs to one hub's thread."""
+    monkey = sys.modules.get("gevent.monkey")
+    allocate = monkey.get_original("_thread", "allocate_lock") if monkey is not None else _thread.allocate_lock
+    lock: _thread.LockType = allocate()
+    return lock
+
+
+class FleetGcPolicy:
+    """Raise the collector's thresholds while the process hosts a fleet, restore after.
+
+    Each SharedLoop reports how many open connections it hosts with
+    :meth:`report`; the decision is on the process-wide sum. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        engage_at: int = FLEET_GC_ENGAGE_AT,
+        release_below: int = FLEET_GC_RELEASE_BELOW,
+        thresholds: tuple[int, int, int] = FLEET_GC_THRESHOLDS,
+    ) -> None:
+        if not 0 <= release_below <= engage_at:
+            raise ValueError(f"need 0 <= release_below <= engage_at, not {release_below}, {engage_at}")
+        self.enabled = enabled
+        self.engage_at = engage_at
+        self.release_below = release_below
+        self.thresholds = thresholds
+        self._lock = _native_lock()
+        self._counts: dict[int, int] = {}
+        self._previous: tuple[int, int, int] | None = None  # set while engaged
+        self._applied: tuple[int, int, int] | None = None
+
+    @property
+    def engaged(self) -> bool:
+        return self._previous is not None
+
+    @property
+    def connections(self) -> int:
+        return sum(self._counts.values())
+
+    def report(self, owner: object, connections: int) -> None:
+        """``owner`` (a loop) now hosts ``connections`` open connections; 0 forgets it."""
+        with self._lock:
+            if connections > 0:
+                self._counts[id(owner)] = connections
+            else:
+                self._counts.pop(id(owner), None)
+            for key, loop in list(_LOOPS.items()):  # a loop closed with connections open hosts none
+                if loop.is_closed():
+                    self._counts.pop(key, None)
+                    _LOOPS.pop(key, None)
+            total = sum(self._counts.values())
+            if self._previous is None:
+                if self.enabled and total >= self.engage_at:
+                    self._engage()
+            elif total < self.release_below or not self.enabled:
+                self._release()
+
+    def disable(self) -> None:
+        """Switch off, restoring the thresholds at once if engaged."""
+        with self._lock:
+            self.enabled = False
+            if self._previous is not None:
+                self._release()
+
+    def _engage(self) -> None:
+        current = gc.get_threshold()
+        if current[0] == 0 or current[0] >= self.thresholds[0]:
+            return  # collection disabled, or the user's own setting is already as lax: leave it
+        gc.set_threshold(*self.thresholds)
+        self._previous, self._applied = current, gc.get_threshold()
+
+    def _release(self) -> None:
+        previous, applied = self._previous, self._applied
+        self._previous = self._applied = None
+        if previous is not None and gc.get_threshold() == applied:  # else the user has set their own since
+            gc.set_threshold(*previous)
+
+
+def _enabled_from_env() -> bool:
+    setting = os.environ.get(AUTO_GC_ENV, "auto").strip().lower()
+    if setting not in ("auto", "off", ""):
+        raise ValueError(f"{AUTO_GC_ENV} must be auto or off, not {setting!r}")
+    return setting != "off"
+
+
+_AUTO = FleetGcPolicy(enabled=_enabled_from_env())
+
+
+def auto_policy() -> FleetGcPolicy:
+    """The process-wide policy the SharedLoops report to; ``auto_policy().disable()`` switches it off."""
+    return _AUTO
+
+
+#: Seconds between recounts of a loop's open connections (closed ones drop out at a recount).
+RECOUNT_INTERVAL = 2.0
+
+_HOSTED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOOPS: weakref.WeakValueDictionary[int, asyncio.AbstractEventLoop] = weakref.WeakValueDictionary()
+_RECOUNT_SCHEDULED: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Count ``connection`` (anything with a ``closed`` attribute) as hosted by ``loop``.
+
+    Called by every new client connection, on its loop. The count is reported
+    at once; a slow recount on the loop notices the closed ones (held weakly,
+    so collected ones drop out too).
+    """
+    loop = loop or asyncio.get_running_loop()
+    hosted = _HOSTED.get(loop)
+    if hosted is None:
+        hosted = _HOSTED[loop] = weakref.WeakSet()
+        _LOOPS[id(loop)] = loop
+    hosted.add(connection)
+    _recount(loop, timer=False)
+
+
+def _recount(loop: asyncio.AbstractEventLoop, timer: bool = True) -> None:
+    # One recount timer per loop: a connect reports at once but must not start another chain
+    # (1024 connects would otherwise leave 1024 timers each counting the whole fleet).
+    if timer:
+        _RECOUNT_SCHEDULED.discard(loop)
+    hosted = _HOSTED.get(loop)
+    count = 0 if hosted is None else sum(1 for c in list(hosted) if not getattr(c, "closed", False))
+    _AUTO.report(loop, count)
+    if count and loop not in _RECOUNT_SCHEDULED and not loop.is_closed():
+        _RECOUNT_SCHEDULED.add(loop)
+        loop.call_later(RECOUNT_INTERVAL, _recount, loop)

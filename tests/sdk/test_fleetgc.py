@@ -5,11 +5,15 @@ Each check runs in a fresh interpreter: the collector's state is process-wide.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
 import sys
 
-from shinken_sync.fleetgc import FLEET_GC_THRESHOLDS
+import pytest
+
+from shinken_sync.fleetgc import FLEET_GC_THRESHOLDS, FleetGcPolicy, auto_policy
 
 
 def _run(code: str) -> dict:
@@ -57,3 +61,126 @@ def test_thresholds_none_only_freezes():
         "print(json.dumps({'default': default, 'now': gc.get_threshold(), 'frozen': gc.get_freeze_count()}))\n"
     )
     assert state["now"] == state["default"] and state["frozen"] > 0
+
+
+# The automatic policy's decisions, on policy objects of their own; the
+# collector's thresholds are restored by each test whatever happens.
+
+
+@pytest.fixture
+def thresholds():
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    yield
+    gc.set_threshold(*saved)
+
+
+def _policy(**kw):
+    return FleetGcPolicy(engage_at=4, release_below=2, thresholds=(5000, 15, 25), **kw)
+
+
+def test_policy_engages_at_the_fleet_size_and_restores_below_the_release_mark(thresholds):
+    policy = _policy()
+    policy.report("a", 3)
+    assert not policy.engaged and gc.get_threshold() == (700, 10, 10)
+    policy.report("b", 1)  # the sum over loops counts
+    assert policy.engaged and gc.get_threshold() == (5000, 15, 25)
+    policy.report("b", 0)
+    assert policy.engaged  # 3: hysteresis, still above the release mark
+    policy.report("a", 1)
+    assert not policy.engaged and gc.get_threshold() == (700, 10, 10)
+
+
+def test_policy_leaves_thresholds_the_user_set_meanwhile(thresholds):
+    policy = _policy()
+    policy.report("a", 10)
+    gc.set_threshold(900, 11, 12)
+    policy.report("a", 0)
+    assert not policy.engaged and gc.get_threshold() == (900, 11, 12)
+
+
+def test_policy_does_not_engage_over_a_laxer_or_disabled_collector(thresholds):
+    gc.set_threshold(20_000, 20, 50)  # e.g. tune_gc_for_fleet already applied
+    policy = _policy()
+    policy.report("a", 10)
+    assert not policy.engaged and gc.get_threshold() == (20_000, 20, 50)
+    gc.set_threshold(0)
+    policy.report("a", 11)
+    assert not policy.engaged
+
+
+def test_disabled_policy_never_touches_the_collector_and_disable_restores(thresholds):
+    off = _policy(enabled=False)
+    off.report("a", 100)
+    assert not off.engaged and gc.get_threshold() == (700, 10, 10)
+    on = _policy()
+    on.report("a", 100)
+    on.disable()
+    assert not on.engaged and gc.get_threshold() == (700, 10, 10)
+
+
+def test_policy_rejects_release_above_engage():
+    with pytest.raises(ValueError):
+        FleetGcPolicy(engage_at=2, release_below=3)
+
+
+def test_env_switches_the_automatic_policy_off():
+    env_code = (
+        "import json; from shinken_sync.fleetgc import auto_policy\n"
+        "print(json.dumps({'enabled': auto_policy().enabled}))\n"
+    )
+    for value, expected in (("off", False), ("auto", True)):
+        out = subprocess.run(
+            [sys.executable, "-c", env_code],
+            capture_output=True, text=True, check=True, timeout=60,
+            env={**os.environ, "SHINKEN_FLEET_GC": value},
+        )
+        assert json.loads(out.stdout)["enabled"] is expected
+    assert isinstance(auto_policy(), FleetGcPolicy)
+
+
+def test_a_loop_reports_its_open_connections_and_the_closed_ones_release():
+    state = _run(
+        "import asyncio, gc, json\n"
+        "from shinken_sync import fleetgc\n"
+        "gc.set_threshold(700, 10, 10)\n"
+        "policy = fleetgc.auto_policy(); policy.engage_at = 2; policy.release_below = 1\n"
+        "fleetgc.RECOUNT_INTERVAL = 0.01\n"
+        "class Conn:\n"
+        "    closed = False\n"
+        "async def main():\n"
+        "    conns = [Conn(), Conn()]\n"
+        "    for c in conns: fleetgc.host_connection(c)\n"
+        "    engaged = [policy.engaged, gc.get_threshold()]\n"
+        "    for c in conns: c.closed = True\n"
+        "    while policy.engaged: await asyncio.sleep(0.01)\n"
+        "    return engaged\n"
+        "engaged = asyncio.run(main())\n"
+        "print(json.dumps({'engaged': engaged, 'after': [policy.engaged, gc.get_threshold()]}))\n"
+    )
+    assert state["engaged"] == [True, list(FLEET_GC_THRESHOLDS)]
+    assert state["after"] == [False, [700, 10, 10]]
+
+
+def test_many_connects_on_one_loop_keep_one_recount_timer():
+    """Each connect reports at once; only one recount timer runs per loop (a timer per
+    connect would recount the whole fleet N times every interval)."""
+    import asyncio
+
+    from shinken_sync import fleetgc
+
+    class Conn:
+        closed = False
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        conns = [Conn() for _ in range(50)]
+        for c in conns:
+            fleetgc.host_connection(c, loop)
+        timers = sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
+        for c in conns:
+            c.closed = True
+        fleetgc._recount(loop)
+        return timers
+
+    assert asyncio.run(main()) == 1
