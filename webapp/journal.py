@@ -86,7 +86,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -143,6 +143,7 @@ SUFFIX = ".journal"
 SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recovery
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
+_KNOWN_BYTES = 64 << 10  # per session: the last record's text fields kept for the next delta
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
 
 
@@ -354,9 +355,12 @@ def _base_field(base: RecordBody | None, i: int, kind: str, key: str | None) -> 
     return None
 
 
-def _encode_fields(raw: list[_Raw], base: RecordBody | None) -> tuple[list[Any], list[bytes]]:
+def _encode_fields(raw: list[_Raw], base: RecordBody | None,
+                   known: Mapping[int, bytes] | None = None) -> tuple[list[Any], list[bytes]]:
     """Each field as (meta, new bytes): text as [``t``, prefix, suffix, n] shared with the base
-    record's same field, replay rows as [``r``, key, prefix, n] (prefix a multiple of 3)."""
+    record's same field, replay rows as [``r``, key, prefix, n] (prefix a multiple of 3).
+    ``known``: the base record's text fields by index, as the journal wrote them last (not
+    read back from the file)."""
     metas: list[Any] = []
     bodies: list[bytes] = []
     for i, (kind, key, data) in enumerate(raw):
@@ -371,7 +375,12 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None) -> tuple[list[Any],
                 bodies.append(metas_body[1])
                 continue
             data = read_pieces(slice_pieces(data.held.pieces, 0, data.prefix)) + data.new
-        old_bytes = read_pieces(old.pieces) if old is not None else b""
+        if old is None:
+            old_bytes = b""
+        elif known is not None and kind == "t" and i in known:
+            old_bytes = known[i]
+        else:
+            old_bytes = read_pieces(old.pieces)
         p = _lcp(old_bytes, data)
         if kind == "t":
             s = _lcs(old_bytes, data, min(len(old_bytes), len(data)) - p)
@@ -445,10 +454,12 @@ def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | Non
 
 
 def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord, parts: RecordParts,
-                 base_record: RecordBody | None,
-                 node: dict[str, Any] | None = None) -> tuple[list[bytes], list[Any]]:
-    """A DELTA entry's payload (meta length, meta, sections) and its field metas. ``node``: a
-    tree node's ``{"parent": seq | None, "response_id"}`` (``base`` is then the parent's)."""
+                 base_record: RecordBody | None, node: dict[str, Any] | None = None,
+                 known: Mapping[int, bytes] | None = None,
+                 ) -> tuple[list[bytes], dict[str, Any], list[_Raw]]:
+    """A DELTA entry's payload (meta length, meta, sections), its meta as a value and the
+    record's fields as split. ``node``: a tree node's ``{"parent": seq | None, "response_id"}``
+    (``base`` is then the parent's). ``known``: see :func:`_encode_fields`."""
     assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
     k, packed_ids, tail = _id_delta(base.token_ids, state.token_ids)
     sections: list[bytes] = []
@@ -462,8 +473,8 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         lp_meta: Any = len(turn.logprobs)
     else:  # None or int logprobs: kept as the engine gave them
         lp_meta = list(turn.logprobs)
-    field_metas, bodies = _encode_fields(_split_record(parts, state.token_ids[:turn.prompt_len], base_record),
-                                        base_record)
+    raw = _split_record(parts, state.token_ids[:turn.prompt_len], base_record)
+    field_metas, bodies = _encode_fields(raw, base_record, known)
     meta = {
         "rollback": rollback,
         "messages": _delta(base.messages, state.messages),
@@ -482,7 +493,7 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         **(node or {}),
     }
     encoded = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
-    return [META_LENGTH.pack(len(encoded)), encoded, *sections, *bodies], field_metas
+    return [META_LENGTH.pack(len(encoded)), encoded, *sections, *bodies], meta, raw
 
 
 def decode_delta(meta: dict[str, Any], base: TitoState, base_record: RecordBody | None, fd: int, path: str,
@@ -554,6 +565,9 @@ class SessionJournal:
         self.usage = usage  # the data directory's shared byte total (None: not counted)
         self.max_bytes = max_bytes  # max_session_bytes (None: no cap)
         self.mtime_ns = 0  # the file's mtime after our last write: another writer changes it
+        # The last committed record and its text fields' bytes (at most _KNOWN_BYTES): the next
+        # turn's delta is taken against them without reading them back from the file.
+        self._known: tuple[RecordBody, dict[int, bytes]] | None = None
 
     @property
     def version(self) -> str:
@@ -573,7 +587,8 @@ class SessionJournal:
             meta = json.dumps({"sha256": image.sha256, "mime_type": image.mime_type, "width": image.width,
                                "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(meta, image.data)))
-        payload, _fields = encode_delta(base, state, rollback, turn, parts, base_record, node)
+        known = self._known[1] if self._known is not None and self._known[0] is base_record else None
+        payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known)
         entries.append(_entry(Kind.DELTA, payload))
         starts = self._append(entries)
         stored = {}
@@ -581,11 +596,12 @@ class SessionJournal:
             data_at = start + ENTRY_HEADER.size + META_LENGTH.size + len(entry[2])
             stored[image.sha256] = StoredImage(image.sha256, image.mime_type, image.width, image.height,
                                                FileSpan(self.path, data_at, len(image.data)))
-        meta = json.loads(payload[1])
         at = starts[-1] + ENTRY_HEADER.size + META_LENGTH.size + len(payload[1])
         end = starts[-1] + ENTRY_HEADER.size + sum(len(c) for c in payload)
         body_at = at + sum(len(c) for c in payload[2:2 + _sections(meta)])
         body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
+        texts = {i: data for i, (kind, _key, data) in enumerate(raw) if kind == "t" and isinstance(data, bytes)}
+        self._known = (body, texts) if sum(map(len, texts.values())) <= _KNOWN_BYTES else None
         return replace(turn, record=body, replay=body.replay_keys()), stored
 
     def _append(self, entries: list[list[bytes]], what: str = "the turn") -> list[int]:

@@ -374,3 +374,37 @@ def test_read_pieces_of_many_spans_of_one_file(tmp_path) -> None:
     path.write_bytes(bytes(range(256)) * 4)
     spans = [FileSpan(str(path), off, 7) for off in range(0, 1000, 100)]
     assert read_pieces([b"<", *spans, b">"]) == b"<" + b"".join(path.read_bytes()[o:o + 7] for o in range(0, 1000, 100)) + b">"
+
+
+def _reads_of_one_more_turn(data_dir, monkeypatch, known_bytes: int) -> tuple[int, bytes, bytes]:
+    from webapp import journal
+
+    monkeypatch.setattr(journal, "_KNOWN_BYTES", known_bytes)
+    core = core_on(data_dir)
+    sid = new_session(core)
+    msgs = play(core, sid, 2)
+    calls = []
+    real = journal.read_pieces
+
+    def counting(pieces):
+        calls.append(1)
+        return real(pieces)
+
+    monkeypatch.setattr(journal, "read_pieces", counting)
+    play(core, sid, 1, msgs)
+    monkeypatch.setattr(journal, "read_pieces", real)
+    served = core.get_session(sid).read()
+    core.close()
+    again = core_on(data_dir)
+    restored = again.get_session(sid).read()
+    again.close()
+    return len(calls), served, restored
+
+
+def test_a_commit_takes_its_delta_against_the_last_record_in_memory(tmp_path, monkeypatch):
+    """The last committed record's text fields are kept (bounded), so the next turn's delta does
+    not read them back from the journal; what is stored and served is the same either way."""
+    cached, served, restored = _reads_of_one_more_turn(tmp_path / "a", monkeypatch, 64 << 10)
+    uncached, served_u, restored_u = _reads_of_one_more_turn(tmp_path / "b", monkeypatch, -1)
+    assert uncached > 0 and cached < uncached
+    assert served == restored and served_u == restored_u
