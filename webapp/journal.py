@@ -584,9 +584,9 @@ class SessionJournal:
         Raises :class:`InsufficientStorage`: nothing written."""
         entries: list[list[bytes]] = []
         for image in images:
-            meta = json.dumps({"sha256": image.sha256, "mime_type": image.mime_type, "width": image.width,
-                               "height": image.height}, separators=(",", ":")).encode()
-            entries.append(_entry(Kind.IMAGE, _meta_payload(meta, image.data)))
+            facts = json.dumps({"sha256": image.sha256, "mime_type": image.mime_type, "width": image.width,
+                                "height": image.height}, separators=(",", ":")).encode()
+            entries.append(_entry(Kind.IMAGE, _meta_payload(facts, image.data)))
         known = self._known[1] if self._known is not None and self._known[0] is base_record else None
         payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known)
         entries.append(_entry(Kind.DELTA, payload))
