@@ -1,6 +1,6 @@
 """Screenshot turns benchmark: image chats through the session server.
 
-    python bench/images.py [--sessions 32] [--turns 20] [--workers 1 2] [--json OUT]
+    python bench/images.py [--sessions 32] [--turns 20] [--workers 1 2] [--hol] [--old DIR] [--json OUT]
 
 Per worker count, in one run: ``--sessions`` concurrent sessions x ``--turns`` turns, each turn
 adding one distinct 1280x720 JPEG (q80) as an OpenAI image part to a user message and
@@ -15,7 +15,13 @@ resending the full history (as agents do: turn k's body carries k screenshots). 
    chat waits for CPU, not behind whole bodies.
 
 The backend is the reference backend (it checks that the image pad runs match ``image_data``
-and hashes the images), so the backend's work is part of every figure. Everything shares the
+and hashes the images), so the backend's work is part of every figure; the CPU per turn is
+printed for the session server's processes (launcher, gunicorn router, workers: user + system
+from /proc over the image phase, the probe's few chats included) and for the backend apart.
+
+``--old DIR``: the same figures for the code of another checkout (its server and its reference
+backend started with ``PYTHONPATH=DIR``), alternated with this checkout's, worker count by
+worker count, ``--rounds`` times, in one run. Everything shares the
 same cores with the load generator (and, on the team's box, with other engineers' runs): read
 the figures as same-run ratios, not capacity.
 """
@@ -26,6 +32,7 @@ import argparse
 import base64
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,12 +41,14 @@ import gevent
 import gevent.event
 import gevent.pool
 import numpy as np
-from dataplane import Http, sessions_on, start_server  # importing it gevent-patches this process
+import psutil
+from dataplane import Http, sessions_on  # importing it gevent-patches this process
 from PIL import Image
 from scratch import scratch_state_home
 
 from shinken_sync.stats import percentile  # the one definition (docs/benchmarks.md)
-from webapp.reference_backend import start_reference_backend
+from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
+from webapp.serve import SessionServerProcess, start_session_server
 
 SIZE = (1280, 720)
 
@@ -125,8 +134,30 @@ def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Even
         http.close()
 
 
-def run(workers: int, backend_url: str, sessions: int, turns: int, pool_of_shots: list[bytes]) -> dict:
-    server = start_server(workers, backend_url)
+def code_env(code: str | None) -> dict[str, str]:
+    """The environment of a server or backend running ``code`` (a checkout; None: this one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
+    if code is not None:
+        env["PYTHONPATH"] = code
+    return env
+
+
+def tree_cpu(pid: int) -> float:
+    """User + system seconds of ``pid`` and all its descendants alive now."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def run(workers: int, backend: ReferenceBackendProcess, sessions: int, turns: int, pool_of_shots: list[bytes],
+        code: str | None = None) -> dict:
+    server: SessionServerProcess = start_session_server(workers, backend.url, env=code_env(code))
     try:
         url = server.url
         idle: list[float] = []
@@ -139,18 +170,22 @@ def run(workers: int, backend_url: str, sessions: int, turns: int, pool_of_shots
         stop = gevent.event.Event()
         prober = gevent.spawn(probe, url, workers, loaded, stop, 0)
         pool = gevent.pool.Pool(sessions)
+        cpu0, backend0 = tree_cpu(server.pid), tree_cpu(backend.proc.pid)
         start = time.perf_counter()
         results = pool.map(lambda i: image_session(url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
                                                                    for t in range(turns)], latencies),
                            range(sessions))
         elapsed = time.perf_counter() - start
+        server_cpu, backend_cpu = tree_cpu(server.pid) - cpu0, tree_cpu(backend.proc.pid) - backend0
         stop.set()
         prober.join()
     finally:
         server.close()
     stored = [r["records"] + r["images"] for r in results]
     sent = [r["sent"] for r in results]
-    return {"workers": workers, "turns": sessions * turns, "elapsed_s": elapsed,
+    return {"code": code or "this checkout", "workers": workers, "turns": sessions * turns, "elapsed_s": elapsed,
+            "server_cpu_ms_per_turn": 1e3 * server_cpu / (sessions * turns),
+            "backend_cpu_ms_per_turn": 1e3 * backend_cpu / (sessions * turns),
             "turns_per_s": sessions * turns / elapsed,
             "chat_p50_ms": 1e3 * percentile(latencies, 50), "chat_p99_ms": 1e3 * percentile(latencies, 99),
             "stored_per_session_bytes": statistics.mean(stored), "sent_per_session_bytes": statistics.mean(sent),
@@ -161,11 +196,12 @@ def run(workers: int, backend_url: str, sessions: int, turns: int, pool_of_shots
             "probe_loaded_n": len(loaded)}
 
 
-def run_hol(backend_url: str, sessions: int, turns: int, pool_of_shots: list[bytes]) -> dict:
+def run_hol(backend: ReferenceBackendProcess, sessions: int, turns: int, pool_of_shots: list[bytes],
+            code: str | None = None) -> dict:
     """workers=2, every image session on shard 0; a probe on shard 0 and one on shard 1 at once.
     Both share the machine's CPU; only the shard-0 probe shares the channel and the worker with
     the image chats, so the gap between the two is what the shard itself costs a small chat."""
-    server = start_server(2, backend_url)
+    server = start_session_server(2, backend.url, env=code_env(code))
     try:
         url = server.url
         sids = sessions_on(url, 0, 2, sessions)
@@ -180,12 +216,26 @@ def run_hol(backend_url: str, sessions: int, turns: int, pool_of_shots: list[byt
         gevent.joinall(probers)
     finally:
         server.close()
-    out = {"image_chat_p50_ms": 1e3 * percentile(latencies, 50)}
+    out: dict = {"code": code or "this checkout", "image_chat_p50_ms": 1e3 * percentile(latencies, 50)}
     for shard, values in probes.items():
         out[f"shard{shard}_p50_ms"] = 1e3 * percentile(values, 50)
         out[f"shard{shard}_p99_ms"] = 1e3 * percentile(values, 99)
         out[f"shard{shard}_n"] = len(values)
     return out
+
+
+def report_run(r: dict) -> None:
+    print(f"[{r['code']}] workers={r['workers']}: {r['turns_per_s']:.1f} turns/s ({r['turns']} turns in "
+          f"{r['elapsed_s']:.1f} s), chat p50 {r['chat_p50_ms']:.0f} ms p99 {r['chat_p99_ms']:.0f} ms; CPU per turn: "
+          f"server {r['server_cpu_ms_per_turn']:.1f} ms, reference backend {r['backend_cpu_ms_per_turn']:.1f} ms",
+          flush=True)
+    print(f"  per session: sent {r['sent_per_session_bytes'] / 2**20:.1f} MiB in request bodies, stored "
+          f"{r['stored_per_session_bytes'] / 2**20:.2f} MiB (records {r['records_per_session_bytes'] / 2**20:.2f}"
+          f" MiB + images once {r['images_per_session_bytes'] / 2**20:.2f} MiB): "
+          f"{r['sent_per_session_bytes'] / r['stored_per_session_bytes']:.1f}x less", flush=True)
+    print(f"  probe text chat on shard 0: idle p50 {r['probe_idle_p50_ms']:.1f} / p99 "
+          f"{r['probe_idle_p99_ms']:.1f} ms; during the image chats p50 {r['probe_loaded_p50_ms']:.1f} / p99 "
+          f"{r['probe_loaded_p99_ms']:.1f} ms ({r['probe_loaded_n']} probes)", flush=True)
 
 
 def main() -> None:
@@ -196,38 +246,37 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--hol", action="store_true",
                         help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
+    parser.add_argument("--old", default=None, help="also run this checkout's code (PYTHONPATH), alternated")
+    parser.add_argument("--rounds", type=int, default=1, help="with --old: alternations")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
     shots = screenshots(max(args.turns, 40))
     print(f"screenshots: {SIZE[0]}x{SIZE[1]} JPEG q80, mean {statistics.mean(map(len, shots)) / 1024:.0f} KiB; "
           f"{args.sessions} sessions x {args.turns} turns, full history resent each turn", flush=True)
-    backend = start_reference_backend()
-    report = []
-    try:
+    codes: list[str | None] = [args.old, None] if args.old else [None]
+    report: list[dict] = []
+    for _ in range(args.rounds):
         for workers in args.workers:
-            r = run(workers, backend.url, args.sessions, args.turns, shots)
-            report.append(r)
-            print(f"workers={workers}: {r['turns_per_s']:.1f} turns/s ({r['turns']} turns in {r['elapsed_s']:.1f} s), "
-                  f"chat p50 {r['chat_p50_ms']:.0f} ms p99 {r['chat_p99_ms']:.0f} ms", flush=True)
-            print(f"  per session: sent {r['sent_per_session_bytes'] / 2**20:.1f} MiB in request bodies, stored "
-                  f"{r['stored_per_session_bytes'] / 2**20:.2f} MiB (records {r['records_per_session_bytes'] / 2**20:.2f}"
-                  f" MiB + images once {r['images_per_session_bytes'] / 2**20:.2f} MiB): "
-                  f"{r['sent_per_session_bytes'] / r['stored_per_session_bytes']:.1f}x less", flush=True)
-            print(f"  probe text chat on shard 0: idle p50 {r['probe_idle_p50_ms']:.1f} / p99 "
-                  f"{r['probe_idle_p99_ms']:.1f} ms; during the image chats p50 {r['probe_loaded_p50_ms']:.1f} / p99 "
-                  f"{r['probe_loaded_p99_ms']:.1f} ms ({r['probe_loaded_n']} probes)", flush=True)
-        if len(report) == 2:
-            print(f"turns/s workers={report[1]['workers']} / workers={report[0]['workers']}: "
-                  f"x{report[1]['turns_per_s'] / report[0]['turns_per_s']:.2f}", flush=True)
+            for code in codes:
+                backend = start_reference_backend(env=code_env(code))
+                try:
+                    r = run(workers, backend, args.sessions, args.turns, shots, code)
+                finally:
+                    backend.close()
+                report.append(r)
+                report_run(r)
         if args.hol:
-            r = run_hol(backend.url, args.sessions // 2, args.turns, shots)
-            report.append({"hol": r})
-            print(f"head-of-line (workers=2, {args.sessions // 2} image sessions all on shard 0, image chat p50 "
-                  f"{r['image_chat_p50_ms']:.0f} ms): text probe on shard 0 p50 {r['shard0_p50_ms']:.1f} / p99 "
-                  f"{r['shard0_p99_ms']:.1f} ms ({r['shard0_n']}), on shard 1 p50 {r['shard1_p50_ms']:.1f} / p99 "
-                  f"{r['shard1_p99_ms']:.1f} ms ({r['shard1_n']})", flush=True)
-    finally:
-        backend.close()
+            for code in codes:
+                backend = start_reference_backend(env=code_env(code))
+                try:
+                    h = run_hol(backend, args.sessions // 2, args.turns, shots, code)
+                finally:
+                    backend.close()
+                report.append({"hol": h})
+                print(f"[{h['code']}] head-of-line (workers=2, {args.sessions // 2} image sessions all on shard 0, "
+                      f"image chat p50 {h['image_chat_p50_ms']:.0f} ms): text probe on shard 0 p50 "
+                      f"{h['shard0_p50_ms']:.1f} / p99 {h['shard0_p99_ms']:.1f} ms ({h['shard0_n']}), on shard 1 p50 "
+                      f"{h['shard1_p50_ms']:.1f} / p99 {h['shard1_p99_ms']:.1f} ms ({h['shard1_n']})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

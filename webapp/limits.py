@@ -5,6 +5,8 @@ with a 124 MiB message kept a worker busy for seconds (tokenizing, then encoding
 ids). These limits match the work instead, and are checked before it is done:
 
 - JSON: more than :data:`MAX_JSON_CONTAINERS` brackets are refused before decoding (413),
+  (the long base64 data URLs of image parts are cut out of the text before decoding and put
+  back after: :func:`loads_strict`, same value, same errors),
   ``NaN``/``Infinity`` literals are refused at decode, nesting deeper than
   :data:`MAX_JSON_DEPTH` is refused (400, ``InvalidJSON``) before any code walks it, and so
   is a lone surrogate escape (``"\\ud800"``: not text, it cannot be encoded into a record).
@@ -31,6 +33,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
+
+import pybase64
 
 from webapp.session_errors import BodyTooLarge, InvalidJSON, SessionError
 from webapp.settings import default
@@ -130,6 +134,83 @@ def json_depth_exceeds(body: bytes | str, max_depth: int) -> bool:
     return True
 
 
+# A string this long that is a base64 data URL is cut out of the text before decoding (below).
+_CUT_MIN_CHARS = 4096
+_DATA_URL_OPEN = '"data:image/'
+_DATA_URL_HEAD = re.compile(r'"data:image/(?:jpeg|jpg|png);base64,')
+_CUT_MARK = "\x00"  # a cut string's stand-in is this + its index, written "\\u0000<index>"
+_CUT_MARK_ESCAPE = "\\u0000"
+_WS = " \t\n\r"
+
+
+def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
+    """``text`` with each long ``"data:image/(jpeg|jpg|png);base64,<base64>"`` string value
+    replaced by ``"\\u0000<k>"``, and the k-th URL; None when nothing is cut.
+
+    What makes the result decode to the same value but for those strings: a cut string opens
+    after ``:``, ``[`` or ``,`` (so its quote is no escaped one: in valid JSON it opens a string),
+    is no object key (no ``:`` after it), and its payload is base64 (no backslash, quote or
+    control character: ``json`` would decode it to exactly its text). Valid JSON stays valid and
+    invalid stays invalid (the cut keeps the tokens' boundaries), and no stand-in can collide
+    with a client's string: nothing is cut when the text outside the cut strings holds the
+    ``\\u0000`` escape, the only way a decoded string starts with NUL.
+    """
+    start = text.find(_DATA_URL_OPEN)
+    if start < 0:
+        return None
+    pieces: list[str] = []
+    urls: list[str] = []
+    last = 0
+    while start >= 0:
+        end = text.find('"', start + 1)
+        if end < 0:
+            break
+        if end - start > _CUT_MIN_CHARS and _cuttable(text, start, end):
+            pieces += (text[last:start], f'"{_CUT_MARK_ESCAPE}{len(urls)}"')
+            urls.append(text[start + 1:end])
+            last = end + 1
+        start = text.find(_DATA_URL_OPEN, end + 1)
+    if not urls:
+        return None
+    pieces.append(text[last:])
+    if any(_CUT_MARK_ESCAPE in piece for piece in pieces[::2]):  # the text between the cuts
+        return None
+    return "".join(pieces), urls
+
+
+def _cuttable(text: str, start: int, end: int) -> bool:
+    # The neighbours past at most 64 whitespace characters (more: not cut, not worth the care).
+    before = text[max(0, start - 64):start].rstrip(_WS)[-1:]
+    after = text[end + 1:end + 65].lstrip(_WS)[:1]
+    if before not in (":", "[", ",") or after not in (",", "]", "}"):
+        return False  # not a value in an array or object (a key, or not valid JSON here)
+    head = _DATA_URL_HEAD.match(text, start, end)
+    if head is None:
+        return False
+    try:
+        pybase64.b64decode(text[head.end():end], validate=True)  # SIMD; only the alphabet passes
+    except ValueError:
+        return False
+    return True
+
+
+def _put_back(value: Any, urls: list[str]) -> int:
+    """Put the cut URLs back into the decoded ``value`` (in place); how many were put back."""
+    restored = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            if isinstance(child, str):
+                if child[:1] == _CUT_MARK and child[1:].isdigit() and int(child[1:]) < len(urls):
+                    node[key] = urls[int(child[1:])]
+                    restored += 1
+            elif isinstance(child, (dict, list)):
+                stack.append(child)
+    return restored
+
+
 # Walking a decoded container costs about what scanning this many bytes of text does.
 _WALK_BYTES_PER_CONTAINER = 64
 
@@ -156,11 +237,31 @@ def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> A
     copy of the body is made besides its decoded text). Raises ``InvalidJSON`` (400) for
     anything else than strict JSON of bounded depth, and :class:`LimitExceeded` (413) for a
     body with more than :data:`MAX_JSON_CONTAINERS` brackets (before decoding the JSON).
+
+    A screenshot turn's body is mostly base64 data URLs, which ``json`` would scan character
+    by character (and the checks with it): they are cut out of the text before decoding and
+    put back into the value after (:func:`_cut_data_urls`), so the decoding and every check
+    runs over the rest. The value is the same; a body the cut text fails on is decoded again
+    whole, so its error is the same too.
     """
     try:
         text = str(body, "utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidJSON(f"invalid JSON body: {exc}") from exc
+    cut = _cut_data_urls(text) if len(text) > _CUT_MIN_CHARS else None
+    if cut is not None:
+        try:
+            value = _loads_text(cut[0], max_depth)
+        except (ValueError, SessionError):
+            pass  # the error as the whole text gives it
+        else:
+            if _put_back(value, cut[1]) == len(cut[1]):
+                return value
+    return _loads_text(text, max_depth)
+
+
+def _loads_text(text: str, max_depth: int) -> Any:
+    """:func:`loads_strict` of the decoded text."""
     containers = text.count("[") + text.count("{")
     if containers > MAX_JSON_CONTAINERS:
         raise LimitExceeded("max_json_containers", MAX_JSON_CONTAINERS, containers,

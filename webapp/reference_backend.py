@@ -358,15 +358,17 @@ class ReferenceBackendProcess:
 
 
 def start_reference_backend(*, tokenizer: str | None = None, r3_layers: int = 0, r3_topk: int = 8,
-                            bind: str = "127.0.0.1:0", timeout: float = READY_TIMEOUT) -> ReferenceBackendProcess:
-    """Start the reference backend as a subprocess and wait (at most ``timeout``) for its ready line."""
+                            bind: str = "127.0.0.1:0", timeout: float = READY_TIMEOUT,
+                            env: dict[str, str] | None = None) -> ReferenceBackendProcess:
+    """Start the reference backend as a subprocess and wait (at most ``timeout``) for its ready
+    line; ``env``: its environment (None: this process's)."""
     argv = [sys.executable, "-m", "webapp.reference_backend", "--bind", bind, "--exit-with-parent",
             "--r3-layers", str(r3_layers), "--r3-topk", str(r3_topk)]
     if tokenizer is not None:
         argv += ["--tokenizer", tokenizer]
     # Its own session: a terminal's Ctrl-C reaches its launcher only, which stops it (a SIGINT'd
     # backend exits 0 and a supervisor would restart it, saying so, on every Ctrl-C).
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     assert proc.stdout is not None
     try:
         ready = parse_ready_line(read_ready_line(proc.stdout.fileno(), timeout))
