@@ -73,34 +73,79 @@ def screenshots(count: int, seed: int = 0) -> list[bytes]:
     return out
 
 
+class ImageConversation:
+    """One session's agent loop: each turn adds one screenshot and resends the history."""
+
+    def __init__(self, url: str, sid: str, shots: list[bytes]) -> None:
+        self.http = Http(url)
+        self.sid = sid
+        self.shots = shots
+        self.encoded: list[bytes] = [json.dumps({"role": "system", "content": "You operate a desktop."}).encode()]
+        self.sent = 0
+
+    def turn(self, turn: int, latencies: list[float]) -> None:
+        url_ = "data:image/jpeg;base64," + base64.b64encode(self.shots[turn]).decode()
+        self.encoded.append(json.dumps({"role": "user", "content": [
+            {"type": "text", "text": f"turn {turn}: the screen now"},
+            {"type": "image_url", "image_url": {"url": url_}}]}).encode())
+        body = b'{"model":"m","max_tokens":64,"messages":[' + b",".join(self.encoded) + b"]}"
+        self.sent += len(body)
+        start = time.perf_counter()
+        status, reply = self.http.request("POST", f"/sessions/{self.sid}/v1/chat/completions", body)
+        latencies.append(time.perf_counter() - start)
+        if status != 200:
+            raise RuntimeError(f"turn {turn}: {status} {reply[:300]!r}")
+        content = json.loads(reply)["choices"][0]["message"]["content"]
+        self.encoded.append(json.dumps({"role": "assistant", "content": content}).encode())
+
+    def finish(self) -> dict:
+        """The bytes sent and stored; deletes the session."""
+        try:
+            _, records = self.http.request("GET", f"/sessions/{self.sid}")
+            _, with_images = self.http.request("GET", f"/sessions/{self.sid}?images=1")
+            images = json.loads(with_images)["images"]
+            image_bytes = sum(len(base64.b64decode(i["data"])) for i in images.values())
+            self.http.request("DELETE", f"/sessions/{self.sid}")
+            return {"sent": self.sent, "records": len(records), "images": image_bytes, "unique_images": len(images)}
+        finally:
+            self.http.close()
+
+
 def image_session(url: str, sid: str, shots: list[bytes], latencies: list[float]) -> dict:
     """One session's turns; returns the bytes sent and stored."""
-    http = Http(url)
-    encoded: list[bytes] = [json.dumps({"role": "system", "content": "You operate a desktop."}).encode()]
-    sent = 0
+    conversation = ImageConversation(url, sid, shots)
     try:
-        for turn, shot in enumerate(shots):
-            url_ = "data:image/jpeg;base64," + base64.b64encode(shot).decode()
-            encoded.append(json.dumps({"role": "user", "content": [
-                {"type": "text", "text": f"turn {turn}: the screen now"},
-                {"type": "image_url", "image_url": {"url": url_}}]}).encode())
-            body = b'{"model":"m","max_tokens":64,"messages":[' + b",".join(encoded) + b"]}"
-            sent += len(body)
-            start = time.perf_counter()
-            status, reply = http.request("POST", f"/sessions/{sid}/v1/chat/completions", body)
-            latencies.append(time.perf_counter() - start)
-            if status != 200:
-                raise RuntimeError(f"turn {turn}: {status} {reply[:300]!r}")
-            content = json.loads(reply)["choices"][0]["message"]["content"]
-            encoded.append(json.dumps({"role": "assistant", "content": content}).encode())
-        _, records = http.request("GET", f"/sessions/{sid}")
-        _, with_images = http.request("GET", f"/sessions/{sid}?images=1")
-        images = json.loads(with_images)["images"]
-        image_bytes = sum(len(base64.b64decode(i["data"])) for i in images.values())
-        http.request("DELETE", f"/sessions/{sid}")
-        return {"sent": sent, "records": len(records), "images": image_bytes, "unique_images": len(images)}
-    finally:
+        for turn in range(len(shots)):
+            conversation.turn(turn, latencies)
+    except BaseException:
+        conversation.http.close()
+        raise
+    return conversation.finish()
+
+
+def run_lockstep(workers: int, backend: ReferenceBackendProcess, sessions: int, turns: int,
+                 pool_of_shots: list[bytes], code: str | None = None) -> dict:
+    """Every session's turn k together, then turn k + 1: the server's and the backend's CPU per
+    turn at each history length (turn k's body carries k screenshots)."""
+    server = start_session_server(workers, backend.url, env=code_env(code))
+    try:
+        http = Http(server.url)
+        sids = [json.loads(http.request("POST", "/sessions")[1])["session_id"] for _ in range(sessions)]
         http.close()
+        conversations = [ImageConversation(server.url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
+                                                                   for t in range(turns)]) for i in range(sessions)]
+        server_ms, backend_ms, latencies = [], [], []
+        for turn in range(turns):
+            cpu0, backend0 = tree_cpu(server.pid), tree_cpu(backend.proc.pid)
+            gevent.joinall([gevent.spawn(c.turn, turn, latencies) for c in conversations], raise_error=True)
+            server_ms.append(1e3 * (tree_cpu(server.pid) - cpu0) / sessions)
+            backend_ms.append(1e3 * (tree_cpu(backend.proc.pid) - backend0) / sessions)
+        for c in conversations:
+            c.finish()
+    finally:
+        server.close()
+    return {"code": code or "this checkout", "workers": workers, "server_cpu_ms_by_images": server_ms,
+            "backend_cpu_ms_by_images": backend_ms}
 
 
 def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Event | None, count: int,
@@ -134,11 +179,15 @@ def probe(url: str, shards: int, latencies: list[float], stop: gevent.event.Even
         http.close()
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def code_env(code: str | None) -> dict[str, str]:
-    """The environment of a server or backend running ``code`` (a checkout; None: this one)."""
+    """The environment of a server or backend running ``code`` (a checkout; None: this one).
+    They start as ``python -m``, which puts the working directory first on ``sys.path``:
+    :func:`main` leaves the checkout for ``/`` so PYTHONPATH decides."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHINKEN_")}
-    if code is not None:
-        env["PYTHONPATH"] = code
+    env["PYTHONPATH"] = os.path.abspath(code) if code is not None else CHECKOUT
     return env
 
 
@@ -248,8 +297,11 @@ def main() -> None:
                         help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
     parser.add_argument("--old", default=None, help="also run this checkout's code (PYTHONPATH), alternated")
     parser.add_argument("--rounds", type=int, default=1, help="with --old: alternations")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="also: the sessions' turns in lockstep, CPU per turn by its number of screenshots")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
+    os.chdir("/")  # see code_env
     shots = screenshots(max(args.turns, 40))
     print(f"screenshots: {SIZE[0]}x{SIZE[1]} JPEG q80, mean {statistics.mean(map(len, shots)) / 1024:.0f} KiB; "
           f"{args.sessions} sessions x {args.turns} turns, full history resent each turn", flush=True)
@@ -265,6 +317,22 @@ def main() -> None:
                     backend.close()
                 report.append(r)
                 report_run(r)
+        if args.lockstep:
+            for workers in args.workers:
+                for code in codes:
+                    backend = start_reference_backend(env=code_env(code))
+                    try:
+                        k = run_lockstep(workers, backend, args.sessions, args.turns, shots, code)
+                    finally:
+                        backend.close()
+                    report.append({"lockstep": k})
+                    last = args.turns - 1
+                    print(f"[{k['code']}] lockstep workers={workers}: CPU per turn (server / reference backend) at 1 "
+                          f"screenshot {k['server_cpu_ms_by_images'][0]:.1f} / {k['backend_cpu_ms_by_images'][0]:.1f} "
+                          f"ms, at {last // 2 + 1}: {k['server_cpu_ms_by_images'][last // 2]:.1f} / "
+                          f"{k['backend_cpu_ms_by_images'][last // 2]:.1f} ms, at {last + 1}: "
+                          f"{k['server_cpu_ms_by_images'][last]:.1f} / {k['backend_cpu_ms_by_images'][last]:.1f} ms",
+                          flush=True)
         if args.hol:
             for code in codes:
                 backend = start_reference_backend(env=code_env(code))
