@@ -214,7 +214,7 @@ def _input_ids(request: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("need input_ids or messages")
         return tokenizer.encode(tokenizer.render(messages, add_generation_prompt=True, tools=request.get("tools")))
-    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
         raise _BadRequest("input_ids must be a non-empty list of non-negative integers")
     return ids
 
