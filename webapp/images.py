@@ -34,7 +34,6 @@ height) -> int`` serves (a model with another processor brings its own).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 import io
@@ -45,6 +44,8 @@ from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import pybase64
 
 from webapp.limits import require_positive
 from webapp.session_errors import (
@@ -164,7 +165,7 @@ def decode_data_url(url: Any, where: str, limits: ImageLimits,
     if len(encoded) // 4 * 3 > limits.max_image_bytes + 2:
         raise ImageTooLarge(where, f"over max_image_bytes={limits.max_image_bytes} bytes")
     try:
-        data = base64.b64decode(encoded, validate=True)
+        data = pybase64.b64decode(encoded, validate=True)  # binascii's checks, SIMD
     except (binascii.Error, ValueError):
         raise ImageNotBase64(where, "the data URL's payload is not base64") from None
     if len(data) > limits.max_image_bytes:
@@ -184,6 +185,10 @@ def _decode(data: bytes, digest: str, where: str) -> DecodedImage:
             width, height = img.size
             if width * height > MAX_IMAGE_PIXELS:
                 raise ImageTooLarge(where, f"{width}x{height} pixels, over {MAX_IMAGE_PIXELS}")
+            if img.format == "JPEG":
+                # libjpeg's DCT scaling: every scan's entropy-coded data is still decoded (a
+                # truncated file fails as before), only at 1/8 of the size (~3x less CPU).
+                img.draft(img.mode, (width // 8, height // 8))
             img.load()  # the whole image: a truncated or corrupt file fails here, not in the engine
             mime = _FORMATS[img.format]
     except ImageRefused:

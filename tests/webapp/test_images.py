@@ -139,8 +139,8 @@ def test_a_committed_image_is_recognised_by_its_data_url_without_decoding_it(mon
     held, learned = dict(first.new), dict(first.url_keys)
     assert list(learned.values()) == [hashlib.sha256(a).hexdigest()]
     decoded: list[str] = []
-    real = images_module.base64.b64decode
-    monkeypatch.setattr(images_module.base64, "b64decode", lambda s, **kw: decoded.append(s) or real(s, **kw))
+    real = images_module.pybase64.b64decode
+    monkeypatch.setattr(images_module.pybase64, "b64decode", lambda s, **kw: decoded.append(s) or real(s, **kw))
     reply = {"role": "assistant", "content": "ok"}
     second = extract_images([user("one", a), reply, user("two", b)], ImageLimits(), held, learned)
     assert len(decoded) == 1 and base64.b64decode(decoded[0]) == b  # only the new screenshot decoded
@@ -231,6 +231,36 @@ def test_a_truncated_image_is_undecodable():
     whole = png(64, 64, 5, "JPEG")
     with pytest.raises(ImageUndecodable):
         extract_images([user("x", whole[: len(whole) // 2])], ImageLimits(), {})
+
+
+def test_a_jpeg_is_refused_exactly_when_its_full_size_decode_fails():
+    """JPEGs are decoded at 1/8 size (libjpeg's DCT scaling): the same files must fail."""
+    import random
+
+    rng = random.Random(3)
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (320, 200), rng.randbytes(320 * 200 * 3)).save(buf, "JPEG", quality=80)
+    whole = buf.getvalue()
+    outcomes = set()
+    for _ in range(40):
+        cut = rng.randrange(len(whole))
+        data = bytearray(whole[:cut] if rng.random() < 0.5 else whole)
+        for _ in range(rng.randint(0, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            with Image.open(io.BytesIO(bytes(data))) as img:
+                img.load()
+            full_ok = True
+        except Exception:
+            full_ok = False
+        try:
+            extract_images([user("x", bytes(data))], ImageLimits(), {})
+            ours_ok = True
+        except ImageUndecodable:
+            ours_ok = False
+        assert ours_ok == full_ok, cut
+        outcomes.add(ours_ok)
+    assert outcomes == {True, False}  # both kinds were tried
 
 
 def test_the_reference_backend_output_depends_on_one_pixel():
