@@ -273,6 +273,17 @@ def run_hol(backend: ReferenceBackendProcess, sessions: int, turns: int, pool_of
     return out
 
 
+def bands(turns: int) -> list[tuple[int, int]]:
+    """The first, middle and last five turns (turn k carries k screenshots)."""
+    width = min(5, turns)
+    middle = max(0, turns // 2 - width // 2)
+    return sorted({(0, width), (middle, middle + width), (turns - width, turns)})
+
+
+def band(values: list[float], lo: int, hi: int) -> float:
+    return statistics.mean(values[lo:hi])
+
+
 def report_run(r: dict) -> None:
     print(f"[{r['code']}] workers={r['workers']}: {r['turns_per_s']:.1f} turns/s ({r['turns']} turns in "
           f"{r['elapsed_s']:.1f} s), chat p50 {r['chat_p50_ms']:.0f} ms p99 {r['chat_p99_ms']:.0f} ms; CPU per turn: "
@@ -297,6 +308,7 @@ def main() -> None:
                         help="also: workers=2, all image sessions on shard 0, probes on shard 0 and shard 1")
     parser.add_argument("--old", default=None, help="also run this checkout's code (PYTHONPATH), alternated")
     parser.add_argument("--rounds", type=int, default=1, help="with --old: alternations")
+    parser.add_argument("--no-throughput", action="store_true", help="skip the turns/s runs")
     parser.add_argument("--lockstep", action="store_true",
                         help="also: the sessions' turns in lockstep, CPU per turn by its number of screenshots")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
@@ -308,7 +320,7 @@ def main() -> None:
     codes: list[str | None] = [args.old, None] if args.old else [None]
     report: list[dict] = []
     for _ in range(args.rounds):
-        for workers in args.workers:
+        for workers in [] if args.no_throughput else args.workers:
             for code in codes:
                 backend = start_reference_backend(env=code_env(code))
                 try:
@@ -326,13 +338,10 @@ def main() -> None:
                     finally:
                         backend.close()
                     report.append({"lockstep": k})
-                    last = args.turns - 1
-                    print(f"[{k['code']}] lockstep workers={workers}: CPU per turn (server / reference backend) at 1 "
-                          f"screenshot {k['server_cpu_ms_by_images'][0]:.1f} / {k['backend_cpu_ms_by_images'][0]:.1f} "
-                          f"ms, at {last // 2 + 1}: {k['server_cpu_ms_by_images'][last // 2]:.1f} / "
-                          f"{k['backend_cpu_ms_by_images'][last // 2]:.1f} ms, at {last + 1}: "
-                          f"{k['server_cpu_ms_by_images'][last]:.1f} / {k['backend_cpu_ms_by_images'][last]:.1f} ms",
-                          flush=True)
+                    print(f"[{k['code']}] lockstep workers={workers}: CPU per turn, server / reference backend: "
+                          + "; ".join(f"turns {lo + 1}-{hi}: {band(k['server_cpu_ms_by_images'], lo, hi):.1f} / "
+                                      f"{band(k['backend_cpu_ms_by_images'], lo, hi):.1f} ms"
+                                      for lo, hi in bands(args.turns)), flush=True)
         if args.hol:
             for code in codes:
                 backend = start_reference_backend(env=code_env(code))
