@@ -161,7 +161,11 @@ def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
     pieces: list[str] = []
     urls: list[str] = []
     last = 0
-    while start >= 0:
+    # Candidates looked at, bounded by what could be cut: a body of millions of short
+    # '"data:image/' strings costs no more than one pass of finds.
+    budget = len(text) // _CUT_MIN_CHARS + 64
+    while start >= 0 and budget > 0:
+        budget -= 1
         end = text.find('"', start + 1)
         if end < 0:
             break

@@ -94,3 +94,17 @@ def test_mutated_image_bodies_decode_as_the_whole_text() -> None:
         except UnicodeDecodeError:
             continue
         assert outcome(loads_strict, data) == outcome(whole, data)
+
+
+def test_many_short_data_urls_bound_the_scan_and_decode_alike() -> None:
+    """Short '"data:image/' strings are looked at a bounded number of times; the long ones
+    past that bound are decoded with the rest (same value)."""
+    value = {"a": ["data:image/png;base64,AAAA"] * 5000, "b": [URL] * 3}
+    body = json.dumps(value).encode()
+    cut = _cut_data_urls(body.decode())
+    assert cut is None or len(cut[1]) < 3  # the budget ran out among the short ones
+    assert loads_strict(body) == value
+    value = {"b": [URL] * 3, "a": ["data:image/png;base64,AAAA"] * 5000}
+    cut = _cut_data_urls(json.dumps(value))
+    assert cut is not None and cut[1] == [URL] * 3
+    assert loads_strict(json.dumps(value).encode()) == value
