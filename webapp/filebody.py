@@ -55,6 +55,7 @@ __all__ = [
     "has_spans",
     "read_pieces",
     "slice_pieces",
+    "span_bytes",
 ]
 
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
@@ -86,12 +87,7 @@ class FileSpan:
 
     def read(self, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the span (end: its length)."""
-        end = self.length if end is None else end
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return _pread_all(fd, end - start, self.offset + start)
-        finally:
-            os.close(fd)
+        return _read_span(self, start, end)
 
 
 @dataclass(frozen=True)
@@ -109,12 +105,8 @@ class B64Span:
         return 4 * ((self.length + 2) // 3)
 
     def read(self, start: int = 0, end: int | None = None) -> bytes:
-        end = len(self) if end is None else end
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return _b64_slice(fd, self, start, end)
-        finally:
-            os.close(fd)
+        """Characters ``[start, end)`` of the span's text (end: its length)."""
+        return _read_span(self, start, end)
 
 
 Piece = bytes | FileSpan | B64Span
@@ -165,15 +157,37 @@ def read_pieces(pieces: Iterable[Piece]) -> bytes:
             if isinstance(piece, _SPANS):
                 fd = fds.get(piece.path)
                 if fd is None:
-                    fd = fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                out.append(_pread_all(fd, piece.length, piece.offset) if isinstance(piece, FileSpan)
-                           else _b64_slice(fd, piece, 0, len(piece)))
+                    fd = fds[piece.path] = _open_span_file(piece.path)
+                out.append(span_bytes(fd, piece))
             else:
                 out.append(piece)
     finally:
         for fd in fds.values():
             os.close(fd)
     return b"".join(out)
+
+
+def span_bytes(fd: int, span: FileSpan | B64Span, start: int = 0, end: int | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``span`` (end: its length) read from ``fd``, its file opened
+    by the caller: a :class:`FileSpan`'s bytes, a :class:`B64Span`'s base64 text (only the
+    quanta the range falls in are read and encoded). The one reader of spans."""
+    end = len(span) if end is None else end
+    if isinstance(span, B64Span):
+        return _b64_slice(fd, span, start, end)
+    return _pread_all(fd, end - start, span.offset + start)
+
+
+def _open_span_file(path: str) -> int:
+    # A journal is a regular file of ours: a link in its place is not followed.
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+
+def _read_span(span: FileSpan | B64Span, start: int, end: int | None) -> bytes:
+    fd = _open_span_file(span.path)
+    try:
+        return span_bytes(fd, span, start, end)
+    finally:
+        os.close(fd)
 
 
 # -- across the router/worker channel ------------------------------------------------------------
@@ -289,8 +303,7 @@ class _FileBody:
         try:
             for piece in pieces:
                 if isinstance(piece, _SPANS) and piece.path not in self._fds:
-                    # A journal is a regular file of ours: a link in its place is not followed.
-                    self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    self._fds[piece.path] = _open_span_file(piece.path)
         except OSError:
             self.close()
             raise
@@ -298,17 +311,23 @@ class _FileBody:
         # a few MiB for hundreds of turns, while its records GET is hundreds of MiB of spans) is
         # read once and its spans sliced from memory: a pread per span (one per record per
         # earlier turn) cost more than the bytes. Never more bytes read than the preads would.
+        # Only the bytes this body reads count: a file span that goes by sendfile is never read.
         spanned: dict[str, int] = {}
         for piece in pieces:
-            if isinstance(piece, _SPANS):
+            if isinstance(piece, B64Span) or (isinstance(piece, FileSpan) and not self._by_sendfile(piece)):
                 spanned[piece.path] = spanned.get(piece.path, 0) + piece.length
         self._whole: dict[str, bytes] = {}
         for path, fd in self._fds.items():
             size = os.fstat(fd).st_size
-            if size <= _WHOLE_MAX and spanned[path] >= size:
+            if size <= _WHOLE_MAX and spanned.get(path, 0) >= size:
                 self._whole[path] = os.pread(fd, size, 0)
+        self.read_whole = frozenset(self._whole)  # the files this body read whole (kept after close)
         # sendfile only after something went through the server: its headers are on the wire.
         self._headers_out = False
+
+    def _by_sendfile(self, span: FileSpan) -> bool:
+        """Whether ``span`` goes to the client by ``sendfile`` (long enough, a raw socket)."""
+        return span.length >= _SENDFILE_MIN and self._sock is not None
 
     def _read(self, path: str, offset: int, length: int) -> bytes | memoryview:
         """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or a pread."""
@@ -354,7 +373,7 @@ class _FileBody:
             if not isinstance(piece, FileSpan):
                 out.append(piece)
                 size += len(piece)
-            elif piece.length < _SENDFILE_MIN or self._sock is None:
+            elif not self._by_sendfile(piece):
                 for pos in range(0, piece.length, READ_CHUNK):
                     out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
