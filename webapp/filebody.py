@@ -144,18 +144,21 @@ def slice_pieces(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
     return out
 
 
-def read_pieces(pieces: Iterable[Piece]) -> bytes:
+def read_pieces(pieces: Iterable[Piece], open_fds: Mapping[str, int] | None = None) -> bytes:
     """The whole body in memory (small bodies, a commit's base fields, tests).
 
     Each file is opened once for all its spans: a field of a session's record is one span per
     turn that changed it, so opening per span cost a turn two syscalls per earlier turn.
+    ``open_fds``: files the caller has open (readable), by path: read through those, not opened.
     """
     fds: dict[str, int] = {}
     out: list[bytes] = []
     try:
         for piece in pieces:
             if isinstance(piece, _SPANS):
-                fd = fds.get(piece.path)
+                fd = open_fds.get(piece.path) if open_fds is not None else None
+                if fd is None:
+                    fd = fds.get(piece.path)
                 if fd is None:
                     fd = fds[piece.path] = _open_span_file(piece.path)
                 out.append(span_bytes(fd, piece))
