@@ -146,6 +146,7 @@ SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recov
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
 _KNOWN_BYTES = 64 << 10  # per session: the last record's text fields kept for the next delta
+_IDS_TEXT_BYTES = 1 << 20  # per session: the last state's token ids as JSON text, kept for the next turn
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
 OPEN_JOURNALS = 256  # journal descriptors a process keeps open between appends (least recently used closed)
 
@@ -365,13 +366,15 @@ class _Incremental:
 _Raw = tuple[str, str | None, "bytes | _Incremental"]
 
 
-def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None) -> list[_Raw]:
+def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None,
+                  ids_text: bytes | None = None) -> list[_Raw]:
     """The record's fields: its head, the request around the prompt ids (generated on read),
     the rest of the text around the replay payloads (kept packed; an incremental payload
-    after the base record's first ``parts.replay_prefix[key]`` bytes of it)."""
+    after the base record's first ``parts.replay_prefix[key]`` bytes of it). ``ids_text``:
+    ``ids_json(prompt_ids)`` if the caller has it."""
     fields: list[_Raw] = [("t", None, parts.head)]
     req = parts.request
-    ids = ids_json(prompt_ids)
+    ids = ids_json(prompt_ids) if ids_text is None else ids_text
     at = req.rfind(_INPUT_IDS + ids + b"]")
     if at >= 0:
         cut = at + len(_INPUT_IDS)
@@ -514,10 +517,11 @@ def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | Non
 def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord, parts: RecordParts,
                  base_record: RecordBody | None, node: dict[str, Any] | None = None,
                  known: Mapping[int, bytes] | None = None, fds: Mapping[str, int] | None = None,
-                 ) -> tuple[list[bytes], dict[str, Any], list[_Raw]]:
+                 ids_text: bytes | None = None) -> tuple[list[bytes], dict[str, Any], list[_Raw]]:
     """A DELTA entry's payload (meta length, meta, sections), its meta as a value and the
     record's fields as split. ``node``: a tree node's ``{"parent": seq | None, "response_id"}``
-    (``base`` is then the parent's). ``known``, ``fds``: see :func:`_encode_fields`."""
+    (``base`` is then the parent's). ``known``, ``fds``: see :func:`_encode_fields`;
+    ``ids_text``: the prompt ids' JSON text, see :func:`_split_record`."""
     assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
     k, packed_ids, tail = _id_delta(base.token_ids, state.token_ids)
     sections: list[bytes] = []
@@ -531,7 +535,7 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         lp_meta: Any = len(turn.logprobs)
     else:  # None or int logprobs: kept as the engine gave them
         lp_meta = list(turn.logprobs)
-    raw = _split_record(parts, state.token_ids[:turn.prompt_len], base_record)
+    raw = _split_record(parts, state.token_ids[:turn.prompt_len], base_record, ids_text)
     field_metas, bodies = _encode_fields(raw, base_record, known, fds)
     meta = {
         "rollback": rollback,
@@ -626,6 +630,9 @@ class SessionJournal:
         # The last committed record and its text fields' bytes (at most _KNOWN_BYTES): the next
         # turn's delta is taken against them without reading them back from the file.
         self._known: tuple[RecordBody, dict[int, bytes]] | None = None
+        # The last committed state's token ids and their JSON text (at most _IDS_TEXT_BYTES): the
+        # next turn's prompt ids extend them, so only the new ids are turned into text.
+        self._ids: tuple[Sequence[int], bytes] | None = None
 
     @property
     def version(self) -> str:
@@ -646,10 +653,11 @@ class SessionJournal:
                                 "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(facts, image.data)))
         known = self._known[1] if self._known is not None and self._known[0] is base_record else None
+        prompt_text = self._ids_text(state.token_ids[:turn.prompt_len])
         fd = self._take_fd()
         try:
             payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known,
-                                              {self.path: fd})
+                                              {self.path: fd}, prompt_text)
             entries.append(_entry(Kind.DELTA, payload))
             starts = self._append(entries, fd)
         except BaseException:
@@ -674,7 +682,22 @@ class SessionJournal:
         body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
         texts = {i: data for i, (kind, _key, data) in enumerate(raw) if kind == "t" and isinstance(data, bytes)}
         self._known = (body, texts) if sum(map(len, texts.values())) <= _KNOWN_BYTES else None
+        output = ids_json(turn.output_ids)
+        text = prompt_text + b"," + output if prompt_text and output else prompt_text or output
+        self._ids = (state.token_ids, text) if len(text) <= _IDS_TEXT_BYTES else None
         return replace(turn, record=body, replay=body.replay_keys()), stored
+
+    def _ids_text(self, ids: Sequence[int]) -> bytes:
+        """``ids_json(ids)``, from the last state's text when ``ids`` extend its ids (TITO appends)."""
+        if self._ids is not None:
+            held, text = self._ids
+            n = len(held)
+            if n <= len(ids) and ids[:n] == held:
+                if n == len(ids):
+                    return text
+                tail = ids_json(ids[n:])
+                return text + b"," + tail if n else tail
+        return ids_json(ids)
 
     def _take_fd(self, what: str = "the turn") -> int:
         """The journal's descriptor (read/write) for an append: the one kept open since the last

@@ -109,3 +109,44 @@ def test_a_forked_child_closes_its_inherited_copies_and_opens_its_own(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     assert cache.take(path) == fd  # the parent's is untouched
     os.close(fd)
+
+
+def _field_metas(path) -> list:
+    """Each DELTA entry's field metas, read with the documented format."""
+    import json
+    import struct
+
+    from webapp.journal import ENTRY_HEADER, FILE_HEADER, Kind
+
+    data, out, pos = open(path, "rb").read(), [], FILE_HEADER.size
+    while pos < len(data):
+        length, kind, _crc = ENTRY_HEADER.unpack_from(data, pos)
+        if kind == Kind.DELTA:
+            (n,) = struct.unpack_from("<I", data, pos + ENTRY_HEADER.size)
+            at = pos + ENTRY_HEADER.size + 4
+            out.append(json.loads(data[at:at + n])["fields"])
+        pos += ENTRY_HEADER.size + length
+    return out
+
+
+def test_the_prompt_ids_text_kept_from_the_last_turn_stores_what_computing_it_stores(tmp_path, monkeypatch):
+    """A turn's prompt ids are found in its request from the last state's ids text plus the new
+    ids; with nothing kept (the cap at -1) every turn computes the whole text: the entries name
+    the same fields (the ids generated on read in every record) and serve the same bytes."""
+    results = []
+    for cap, where in ((1 << 20, tmp_path / "kept"), (-1, tmp_path / "computed")):
+        monkeypatch.setattr(journal, "_IDS_TEXT_BYTES", cap)
+        core = core_on(where)
+        sid = new_session(core)
+        msgs = play(core, sid, 4)
+        assert chat(core, sid, msgs[:-1]).status == 200  # a rollback: its prompt is a shorter prefix
+        assert chat(core, sid, msgs[:-1]).status == 200
+        fields = _field_metas(core.registry.store.path(sid))
+        served = core.get_session(sid).read()
+        core.close()
+        again = core_on(where)
+        assert again.get_session(sid).read() == served
+        again.close()
+        assert all(["i"] in f for f in fields)
+        results.append(fields)
+    assert results[0] == results[1]
