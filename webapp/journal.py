@@ -492,9 +492,12 @@ def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end:
         if p + s > old_len or pos + n > end:
             raise ValueError(f"field {i} reaches past its base or its entry")
         old_pieces = old.pieces if old is not None else ()
-        pieces = [*slice_pieces(old_pieces, 0, p), FileSpan(path, pos, n),
-                  *slice_pieces(old_pieces, old_len - s, old_len)]
-        pieces = [q for q in pieces if len(q)]
+        # The common shapes without slicing: a field that only grows (all of the base, then the
+        # new bytes) or is new; pieces are never empty.
+        head = list(old_pieces) if p == old_len else slice_pieces(old_pieces, 0, p) if p else []
+        pieces = [*head, FileSpan(path, pos, n)] if n else head
+        if s:
+            pieces += slice_pieces(old_pieces, old_len - s, old_len)
         pos += n
         if kind == "t":
             fields.append(Text(tuple(pieces)))
