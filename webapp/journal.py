@@ -74,6 +74,8 @@ journals past ``max_data_bytes`` (:class:`StorageBudget`, 507, nothing stored). 
 session count (``max_sessions``) and byte total are kept in ``<data_dir>/usage`` under the
 create lock, shared by every worker, instead of listing the directory per create; the data
 directory's owner removes the file at start and the first user rebuilds it from the files.
+Turns move the byte total only under a ``max_data_bytes`` budget (its only reader), so a turn
+without one takes no lock; creates and deletes always move both counts.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ SUFFIX = ".journal"
 SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recovery
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
-_KNOWN_BYTES = 64 << 10  # per session: the last record's text fields kept for the next delta
+_KNOWN_BYTES = 64 << 10  # per session: the last record's fields kept for the next delta (text, whole rows)
 _IDS_TEXT_BYTES = 1 << 20  # per session: the last state's token ids as JSON text, kept for the next turn
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
 OPEN_JOURNALS = 256  # journal descriptors a process keeps open between appends (least recently used closed)
@@ -420,8 +422,8 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None, known: Mapping[int,
                    fds: Mapping[str, int] | None = None) -> tuple[list[Any], list[bytes]]:
     """Each field as (meta, new bytes): text as [``t``, prefix, suffix, n] shared with the base
     record's same field, replay rows as [``r``, key, prefix, n] (prefix a multiple of 3).
-    ``known``: the base record's text fields by index, as the journal wrote them last (not
-    read back from the file). ``fds``: the journal's open descriptor (see ``read_pieces``)."""
+    ``known``: the base record's fields by index (text, rows sent whole), as the journal wrote
+    them last (not read back from the file). ``fds``: the journal's open descriptor (see ``read_pieces``)."""
     metas: list[Any] = []
     bodies: list[bytes] = []
     for i, (kind, key, data) in enumerate(raw):
@@ -438,7 +440,7 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None, known: Mapping[int,
             data = read_pieces(slice_pieces(data.held.pieces, 0, data.prefix), fds) + data.new
         if old is None:
             old_bytes = b""
-        elif known is not None and kind == "t" and i in known:
+        elif known is not None and i in known:
             old_bytes = known[i]
         else:
             old_bytes = read_pieces(old.pieces, fds)
@@ -683,7 +685,8 @@ class SessionJournal:
         end = starts[-1] + ENTRY_HEADER.size + sum(len(c) for c in payload)
         body_at = at + sum(len(c) for c in payload[2:2 + _sections(meta)])
         body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
-        texts = {i: data for i, (kind, _key, data) in enumerate(raw) if kind == "t" and isinstance(data, bytes)}
+        # Text fields, and replay rows the engine sent whole (incremental ones read only a tail).
+        texts = {i: data for i, (_kind, _key, data) in enumerate(raw) if isinstance(data, bytes) and _kind != "i"}
         self._known = (body, texts) if sum(map(len, texts.values())) <= _KNOWN_BYTES else None
         output = ids_json(turn.output_ids)
         text = prompt_text + b"," + output if prompt_text and output else prompt_text or output
@@ -727,8 +730,10 @@ class SessionJournal:
         if self.max_bytes is not None and pos > self.max_bytes:
             raise StorageBudget("max_session_bytes", self.max_bytes, pos, f"{what} (the session's journal)")
         chunks = [c for entry in entries for c in entry]
-        if self.usage is not None:
-            self.usage.add(0, grow, what)  # StorageBudget past max_data_bytes: nothing written
+        # The shared byte total serves only the data budget: without one a turn takes no lock.
+        usage = self.usage if self.usage is not None and self.usage.max_bytes is not None else None
+        if usage is not None:
+            usage.add(0, grow, what)  # StorageBudget past max_data_bytes: nothing written
         try:
             if self.fsync or grow >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
                 run_blocking("journal", self._write, fd, chunks)
@@ -738,8 +743,8 @@ class SessionJournal:
             if not st.st_nlink:  # the file was deleted from outside since it was opened
                 raise FileNotFoundError(errno.ENOENT, "the session journal is gone", self.path)
         except OSError as exc:
-            if self.usage is not None:
-                self.usage.add(0, -grow)
+            if usage is not None:
+                usage.add(0, -grow)
             if isinstance(exc, FileNotFoundError):
                 raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
             try:

@@ -151,3 +151,36 @@ def test_the_prompt_ids_text_kept_from_the_last_turn_stores_what_computing_it_st
         assert all(["i"] in f for f in fields)
         results.append([[m[0] for m in f] for f in fields])  # (the ids and times differ per session)
     assert results[0] == results[1]
+
+
+def test_turns_move_the_shared_byte_total_only_under_a_data_budget(tmp_path, monkeypatch):
+    import fcntl
+
+    from webapp.core import SessionCore, SessionRegistry
+    from webapp.journal import JournalStore
+
+    from .test_core import R3, TOK, WAIT, FakeBackend
+
+    locks = []
+    real = fcntl.flock
+
+    def counting(fd, op):
+        locks.append(op)
+        return real(fd, op)
+
+    for budget in (None, 1 << 30):
+        store = JournalStore(str(tmp_path / str(budget)), max_data_bytes=budget)
+        core = SessionCore(TOK, FakeBackend(), registry=SessionRegistry(store), turn_wait_timeout=WAIT,
+                           routing_replay_layers=R3.layers)
+        sid = new_session(core)
+        locks.clear()
+        monkeypatch.setattr(fcntl, "flock", counting)
+        play(core, sid, 3)
+        monkeypatch.setattr(fcntl, "flock", real)
+        size = os.path.getsize(store.path(sid))
+        sessions, total = store.usage.read()
+        if budget is None:
+            assert locks == [] and sessions == 1  # no lock per turn; the count still kept
+        else:
+            assert len(locks) == 2 * 3 and (sessions, total) == (1, size)  # each turn counted under the lock
+        core.close()
