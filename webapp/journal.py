@@ -685,9 +685,15 @@ class SessionJournal:
         end = starts[-1] + ENTRY_HEADER.size + sum(len(c) for c in payload)
         body_at = at + sum(len(c) for c in payload[2:2 + _sections(meta)])
         body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
-        # Text fields, and replay rows the engine sent whole (incremental ones read only a tail).
-        texts = {i: data for i, (_kind, _key, data) in enumerate(raw) if isinstance(data, bytes) and _kind != "i"}
-        self._known = (body, texts) if sum(map(len, texts.values())) <= _KNOWN_BYTES else None
+        # Text fields, then replay rows the engine sent whole while they fit (incremental ones
+        # read only a tail of the base's).
+        texts = {i: data for i, (kind, _key, data) in enumerate(raw) if kind == "t" and isinstance(data, bytes)}
+        room = _KNOWN_BYTES - sum(map(len, texts.values()))
+        for i, (kind, _key, data) in enumerate(raw):
+            if kind == "r" and isinstance(data, bytes) and len(data) <= room:
+                texts[i] = data
+                room -= len(data)
+        self._known = (body, texts) if room >= 0 else None
         output = ids_json(turn.output_ids)
         text = prompt_text + b"," + output if prompt_text and output else prompt_text or output
         self._ids = (state.token_ids, text) if len(text) <= _IDS_TEXT_BYTES else None
