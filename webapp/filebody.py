@@ -375,6 +375,8 @@ class _FileBody:
         out: list[bytes | memoryview] = []
         packed: list[bytes | memoryview] = []
         size = 0
+        sock = self._sock
+        views = {path: memoryview(whole) for path, whole in self._whole.items()}
 
         def encoded() -> None:
             nonlocal size
@@ -400,11 +402,24 @@ class _FileBody:
                     if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
                         yield from flush()
                 continue
-            encoded()
-            if not isinstance(piece, FileSpan):
+            if packed:
+                encoded()
+            if type(piece) is bytes:
                 out.append(piece)
                 size += len(piece)
-            elif not self._by_sendfile(piece):
+            elif not isinstance(piece, FileSpan):
+                out.append(piece)
+                size += len(piece)
+            elif not (piece.length >= _SENDFILE_MIN and sock is not None):
+                if piece.length <= READ_CHUNK:  # most spans of a long session: one slice or pread
+                    view = views.get(piece.path)
+                    end = piece.offset + piece.length
+                    out.append(view[piece.offset:end] if view is not None and end <= len(view)
+                               else _pread_all(self._fds[piece.path], piece.length, piece.offset))
+                    size += piece.length
+                    if size >= _BATCH:
+                        yield from flush()
+                    continue
                 for pos in range(0, piece.length, READ_CHUNK):
                     out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
