@@ -199,39 +199,21 @@ def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
     """``pieces`` -> (the inline bytes joined, the layout): ``{"path": str, "pieces": [n |
     [offset, length] | [offset, length, 1]]}``, where ``n`` is the next ``n`` inline bytes, a
     pair a span of ``path`` and a triple a :class:`B64Span` of it. One file per body (a
-    session's journal).
-
-    Spans that continue one another in the file are sent as one (the same bytes): a record's
-    fields that a turn wrote are consecutive in its entry, and each span costs the router and
-    the send loop a Python object. Two base64 spans join only where the first is whole quanta
-    (a multiple of 3 bytes), as :class:`webapp.records.Rows` keeps all but its last piece."""
-    path: str | None = None
+    session's journal)."""
+    paths = {p.path for p in pieces if isinstance(p, _SPANS)}
+    if len(paths) != 1:
+        raise ValueError(f"a file body names exactly one file, got {sorted(paths)}")
     layout: list[Any] = []
     inline: list[bytes] = []
-    last: list[int] | None = None  # the previous entry when it is a span (extended in place)
     for piece in pieces:
-        kind = type(piece)
-        if kind is FileSpan or kind is B64Span:
-            assert isinstance(piece, (FileSpan, B64Span))
-            if path is None:
-                path = piece.path
-            elif piece.path != path:
-                raise ValueError(f"a file body names exactly one file, got {sorted({path, piece.path})}")
-            b64 = kind is B64Span
-            if (last is not None and last[0] + last[1] == piece.offset and (len(last) == 3) == b64
-                    and not (b64 and last[1] % 3)):
-                last[1] += piece.length
-                continue
-            last = [piece.offset, piece.length, 1] if b64 else [piece.offset, piece.length]
-            layout.append(last)
+        if isinstance(piece, FileSpan):
+            layout.append([piece.offset, piece.length])
+        elif isinstance(piece, B64Span):
+            layout.append([piece.offset, piece.length, 1])
         else:
-            assert isinstance(piece, bytes)
             layout.append(len(piece))
             inline.append(piece)
-            last = None
-    if path is None:
-        raise ValueError("a file body names exactly one file, got []")
-    return b"".join(inline), {"path": path, "pieces": layout}
+    return b"".join(inline), {"path": paths.pop(), "pieces": layout}
 
 
 def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
