@@ -66,6 +66,7 @@ _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter one
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
+_IOV_MAX = 1024  # buffers per writev (Linux's UIO_MAXIOV)
 # A send thread waits this long on a full socket, then hands the wait to the hub: short enough
 # that stalled clients free the lane's threads at once, long enough that a reading client's
 # momentary pause (a loaded host) costs no trip through the hub.
@@ -371,8 +372,11 @@ class _FileBody:
             nonlocal size
             encoded()
             if out:
-                self._headers_out = True
-                yield b"".join(out)
+                if sock is not None and self._headers_out:  # straight to the socket: no joined copy
+                    _writev_all(sock.fileno(), out)
+                else:
+                    self._headers_out = True
+                    yield b"".join(out)
                 out.clear()
             size = 0
 
@@ -440,6 +444,35 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
     if len(data) != size:  # a journal span is committed bytes: short means the file shrank
         raise OSError(f"short read: {len(data)} of {size} bytes at {offset}")
     return data
+
+
+def _writev_all(sock_fd: int, buffers: list[bytes | memoryview]) -> None:
+    """Every byte of ``buffers``, in order, with ``writev`` (gathered: never joined into one
+    copy first); a full socket waits in the hub under gevent (its socket is non-blocking),
+    else in ``select``, at most :data:`_STALL_TIMEOUT` per wait."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    first = 0  # views before this one are sent
+    while first < len(views):
+        try:
+            sent = os.writev(sock_fd, views[first:first + _IOV_MAX])
+        except BlockingIOError:
+            _wait_writable(sock_fd)
+            continue
+        while first < len(views) and sent >= len(views[first]):
+            sent -= len(views[first])
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
+def _wait_writable(sock_fd: int) -> None:
+    if gevent_active():
+        from gevent.socket import wait_write
+
+        wait_write(sock_fd, timeout=_STALL_TIMEOUT,
+                   timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
+    elif not select.select([], [sock_fd], [], _STALL_TIMEOUT)[1]:
+        raise TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s")
 
 
 def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
