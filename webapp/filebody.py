@@ -390,10 +390,7 @@ class _FileBody:
                 continue
             if packed:
                 encoded()
-            if type(piece) is bytes:
-                out.append(piece)
-                size += len(piece)
-            elif not isinstance(piece, FileSpan):
+            if not isinstance(piece, FileSpan):
                 out.append(piece)
                 size += len(piece)
             elif not (piece.length >= _SENDFILE_MIN and sock is not None):

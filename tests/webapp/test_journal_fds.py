@@ -5,6 +5,7 @@ as when every append opened the file."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from webapp import journal
 from webapp.journal import _OpenJournals
@@ -118,7 +119,7 @@ def _field_metas(path) -> list:
 
     from webapp.journal import ENTRY_HEADER, FILE_HEADER, Kind
 
-    data, out, pos = open(path, "rb").read(), [], FILE_HEADER.size
+    data, out, pos = Path(path).read_bytes(), [], FILE_HEADER.size
     while pos < len(data):
         length, kind, _crc = ENTRY_HEADER.unpack_from(data, pos)
         if kind == Kind.DELTA:

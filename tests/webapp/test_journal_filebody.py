@@ -7,11 +7,21 @@ import os
 import random
 import socket
 import threading
+from pathlib import Path
 
 import pybase64
 import pytest
 
-from webapp.filebody import _SENDFILE_MIN, _WHOLE_MAX, B64Span, FileSpan, Piece, _FileBody, read_pieces, span_bytes
+from webapp.filebody import (
+    _SENDFILE_MIN,
+    _WHOLE_MAX,
+    B64Span,
+    FileSpan,
+    Piece,
+    _FileBody,
+    read_pieces,
+    span_bytes,
+)
 
 
 def _journal(tmp_path, size: int) -> str:
@@ -100,7 +110,7 @@ def test_every_send_path_serves_the_bytes_read_pieces_reads(tmp_path, raw_socket
 
 def test_one_span_reader_serves_read_read_pieces_and_an_open_fd(tmp_path, monkeypatch):
     path = _journal(tmp_path, 10_000)
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     plain, text = FileSpan(path, 1_001, 5_000), B64Span(path, 1_001, 5_000)
     assert plain.read() == data[1_001:6_001]
     assert text.read() == pybase64.b64encode(data[1_001:6_001])
