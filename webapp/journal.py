@@ -199,6 +199,16 @@ class _OpenJournals:
         if fd is not None:
             os.close(fd)
 
+    def discard_under(self, directory: str) -> None:
+        """Close the kept descriptors of every journal in ``directory`` (a store closed)."""
+        prefix = os.path.join(directory, "")
+        with self._lock:
+            self._mine()
+            gone = [path for path in self._fds if path.startswith(prefix)]
+            fds = [self._fds.pop(path) for path in gone]
+        for fd in fds:
+            os.close(fd)
+
     def __len__(self) -> int:
         with self._lock:
             self._mine()
@@ -911,6 +921,12 @@ class JournalStore:
     def path(self, session_id: str) -> str:
         return os.path.join(self.dir, session_id + SUFFIX)
 
+    def close(self) -> None:
+        """Close what the store keeps open in this process (the usage files, the journals' kept
+        descriptors); the next append or count opens them again."""
+        self.usage.close()
+        _open_journals.discard_under(self.dir)
+
     def count(self) -> int:
         """Sessions on disk, every shard's (the ``max_sessions`` count of the whole server)."""
         return self.usage.read()[0]
@@ -996,6 +1012,7 @@ class JournalStore:
 
     def _restore(self, session_id: str, pause: Callable[[], object]) -> RestoredSession | None:
         path = self.path(session_id)
+        _open_journals.discard(path)  # restore may cut or set the file aside: appends open it anew
         fd = open_private(path, os.O_RDWR)  # every change below goes through this fd: no link followed
         with os.fdopen(fd, "rb", buffering=0) as f:
             entries = _Scan(f, pause, first_may_be_damaged=True)

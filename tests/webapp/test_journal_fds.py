@@ -185,3 +185,22 @@ def test_turns_move_the_shared_byte_total_only_under_a_data_budget(tmp_path, mon
         else:
             assert len(locks) == 2 * 3 and (sessions, total) == (1, size)  # each turn counted under the lock
         core.close()
+
+
+def test_closing_the_core_closes_its_kept_descriptors_and_a_restore_opens_anew(tmp_path, monkeypatch):
+    cache = _OpenJournals(8)
+    monkeypatch.setattr(journal, "_open_journals", cache)
+    other = core_on(tmp_path / "other")
+    play(other, new_session(other), 1)
+    core = core_on(tmp_path / "mine")
+    sid = new_session(core)
+    msgs = play(core, sid, 2)
+    assert len(cache) == 2
+    again = core_on(tmp_path / "mine")  # a restore of a journal this process holds open
+    assert len(cache) == 1
+    play(again, sid, 1, msgs)
+    core.close()
+    again.close()
+    assert len(cache) == 1  # the other store's descriptor stays
+    other.close()
+    assert len(cache) == 0
