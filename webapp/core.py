@@ -951,7 +951,7 @@ class SessionCore:
 
     def close(self) -> None:
         self.backend.close()
-        self.registry.store.usage.close()
+        self.registry.store.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 

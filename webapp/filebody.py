@@ -55,6 +55,7 @@ __all__ = [
     "has_spans",
     "read_pieces",
     "slice_pieces",
+    "span_bytes",
 ]
 
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
@@ -65,6 +66,7 @@ _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter one
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
+_IOV_MAX = 1024  # buffers per writev (Linux's UIO_MAXIOV)
 # A send thread waits this long on a full socket, then hands the wait to the hub: short enough
 # that stalled clients free the lane's threads at once, long enough that a reading client's
 # momentary pause (a loaded host) costs no trip through the hub.
@@ -86,12 +88,7 @@ class FileSpan:
 
     def read(self, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the span (end: its length)."""
-        end = self.length if end is None else end
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return _pread_all(fd, end - start, self.offset + start)
-        finally:
-            os.close(fd)
+        return _read_span(self, start, end)
 
 
 @dataclass(frozen=True)
@@ -109,12 +106,8 @@ class B64Span:
         return 4 * ((self.length + 2) // 3)
 
     def read(self, start: int = 0, end: int | None = None) -> bytes:
-        end = len(self) if end is None else end
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return _b64_slice(fd, self, start, end)
-        finally:
-            os.close(fd)
+        """Characters ``[start, end)`` of the span's text (end: its length)."""
+        return _read_span(self, start, end)
 
 
 Piece = bytes | FileSpan | B64Span
@@ -152,28 +145,53 @@ def slice_pieces(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
     return out
 
 
-def read_pieces(pieces: Iterable[Piece]) -> bytes:
+def read_pieces(pieces: Iterable[Piece], open_fds: Mapping[str, int] | None = None) -> bytes:
     """The whole body in memory (small bodies, a commit's base fields, tests).
 
     Each file is opened once for all its spans: a field of a session's record is one span per
     turn that changed it, so opening per span cost a turn two syscalls per earlier turn.
+    ``open_fds``: files the caller has open (readable), by path: read through those, not opened.
     """
     fds: dict[str, int] = {}
     out: list[bytes] = []
     try:
         for piece in pieces:
             if isinstance(piece, _SPANS):
-                fd = fds.get(piece.path)
+                fd = open_fds.get(piece.path) if open_fds is not None else None
                 if fd is None:
-                    fd = fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                out.append(_pread_all(fd, piece.length, piece.offset) if isinstance(piece, FileSpan)
-                           else _b64_slice(fd, piece, 0, len(piece)))
+                    fd = fds.get(piece.path)
+                if fd is None:
+                    fd = fds[piece.path] = _open_span_file(piece.path)
+                out.append(span_bytes(fd, piece))
             else:
                 out.append(piece)
     finally:
         for fd in fds.values():
             os.close(fd)
     return b"".join(out)
+
+
+def span_bytes(fd: int, span: FileSpan | B64Span, start: int = 0, end: int | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``span`` (end: its length) read from ``fd``, its file opened
+    by the caller: a :class:`FileSpan`'s bytes, a :class:`B64Span`'s base64 text (only the
+    quanta the range falls in are read and encoded). The one reader of spans."""
+    end = len(span) if end is None else end
+    if isinstance(span, B64Span):
+        return _b64_slice(fd, span, start, end)
+    return _pread_all(fd, end - start, span.offset + start)
+
+
+def _open_span_file(path: str) -> int:
+    # A journal is a regular file of ours: a link in its place is not followed.
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+
+def _read_span(span: FileSpan | B64Span, start: int, end: int | None) -> bytes:
+    fd = _open_span_file(span.path)
+    try:
+        return span_bytes(fd, span, start, end)
+    finally:
+        os.close(fd)
 
 
 # -- across the router/worker channel ------------------------------------------------------------
@@ -207,17 +225,27 @@ def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
         raise TypeError(f"malformed file layout {layout!r}")
     pieces: list[Piece] = []
     pos = 0
-    for entry in entries:
-        if type(entry) is int and entry >= 0:
-            pieces.append(inline[pos:pos + entry])
-            pos += entry
-        elif (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)):
-            pieces.append(FileSpan(path, entry[0], entry[1]))
-        elif (isinstance(entry, list) and len(entry) == 3 and entry[2] == 1
-              and all(type(v) is int and v >= 0 for v in entry)):
-            pieces.append(B64Span(path, entry[0], entry[1]))
-        else:
-            raise ValueError(f"malformed file layout entry {entry!r}")
+    for entry in entries:  # a records GET's layout is tens of thousands of entries: checks inline
+        kind = type(entry)
+        if kind is int:
+            if entry >= 0:
+                pieces.append(inline[pos:pos + entry])
+                pos += entry
+                continue
+        elif kind is list:
+            n = len(entry)
+            if n == 2:
+                offset, length = entry
+                if type(offset) is int and type(length) is int and offset >= 0 and length >= 0:
+                    pieces.append(FileSpan(path, offset, length))
+                    continue
+            elif n == 3:
+                offset, length, flag = entry
+                if (type(offset) is int and type(length) is int and type(flag) is int and flag == 1
+                        and offset >= 0 and length >= 0):
+                    pieces.append(B64Span(path, offset, length))
+                    continue
+        raise ValueError(f"malformed file layout entry {entry!r}")
     if pos != len(inline):
         raise ValueError(f"file layout names {pos} inline bytes, the body has {len(inline)}")
     return pieces
@@ -289,8 +317,7 @@ class _FileBody:
         try:
             for piece in pieces:
                 if isinstance(piece, _SPANS) and piece.path not in self._fds:
-                    # A journal is a regular file of ours: a link in its place is not followed.
-                    self._fds[piece.path] = os.open(piece.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    self._fds[piece.path] = _open_span_file(piece.path)
         except OSError:
             self.close()
             raise
@@ -298,17 +325,23 @@ class _FileBody:
         # a few MiB for hundreds of turns, while its records GET is hundreds of MiB of spans) is
         # read once and its spans sliced from memory: a pread per span (one per record per
         # earlier turn) cost more than the bytes. Never more bytes read than the preads would.
+        # Only the bytes this body reads count: a file span that goes by sendfile is never read.
         spanned: dict[str, int] = {}
         for piece in pieces:
-            if isinstance(piece, _SPANS):
+            if isinstance(piece, B64Span) or (isinstance(piece, FileSpan) and not self._by_sendfile(piece)):
                 spanned[piece.path] = spanned.get(piece.path, 0) + piece.length
         self._whole: dict[str, bytes] = {}
         for path, fd in self._fds.items():
             size = os.fstat(fd).st_size
-            if size <= _WHOLE_MAX and spanned[path] >= size:
+            if size <= _WHOLE_MAX and spanned.get(path, 0) >= size:
                 self._whole[path] = os.pread(fd, size, 0)
+        self.read_whole = frozenset(self._whole)  # the files this body read whole (kept after close)
         # sendfile only after something went through the server: its headers are on the wire.
         self._headers_out = False
+
+    def _by_sendfile(self, span: FileSpan) -> bool:
+        """Whether ``span`` goes to the client by ``sendfile`` (long enough, a raw socket)."""
+        return span.length >= _SENDFILE_MIN and self._sock is not None
 
     def _read(self, path: str, offset: int, length: int) -> bytes | memoryview:
         """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or a pread."""
@@ -325,6 +358,8 @@ class _FileBody:
         out: list[bytes | memoryview] = []
         packed: list[bytes | memoryview] = []
         size = 0
+        sock = self._sock
+        views = {path: memoryview(whole) for path, whole in self._whole.items()}
 
         def encoded() -> None:
             nonlocal size
@@ -337,8 +372,11 @@ class _FileBody:
             nonlocal size
             encoded()
             if out:
-                self._headers_out = True
-                yield b"".join(out)
+                if sock is not None and self._headers_out:  # straight to the socket: no joined copy
+                    _writev_all(sock.fileno(), out)
+                else:
+                    self._headers_out = True
+                    yield b"".join(out)
                 out.clear()
             size = 0
 
@@ -350,11 +388,21 @@ class _FileBody:
                     if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
                         yield from flush()
                 continue
-            encoded()
+            if packed:
+                encoded()
             if not isinstance(piece, FileSpan):
                 out.append(piece)
                 size += len(piece)
-            elif piece.length < _SENDFILE_MIN or self._sock is None:
+            elif not (piece.length >= _SENDFILE_MIN and sock is not None):
+                if piece.length <= READ_CHUNK:  # most spans of a long session: one slice or pread
+                    view = views.get(piece.path)
+                    end = piece.offset + piece.length
+                    out.append(view[piece.offset:end] if view is not None and end <= len(view)
+                               else _pread_all(self._fds[piece.path], piece.length, piece.offset))
+                    size += piece.length
+                    if size >= _BATCH:
+                        yield from flush()
+                    continue
                 for pos in range(0, piece.length, READ_CHUNK):
                     out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
@@ -393,6 +441,35 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
     if len(data) != size:  # a journal span is committed bytes: short means the file shrank
         raise OSError(f"short read: {len(data)} of {size} bytes at {offset}")
     return data
+
+
+def _writev_all(sock_fd: int, buffers: list[bytes | memoryview]) -> None:
+    """Every byte of ``buffers``, in order, with ``writev`` (gathered: never joined into one
+    copy first); a full socket waits in the hub under gevent (its socket is non-blocking),
+    else in ``select``, at most :data:`_STALL_TIMEOUT` per wait."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    first = 0  # views before this one are sent
+    while first < len(views):
+        try:
+            sent = os.writev(sock_fd, views[first:first + _IOV_MAX])
+        except BlockingIOError:
+            _wait_writable(sock_fd)
+            continue
+        while first < len(views) and sent >= len(views[first]):
+            sent -= len(views[first])
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
+def _wait_writable(sock_fd: int) -> None:
+    if gevent_active():
+        from gevent.socket import wait_write
+
+        wait_write(sock_fd, timeout=_STALL_TIMEOUT,
+                   timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
+    elif not select.select([], [sock_fd], [], _STALL_TIMEOUT)[1]:
+        raise TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s")
 
 
 def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:

@@ -74,6 +74,8 @@ journals past ``max_data_bytes`` (:class:`StorageBudget`, 507, nothing stored). 
 session count (``max_sessions``) and byte total are kept in ``<data_dir>/usage`` under the
 create lock, shared by every worker, instead of listing the directory per create; the data
 directory's owner removes the file at start and the first user rebuilds it from the files.
+Turns move the byte total only under a ``max_data_bytes`` budget (its only reader), so a turn
+without one takes no lock; creates and deletes always move both counts.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ import json
 import logging
 import os
 import struct
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
@@ -143,8 +147,75 @@ SUFFIX = ".journal"
 SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recovery
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
 _IOV_MAX = 1024
-_KNOWN_BYTES = 64 << 10  # per session: the last record's text fields kept for the next delta
+_KNOWN_BYTES = 64 << 10  # per session: the last record's fields kept for the next delta (text, whole rows)
+_IDS_TEXT_BYTES = 1 << 20  # per session: the last state's token ids as JSON text, kept for the next turn
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
+OPEN_JOURNALS = 256  # journal descriptors a process keeps open between appends (least recently used closed)
+
+
+class _OpenJournals:
+    """Journal descriptors kept open between a session's appends, by path, per process, at most
+    ``limit`` (the least recently used closed past it): opening the file per turn was an
+    ``openat`` (a path walk), an ``fstat``, two ``fcntl`` and a ``close`` of every turn.
+
+    A descriptor is *taken* for an append and *given* back after it, so one in use is never in
+    the cache and never closed under its writer. Per process: a forked child finds the parent's
+    descriptors in the cache and closes its copies (the parent's stay open) before it opens its
+    own; a worker that dies takes its descriptors with it. A session's delete discards its
+    descriptor before the file goes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._pid = os.getpid()
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the inherited copies are not its to use
+            fds, self._fds, self._pid = self._fds, OrderedDict(), os.getpid()
+            for fd in fds.values():
+                os.close(fd)
+
+    def take(self, path: str) -> int | None:
+        with self._lock:
+            self._mine()
+            return self._fds.pop(path, None)
+
+    def give(self, path: str, fd: int) -> None:
+        closing = []
+        with self._lock:
+            self._mine()
+            old = self._fds.pop(path, None)
+            if old is not None and old != fd:
+                closing.append(old)
+            self._fds[path] = fd
+            while len(self._fds) > self.limit:
+                closing.append(self._fds.popitem(last=False)[1])
+        for old_fd in closing:
+            os.close(old_fd)
+
+    def discard(self, path: str) -> None:
+        fd = self.take(path)
+        if fd is not None:
+            os.close(fd)
+
+    def discard_under(self, directory: str) -> None:
+        """Close the kept descriptors of every journal in ``directory`` (a store closed)."""
+        prefix = os.path.join(directory, "")
+        with self._lock:
+            self._mine()
+            gone = [path for path in self._fds if path.startswith(prefix)]
+            fds = [self._fds.pop(path) for path in gone]
+        for fd in fds:
+            os.close(fd)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._mine()
+            return len(self._fds)
+
+
+_open_journals = _OpenJournals(OPEN_JOURNALS)
 
 
 class Kind(IntEnum):
@@ -307,13 +378,15 @@ class _Incremental:
 _Raw = tuple[str, str | None, "bytes | _Incremental"]
 
 
-def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None) -> list[_Raw]:
+def _split_record(parts: RecordParts, prompt_ids: Sequence[int], base: RecordBody | None,
+                  ids_text: bytes | None = None) -> list[_Raw]:
     """The record's fields: its head, the request around the prompt ids (generated on read),
     the rest of the text around the replay payloads (kept packed; an incremental payload
-    after the base record's first ``parts.replay_prefix[key]`` bytes of it)."""
+    after the base record's first ``parts.replay_prefix[key]`` bytes of it). ``ids_text``:
+    ``ids_json(prompt_ids)`` if the caller has it."""
     fields: list[_Raw] = [("t", None, parts.head)]
     req = parts.request
-    ids = ids_json(prompt_ids)
+    ids = ids_json(prompt_ids) if ids_text is None else ids_text
     at = req.rfind(_INPUT_IDS + ids + b"]")
     if at >= 0:
         cut = at + len(_INPUT_IDS)
@@ -355,12 +428,12 @@ def _base_field(base: RecordBody | None, i: int, kind: str, key: str | None) -> 
     return None
 
 
-def _encode_fields(raw: list[_Raw], base: RecordBody | None,
-                   known: Mapping[int, bytes] | None = None) -> tuple[list[Any], list[bytes]]:
+def _encode_fields(raw: list[_Raw], base: RecordBody | None, known: Mapping[int, bytes] | None = None,
+                   fds: Mapping[str, int] | None = None) -> tuple[list[Any], list[bytes]]:
     """Each field as (meta, new bytes): text as [``t``, prefix, suffix, n] shared with the base
     record's same field, replay rows as [``r``, key, prefix, n] (prefix a multiple of 3).
-    ``known``: the base record's text fields by index, as the journal wrote them last (not
-    read back from the file)."""
+    ``known``: the base record's fields by index (text, rows sent whole), as the journal wrote
+    them last (not read back from the file). ``fds``: the journal's open descriptor (see ``read_pieces``)."""
     metas: list[Any] = []
     bodies: list[bytes] = []
     for i, (kind, key, data) in enumerate(raw):
@@ -370,17 +443,17 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None,
         old = _base_field(base, i, kind, key)
         if isinstance(data, _Incremental):
             if old is data.held:  # shared up to the prefix by construction: read only the base's rest
-                metas_body = _encode_incremental(data)
+                metas_body = _encode_incremental(data, fds)
                 metas.append(["r", key, *metas_body[0]])
                 bodies.append(metas_body[1])
                 continue
-            data = read_pieces(slice_pieces(data.held.pieces, 0, data.prefix)) + data.new
+            data = read_pieces(slice_pieces(data.held.pieces, 0, data.prefix), fds) + data.new
         if old is None:
             old_bytes = b""
-        elif known is not None and kind == "t" and i in known:
+        elif known is not None and i in known:
             old_bytes = known[i]
         else:
-            old_bytes = read_pieces(old.pieces)
+            old_bytes = read_pieces(old.pieces, fds)
         p = _lcp(old_bytes, data)
         if kind == "t":
             s = _lcs(old_bytes, data, min(len(old_bytes), len(data)) - p)
@@ -394,13 +467,13 @@ def _encode_fields(raw: list[_Raw], base: RecordBody | None,
     return metas, bodies
 
 
-def _encode_incremental(data: _Incremental) -> tuple[tuple[int, int], bytes]:
+def _encode_incremental(data: _Incremental, fds: Mapping[str, int] | None = None) -> tuple[tuple[int, int], bytes]:
     """(prefix kept, new length) and the new bytes of incremental rows: what comparing the whole
     base payload with ``held[:prefix] + new`` gives, reading only the base's bytes after the
     last whole base64 quantum of the prefix (its first ``prefix`` bytes are the same by
     construction), never the whole payload (the longest field of a long session)."""
     start = data.prefix - data.prefix % 3
-    tail = read_pieces(slice_pieces(data.held.pieces, start, data.held.length))
+    tail = read_pieces(slice_pieces(data.held.pieces, start, data.held.length), fds)
     ours = tail[:data.prefix - start] + data.new
     p = _lcp(tail, ours)
     p -= p % 3  # the shared part and the new one each a whole number of base64 quanta
@@ -431,9 +504,12 @@ def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end:
         if p + s > old_len or pos + n > end:
             raise ValueError(f"field {i} reaches past its base or its entry")
         old_pieces = old.pieces if old is not None else ()
-        pieces = [*slice_pieces(old_pieces, 0, p), FileSpan(path, pos, n),
-                  *slice_pieces(old_pieces, old_len - s, old_len)]
-        pieces = [q for q in pieces if len(q)]
+        # The common shapes without slicing: a field that only grows (all of the base, then the
+        # new bytes) or is new; pieces are never empty.
+        head = list(old_pieces) if p == old_len else slice_pieces(old_pieces, 0, p) if p else []
+        pieces = [*head, FileSpan(path, pos, n)] if n else head
+        if s:
+            pieces += slice_pieces(old_pieces, old_len - s, old_len)
         pos += n
         if kind == "t":
             fields.append(Text(tuple(pieces)))
@@ -455,11 +531,12 @@ def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | Non
 
 def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord, parts: RecordParts,
                  base_record: RecordBody | None, node: dict[str, Any] | None = None,
-                 known: Mapping[int, bytes] | None = None,
-                 ) -> tuple[list[bytes], dict[str, Any], list[_Raw]]:
+                 known: Mapping[int, bytes] | None = None, fds: Mapping[str, int] | None = None,
+                 ids_text: bytes | None = None) -> tuple[list[bytes], dict[str, Any], list[_Raw]]:
     """A DELTA entry's payload (meta length, meta, sections), its meta as a value and the
     record's fields as split. ``node``: a tree node's ``{"parent": seq | None, "response_id"}``
-    (``base`` is then the parent's). ``known``: see :func:`_encode_fields`."""
+    (``base`` is then the parent's). ``known``, ``fds``: see :func:`_encode_fields`;
+    ``ids_text``: the prompt ids' JSON text, see :func:`_split_record`."""
     assert tuple(state.token_ids[turn.prompt_len:]) == turn.output_ids, "token ids = prompt ids + output ids"
     k, packed_ids, tail = _id_delta(base.token_ids, state.token_ids)
     sections: list[bytes] = []
@@ -473,8 +550,8 @@ def encode_delta(base: TitoState, state: TitoState, rollback: bool, turn: TurnRe
         lp_meta: Any = len(turn.logprobs)
     else:  # None or int logprobs: kept as the engine gave them
         lp_meta = list(turn.logprobs)
-    raw = _split_record(parts, state.token_ids[:turn.prompt_len], base_record)
-    field_metas, bodies = _encode_fields(raw, base_record, known)
+    raw = _split_record(parts, state.token_ids[:turn.prompt_len], base_record, ids_text)
+    field_metas, bodies = _encode_fields(raw, base_record, known, fds)
     meta = {
         "rollback": rollback,
         "messages": _delta(base.messages, state.messages),
@@ -568,6 +645,9 @@ class SessionJournal:
         # The last committed record and its text fields' bytes (at most _KNOWN_BYTES): the next
         # turn's delta is taken against them without reading them back from the file.
         self._known: tuple[RecordBody, dict[int, bytes]] | None = None
+        # The last committed state's token ids and their JSON text (at most _IDS_TEXT_BYTES): the
+        # next turn's prompt ids extend them, so only the new ids are turned into text.
+        self._ids: tuple[Sequence[int], bytes] | None = None
 
     @property
     def version(self) -> str:
@@ -588,9 +668,24 @@ class SessionJournal:
                                 "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(facts, image.data)))
         known = self._known[1] if self._known is not None and self._known[0] is base_record else None
-        payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known)
-        entries.append(_entry(Kind.DELTA, payload))
-        starts = self._append(entries)
+        prompt_text = self._ids_text(state.token_ids[:turn.prompt_len])
+        fd = self._take_fd()
+        try:
+            payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known,
+                                              {self.path: fd}, prompt_text)
+            entries.append(_entry(Kind.DELTA, payload))
+            starts = self._append(entries, fd)
+        except BaseException:
+            try:
+                gone = not os.fstat(fd).st_nlink
+            except OSError:
+                gone = True
+            if gone:  # deleted from outside: a later turn opens the path (and fails) again
+                os.close(fd)
+            else:
+                _open_journals.give(self.path, fd)
+            raise
+        _open_journals.give(self.path, fd)
         stored = {}
         for image, entry, start in zip(images, entries, starts):
             data_at = start + ENTRY_HEADER.size + META_LENGTH.size + len(entry[2])
@@ -600,14 +695,49 @@ class SessionJournal:
         end = starts[-1] + ENTRY_HEADER.size + sum(len(c) for c in payload)
         body_at = at + sum(len(c) for c in payload[2:2 + _sections(meta)])
         body, _used = _decode_fields(meta["fields"], base_record, self.path, body_at, end, turn.prompt_len)
+        # Text fields, then replay rows the engine sent whole while they fit (incremental ones
+        # read only a tail of the base's).
         texts = {i: data for i, (kind, _key, data) in enumerate(raw) if kind == "t" and isinstance(data, bytes)}
-        self._known = (body, texts) if sum(map(len, texts.values())) <= _KNOWN_BYTES else None
+        room = _KNOWN_BYTES - sum(map(len, texts.values()))
+        for i, (kind, _key, data) in enumerate(raw):
+            if kind == "r" and isinstance(data, bytes) and len(data) <= room:
+                texts[i] = data
+                room -= len(data)
+        self._known = (body, texts) if room >= 0 else None
+        output = ids_json(turn.output_ids)
+        text = prompt_text + b"," + output if prompt_text and output else prompt_text or output
+        self._ids = (state.token_ids, text) if len(text) <= _IDS_TEXT_BYTES else None
         return replace(turn, record=body, replay=body.replay_keys()), stored
 
-    def _append(self, entries: list[list[bytes]], what: str = "the turn") -> list[int]:
-        """Write the entries in one go at the end; returns each entry's offset. Raises
-        :class:`InsufficientStorage` (naming ``what`` was not stored), the file cut back, and
-        :class:`StorageBudget` (nothing written) past a byte budget."""
+    def _ids_text(self, ids: Sequence[int]) -> bytes:
+        """``ids_json(ids)``, from the last state's text when ``ids`` extend its ids (TITO appends)."""
+        if self._ids is not None:
+            held, text = self._ids
+            n = len(held)
+            if n <= len(ids) and ids[:n] == held:
+                if n == len(ids):
+                    return text
+                tail = ids_json(ids[n:])
+                return text + b"," + tail if n else tail
+        return ids_json(ids)
+
+    def _take_fd(self, what: str = "the turn") -> int:
+        """The journal's descriptor (read/write) for an append: the one kept open since the last
+        append (``_OpenJournals``), or opened now; give it back with ``_open_journals.give``."""
+        fd = _open_journals.take(self.path)
+        if fd is not None:
+            return fd
+        try:
+            return open_private(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
+        except (DataDirUnsafe, OSError) as exc:
+            raise InsufficientStorage(f"{what} was not stored: cannot open the session journal: {exc}") from exc
+
+    def _append(self, entries: list[list[bytes]], fd: int, what: str = "the turn") -> list[int]:
+        """Write the entries in one go at the end of the file open as ``fd``; returns each
+        entry's offset. Raises :class:`InsufficientStorage` (naming ``what`` was not stored),
+        the file cut back, and :class:`StorageBudget` (nothing written) past a byte budget."""
         starts, pos = [], self.size
         for entry in entries:
             starts.append(pos)
@@ -615,33 +745,31 @@ class SessionJournal:
         grow = pos - self.size
         if self.max_bytes is not None and pos > self.max_bytes:
             raise StorageBudget("max_session_bytes", self.max_bytes, pos, f"{what} (the session's journal)")
-        try:
-            fd = open_private(self.path, os.O_WRONLY)
-        except FileNotFoundError:
-            raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
-        except (DataDirUnsafe, OSError) as exc:
-            raise InsufficientStorage(f"{what} was not stored: cannot open the session journal: {exc}") from exc
         chunks = [c for entry in entries for c in entry]
+        # The shared byte total serves only the data budget: without one a turn takes no lock.
+        usage = self.usage if self.usage is not None and self.usage.max_bytes is not None else None
+        if usage is not None:
+            usage.add(0, grow, what)  # StorageBudget past max_data_bytes: nothing written
         try:
-            if self.usage is not None:
-                self.usage.add(0, grow, what)  # StorageBudget past max_data_bytes: nothing written
+            if self.fsync or grow >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
+                run_blocking("journal", self._write, fd, chunks)
+            else:
+                self._write(fd, chunks)
+            st = os.fstat(fd)
+            if not st.st_nlink:  # the file was deleted from outside since it was opened
+                raise FileNotFoundError(errno.ENOENT, "the session journal is gone", self.path)
+        except OSError as exc:
+            if usage is not None:
+                usage.add(0, -grow)
+            if isinstance(exc, FileNotFoundError):
+                raise InsufficientStorage(f"journal {self.path} is gone; {what} was not stored") from None
             try:
-                if self.fsync or grow >= _OFFLOAD_BYTES:  # the hub goes on meanwhile
-                    run_blocking("journal", self._write, fd, chunks)
-                else:
-                    self._write(fd, chunks)
-            except OSError as exc:
-                if self.usage is not None:
-                    self.usage.add(0, -grow)
-                try:
-                    os.ftruncate(fd, self.size)
-                except OSError:
-                    log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
-                raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
-                                          f"{exc.strerror or exc}") from exc
-            self.mtime_ns = os.fstat(fd).st_mtime_ns
-        finally:
-            os.close(fd)
+                os.ftruncate(fd, self.size)
+            except OSError:
+                log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
+            raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
+                                      f"{exc.strerror or exc}") from exc
+        self.mtime_ns = st.st_mtime_ns
         self.size = pos
         self.last_crc = ENTRY_HEADER.unpack(entries[-1][0])[2]
         return starts
@@ -793,6 +921,12 @@ class JournalStore:
     def path(self, session_id: str) -> str:
         return os.path.join(self.dir, session_id + SUFFIX)
 
+    def close(self) -> None:
+        """Close what the store keeps open in this process (the usage files, the journals' kept
+        descriptors); the next append or count opens them again."""
+        self.usage.close()
+        _open_journals.discard_under(self.dir)
+
     def count(self) -> int:
         """Sessions on disk, every shard's (the ``max_sessions`` count of the whole server)."""
         return self.usage.read()[0]
@@ -820,28 +954,31 @@ class JournalStore:
     def _create(self, session_id: str, entries: list[list[bytes]]) -> SessionJournal:
         path = self.path(session_id)
         try:
-            os.close(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # kept for the turns' appends
         except FileExistsError:
             raise SessionExists(session_id) from None
         except (DataDirUnsafe, OSError) as exc:
             raise InsufficientStorage(f"cannot create the session journal: {exc}") from exc
         journal = SessionJournal(path, 0, self.fsync, max_bytes=self.max_session_bytes)  # counted by create
         try:  # the file header, then the CREATE entry: the same append (and fsync) as a turn's
-            journal._append(entries, what="the session")
+            journal._append(entries, fd, what="the session")
             if self.fsync:
                 try:
                     _fsync_dir(self.dir)
                 except OSError as exc:
                     raise InsufficientStorage(f"the session was not stored: syncing the journal directory "
                                               f"failed: {exc.strerror or exc}") from exc
-        except InsufficientStorage:
+        except BaseException:
+            os.close(fd)
             os.unlink(path)
             raise
+        _open_journals.give(path, fd)
         journal.usage = self.usage
         return journal
 
     def remove(self, journal: SessionJournal) -> None:
         """Delete a session's file (and count it out)."""
+        _open_journals.discard(journal.path)
         try:
             size = os.stat(journal.path, follow_symlinks=False).st_size
             os.unlink(journal.path)
@@ -875,6 +1012,7 @@ class JournalStore:
 
     def _restore(self, session_id: str, pause: Callable[[], object]) -> RestoredSession | None:
         path = self.path(session_id)
+        _open_journals.discard(path)  # restore may cut or set the file aside: appends open it anew
         fd = open_private(path, os.O_RDWR)  # every change below goes through this fd: no link followed
         with os.fdopen(fd, "rb", buffering=0) as f:
             entries = _Scan(f, pause, first_may_be_damaged=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import binascii
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 
 from webapp.filebody import B64Span, FileSpan, Piece, read_pieces
@@ -57,9 +58,12 @@ class Rows:
     def length(self) -> int:
         return sum(p.length for p in self.pieces)
 
-    def b64_pieces(self) -> list[Piece]:
+    @cached_property
+    def b64_pieces(self) -> tuple[Piece, ...]:
+        """The payload's base64 text as pieces; made once per record (a records GET serves every
+        record again, and a long session's rows are one piece per turn that added some)."""
         # Each piece but the last is a whole number of base64 quanta: the texts concatenate.
-        return [B64Span(p.path, p.offset, p.length) for p in self.pieces if p.length]
+        return tuple(B64Span(p.path, p.offset, p.length) for p in self.pieces if p.length)
 
 
 Field = Text | Ids | Rows
@@ -79,7 +83,7 @@ class RecordBody:
             elif isinstance(f, Ids):
                 out.append(ids_text(f.count))
             else:
-                out += f.b64_pieces()
+                out += f.b64_pieces
         return out
 
     def replay_keys(self) -> tuple[str, ...]:

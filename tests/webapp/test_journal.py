@@ -386,9 +386,9 @@ def _reads_of_one_more_turn(data_dir, monkeypatch, known_bytes: int) -> tuple[in
     calls = []
     real = journal.read_pieces
 
-    def counting(pieces):
+    def counting(pieces, open_fds=None):
         calls.append(1)
-        return real(pieces)
+        return real(pieces, open_fds)
 
     monkeypatch.setattr(journal, "read_pieces", counting)
     play(core, sid, 1, msgs)

@@ -1,0 +1,137 @@
+"""Reading a journal's spans for a records GET (``webapp.filebody``): what is read whole, the one
+span reader, and the bytes served by every path (sendfile, pread, the file read whole)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+from pathlib import Path
+
+import pybase64
+import pytest
+
+from webapp.filebody import (
+    _SENDFILE_MIN,
+    _WHOLE_MAX,
+    B64Span,
+    FileSpan,
+    Piece,
+    _FileBody,
+    read_pieces,
+    span_bytes,
+)
+
+
+def _journal(tmp_path, size: int) -> str:
+    path = str(tmp_path / "s.journal")
+    with open(path, "wb") as f:
+        f.write(random.Random(size).randbytes(size))
+    return path
+
+
+def _served(pieces: list[Piece], *, raw_socket: bool) -> tuple[bytes, _FileBody]:
+    """What a client receives for ``pieces``: the body's yielded chunks and its sendfile spans,
+    in order, over a real socket pair (the server side given to the body when ``raw_socket``)."""
+    server, client = socket.socketpair()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := client.recv(1 << 20):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    body = _FileBody(pieces, server if raw_socket else None)
+    try:
+        for chunk in body:
+            server.sendall(chunk)
+    finally:
+        body.close()
+        server.shutdown(socket.SHUT_WR)
+        reader.join()
+        server.close()
+        client.close()
+    return b"".join(got), body
+
+
+def test_spans_sent_by_sendfile_do_not_count_towards_reading_the_file_whole(tmp_path):
+    size = 1 << 20
+    assert _SENDFILE_MIN <= size <= _WHOLE_MAX
+    path = _journal(tmp_path, size)
+    pieces: list[Piece] = [b'{"records":[', FileSpan(path, 0, size), b"]}"]
+    expected = read_pieces(pieces)
+    # The span goes by sendfile: it is never read, so the file is not read whole for it.
+    sent, body = _served(pieces, raw_socket=True)
+    assert sent == expected
+    assert body.read_whole == set()
+    # Without a raw socket the same span is read: now its bytes add up to the file, read once.
+    sent, body = _served(pieces, raw_socket=False)
+    assert sent == expected
+    assert body.read_whole == {path}
+
+
+def test_short_file_spans_and_base64_spans_count_towards_reading_the_file_whole(tmp_path):
+    size = 3 * 100_000
+    path = _journal(tmp_path, size)
+    short = [FileSpan(path, off, 60_000) for off in range(0, size, 60_000)]  # each under _SENDFILE_MIN
+    b64 = [B64Span(path, 0, size)]
+    for pieces in ([b"[", *short, b"]"], [b'"', *b64, b'"'], [b"[", FileSpan(path, 0, size // 2), *b64, b"]"]):
+        sent, body = _served(pieces, raw_socket=True)
+        assert sent == read_pieces(pieces)
+        assert body.read_whole == {path}
+    # A long span by sendfile plus a short one that reads less than the file: preads, no whole read.
+    pieces = [b"[", FileSpan(path, 0, size), FileSpan(path, 5, 100), b"]"]
+    sent, body = _served(pieces, raw_socket=True)
+    assert sent == read_pieces(pieces)
+    assert body.read_whole == set()
+
+
+@pytest.mark.parametrize("raw_socket", [True, False])
+def test_every_send_path_serves_the_bytes_read_pieces_reads(tmp_path, raw_socket):
+    size = 3 << 20
+    path = _journal(tmp_path, size)
+    rng = random.Random(7)
+    pieces: list[Piece] = [b"{"]
+    for _ in range(200):
+        kind, offset = rng.randrange(3), rng.randrange(size - 1)
+        length = rng.randrange(1, min(size - offset, 600_000) + 1)
+        if kind == 0:
+            pieces.append(FileSpan(path, offset, length))
+        elif kind == 1:
+            pieces.append(B64Span(path, offset, length - length % 3 or 3))
+        else:
+            pieces.append(b",")
+    pieces.append(b"}")
+    sent, _body = _served(pieces, raw_socket=raw_socket)
+    assert sent == read_pieces(pieces)
+
+
+def test_one_span_reader_serves_read_read_pieces_and_an_open_fd(tmp_path, monkeypatch):
+    path = _journal(tmp_path, 10_000)
+    data = Path(path).read_bytes()
+    plain, text = FileSpan(path, 1_001, 5_000), B64Span(path, 1_001, 5_000)
+    assert plain.read() == data[1_001:6_001]
+    assert text.read() == pybase64.b64encode(data[1_001:6_001])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for span in (plain, text):
+            whole = span.read()
+            assert span_bytes(fd, span) == whole == read_pieces([span])
+            for start, end in ((0, 1), (1, 7), (3, 4), (5, len(span)), (len(span) - 1, len(span))):
+                assert span.read(start, end) == span_bytes(fd, span, start, end) == whole[start:end]
+    finally:
+        os.close(fd)
+    # read_pieces opens the file once for all its spans
+    opened = []
+    real_open = os.open
+
+    def counting_open(*args, **kwargs):
+        opened.append(args[0])
+        return real_open(*args, **kwargs)
+
+    expected = plain.read() + b"-" + text.read() + plain.read()
+    monkeypatch.setattr(os, "open", counting_open)
+    assert read_pieces([plain, b"-", text, plain]) == expected
+    assert opened == [path]
