@@ -803,7 +803,8 @@ class SessionCore:
             self.limits.check_prompt(plan.prompt_ids)
             held = self._rows_held(session, plan)
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
-                                                        replay_from=held[0] if held else 0)
+                                                        replay_from=held[0] if held else 0,
+                                                        ids_text=session.journal.prompt_ids_text(plan.prompt_ids))
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
@@ -853,7 +854,8 @@ class SessionCore:
             self.limits.check_prompt(plan.prompt_ids)
             held = self._rows_held_on(parent.turn if parent is not None else None, plan)
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
-                                                        replay_from=held[0] if held else 0)
+                                                        replay_from=held[0] if held else 0,
+                                                        ids_text=session.journal.prompt_ids_text(plan.prompt_ids))
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,

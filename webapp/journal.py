@@ -709,6 +709,11 @@ class SessionJournal:
         self._ids = (state.token_ids, text) if len(text) <= _IDS_TEXT_BYTES else None
         return replace(turn, record=body, replay=body.replay_keys()), stored
 
+    def prompt_ids_text(self, ids: Sequence[int]) -> bytes:
+        """``ids_json(ids)`` of a turn's prompt ids (cheap: see :meth:`_ids_text`); the engine
+        request is built around it, as the record is."""
+        return self._ids_text(ids)
+
     def _ids_text(self, ids: Sequence[int]) -> bytes:
         """``ids_json(ids)``, from the last state's text when ``ids`` extend its ids (TITO appends)."""
         if self._ids is not None:

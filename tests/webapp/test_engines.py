@@ -19,11 +19,12 @@ import pytest
 from webapp.backend import BackendReply
 from webapp.core import SessionCore
 from webapp.engines import EngineConfigError, ReplayRequest, dialect_for
-from webapp.engines.base import EngineRequest
+from webapp.engines.base import CLIENT_ONLY_FIELDS, EngineRequest, dumps
 from webapp.engines.sglang import FORCED_FIELDS
 from webapp.engines.toolcalls import hermes
 from webapp.engines.vllm import SAMPLING_FIELDS, decode_routed_experts
-from webapp.images import ImageLimits, extract_images
+from webapp.images import ImageLimits, extract_images, wire_messages
+from webapp.records import ids_json
 from webapp.reference_backend import R3Shape, reference_completion
 from webapp.session_errors import BackendMalformed, InvalidField, MalformedReplyField
 from webapp.tokenizers import ByteChatTokenizer
@@ -69,6 +70,47 @@ def test_sglang_images_are_sent_as_data_urls_and_recorded_as_references():
     sent, recorded = json.loads(req.body), json.loads(req.recorded)
     assert sent["image_data"] == [f"data:image/png;base64,{png}"]
     assert recorded["image_data"] == [images.images[0][0].ref] and recorded["image_data"][0].startswith("sha256:")
+
+
+def _whole_payload(dialect: Any, request: dict[str, Any], ids: list[int], images: Any, urls: bool) -> bytes:
+    """The request as one ``dumps`` of the payload dict (the form build_request writes in pieces)."""
+    payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
+    payload.update(dialect.forced_fields)
+    payload["input_ids"] = ids
+    if images.images:
+        payload["messages"] = wire_messages(images.messages)
+        payload["image_data"] = [url if urls else image.ref for image, url in images.images]
+    return dumps(payload)
+
+
+@pytest.mark.parametrize("replay_from", [0, 7])
+def test_sglang_bodies_are_the_dumps_of_the_whole_payload_with_or_without_the_ids_text(replay_from):
+    """Byte for byte, however the ids text arrives; a client text equal to a placeholder the
+    request was once built with stays text (it used to be taken for an image_data slot)."""
+    dialect = dialect_for("sglang", ReplayRequest(routed_experts=True))
+    png = base64.b64encode(_png()).decode()
+    part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    messages = [{"role": "system", "content": "\u2063IMAGE\u2063"},
+                {"role": "user", "content": [part, {"type": "text", "text": "\u2063IMAGE\u2063 \u00e9"}, part]}]
+    request = {"temperature": 0.5, "messages": messages, "stream": True, "logprobs": True}
+    ids = [3, 10, 200, 4000, 0]
+    for images in [extract_images(messages, ImageLimits(), {}), NO_IMAGES]:
+        whole = _whole_payload(dialect, request, ids, images, urls=True)
+        sent = whole[:-1] + b',"routed_experts_start_len":7}' if replay_from else whole
+        for ids_text in [None, ids_json(ids)]:
+            req = dialect.build_request(request, ids, images, replay_from=replay_from, ids_text=ids_text)
+            assert req.body == sent
+            assert req.recorded == _whole_payload(dialect, request, ids, images, urls=False)
+
+
+def test_vllm_bodies_are_the_same_with_or_without_the_ids_text():
+    client = {"messages": [], "temperature": 0.5, "max_tokens": 9}
+    dialect = dialect_for("vllm")
+    ids = [4, 50, 600]
+    req = dialect.build_request(client, ids, NO_IMAGES)
+    again = dialect.build_request(client, ids, NO_IMAGES, ids_text=ids_json(ids))
+    assert (again.body, again.recorded) == (req.body, req.recorded)
+    assert json.loads(req.body)["prompt"] == ids
 
 
 def test_sglang_reply_maps_to_the_turn_and_the_client_copy_has_no_replay_payloads():

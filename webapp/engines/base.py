@@ -18,7 +18,7 @@ from webapp.request_fields import Policy, fields_with
 from webapp.session_errors import MalformedReplyField
 
 __all__ = ["CLIENT_ONLY_FIELDS", "Dialect", "EngineConfigError", "EngineRequest", "EngineTurn", "ReplayRequest",
-           "dumps"]
+           "dumps", "ids_array"]
 
 # Client fields that only concern the client-facing transport (the engine always answers whole):
 # webapp.request_fields' table says which.
@@ -28,6 +28,15 @@ CLIENT_ONLY_FIELDS = fields_with(Policy.CLIENT)
 def dumps(obj: Any) -> bytes:
     """The one JSON encoding of request and record bodies (compact, UTF-8 kept)."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def ids_array(prompt_ids: list[int], ids_text: bytes | None) -> bytes:
+    """``dumps(prompt_ids)``: ``ids_text`` (``webapp.records.ids_json(prompt_ids)``, the text the
+    journal keeps per session and extends by a turn's new ids) in brackets when the caller has
+    it, so a turn turns its prompt ids into text once."""
+    if ids_text is None:
+        return dumps(prompt_ids)
+    return b"[" + ids_text + b"]"
 
 
 class EngineConfigError(WebappError):
@@ -85,11 +94,13 @@ class Dialect(ABC):
 
     @abstractmethod
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
+                      images: RequestImages, replay_from: int = 0, ids_text: bytes | None = None) -> EngineRequest:
         """The engine request for one turn: the client's parsed chat body, our prompt ids and
         the turn's images; ``replay_from`` (only with :attr:`incremental_replay`): ask for the
-        routed-expert rows from that row on, the recorded request staying a full request's.
-        Raises a ``BadRequest`` for what this engine cannot take."""
+        routed-expert rows from that row on, the recorded request staying a full request's;
+        ``ids_text``: ``ids_json(prompt_ids)`` when the caller has it (:func:`ids_array`; the
+        bytes sent are the same either way). Raises a ``BadRequest`` for what this engine cannot
+        take."""
 
     def replay_prefix(self, turn: EngineTurn, held: tuple[int, int], prompt_len: int) -> dict[str, int]:
         """After a request with ``replay_from=held[0]`` (``held``: rows, bytes per row): the

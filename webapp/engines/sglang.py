@@ -16,11 +16,10 @@ record's ``response`` verbatim, R3 included (never decoded on the turn path:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from webapp.backend import REPLAY_KEYS, BackendReply
-from webapp.engines.base import CLIENT_ONLY_FIELDS, Dialect, EngineRequest, EngineTurn, ReplayRequest, dumps
+from webapp.engines.base import CLIENT_ONLY_FIELDS, Dialect, EngineRequest, EngineTurn, ReplayRequest, dumps, ids_array
 from webapp.images import RequestImages, wire_messages
 from webapp.samples import SAMPLE_META_KEYS
 from webapp.session_errors import BackendMalformed, InvalidField, MalformedReplyField
@@ -33,8 +32,8 @@ CHAT_PATH = "/v1/chat/completions"
 # needs the logprobs and meta_info; ``no_stop_trim: false`` keeps the stop text out of the
 # assistant content, which miles' own rollout would otherwise turn on).
 FORCED_FIELDS: dict[str, Any] = {"stream": False, "logprobs": True, "return_meta_info": True, "no_stop_trim": False}
-_IMAGE_MARK = "\u2063IMAGE\u2063"  # placeholder of one image_data entry, spliced after encoding
-_IMAGE_MARK_JSON = json.dumps(_IMAGE_MARK, ensure_ascii=False).encode()
+# Not serialized with the rest: input_ids and image_data are written after it (clients' are refused).
+_NOT_DUMPED = frozenset((*CLIENT_ONLY_FIELDS, "input_ids", "image_data"))
 
 
 def parse_assistant_message(raw_message: Any, where: str) -> dict[str, Any]:
@@ -62,25 +61,25 @@ class SglangDialect(Dialect):
             self.forced_fields["return_indexer_topk"] = True
 
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
-        """One serialization; with images, the data URLs / references spliced in after it.
-        ``replay_from``: ``routed_experts_start_len`` is sent (the last field), not recorded."""
-        payload = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
+                      images: RequestImages, replay_from: int = 0, ids_text: bytes | None = None) -> EngineRequest:
+        """The client's fields and ours serialized once, then the server-set fields written after
+        them as text: ``input_ids`` (``ids_text`` when given: :func:`ids_array`), ``image_data``
+        (the data URLs as sent, the references in the record) and ``routed_experts_start_len``
+        (``replay_from``: sent, not recorded). The same bytes as ``dumps`` of the whole payload
+        (``input_ids`` and ``image_data`` are refused from clients, so ours come last)."""
+        payload = {k: v for k, v in request.items() if k not in _NOT_DUMPED}
         payload.update(self.forced_fields)
-        payload["input_ids"] = prompt_ids
-        start = b',"routed_experts_start_len":%d}' % replay_from if replay_from and self.replay.routed_experts else None
+        if images.images:
+            payload["messages"] = wire_messages(images.messages)
+        head = dumps(payload)[:-1] + b',"input_ids":' + ids_array(prompt_ids, ids_text)
+        end = b',"routed_experts_start_len":%d}' % replay_from if replay_from and self.replay.routed_experts else b"}"
         if not images.images:
-            encoded = dumps(payload)
-            return EngineRequest(CHAT_PATH, encoded if start is None else encoded[:-1] + start, encoded, prompt_ids)
-        payload["messages"] = wire_messages(images.messages)
-        payload["image_data"] = [_IMAGE_MARK] * len(images.images)
-        pieces = dumps(payload).split(_IMAGE_MARK_JSON)
-        sent, recorded = [pieces[0]], [pieces[0]]
-        for (image, url), piece in zip(images.images, pieces[1:]):
-            sent += (b'"', url.encode("ascii"), b'"', piece)  # checked: the base64 alphabet needs no escape
-            recorded += (b'"', image.ref.encode("ascii"), b'"', piece)
-        body = b"".join(sent)
-        return EngineRequest(CHAT_PATH, body if start is None else body[:-1] + start, b"".join(recorded), prompt_ids)
+            return EngineRequest(CHAT_PATH, head + end, head + b"}", prompt_ids)
+        # Checked: a data URL and a reference are ASCII with nothing JSON escapes.
+        urls = b'","'.join([url.encode("ascii") for _image, url in images.images])
+        refs = b'","'.join([image.ref.encode("ascii") for image, _url in images.images])
+        return EngineRequest(CHAT_PATH, b"".join((head, b',"image_data":["', urls, b'"]', end)),
+                             b"".join((head, b',"image_data":["', refs, b'"]}')), prompt_ids)
 
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
         parsed = reply.parsed

@@ -62,6 +62,7 @@ from webapp.engines.base import (
     EngineTurn,
     ReplayRequest,
     dumps,
+    ids_array,
 )
 from webapp.engines.sglang import parse_assistant_message
 from webapp.engines.toolcalls import TOOL_CALL_PARSERS, ToolCallParser
@@ -117,7 +118,7 @@ class VllmDialect(Dialect):
         self.parse_tool_calls: ToolCallParser = TOOL_CALL_PARSERS[tool_call_parser]
 
     def build_request(self, request: dict[str, Any], prompt_ids: list[int],
-                      images: RequestImages, replay_from: int = 0) -> EngineRequest:
+                      images: RequestImages, replay_from: int = 0, ids_text: bytes | None = None) -> EngineRequest:
         if images.images:
             raise InvalidField("messages", "images are not supported with --backend-kind vllm: vLLM's completions "
                                            "API takes no image with a token-id prompt")
@@ -126,7 +127,7 @@ class VllmDialect(Dialect):
         top = request.get("top_logprobs") if request.get("logprobs") else None
         body["logprobs"] = top if type(top) is int and top > 0 else 0
         body.update(_FORCED)
-        ids = dumps(prompt_ids)  # the one serialization of the prompt, in both bodies
+        ids = ids_array(prompt_ids, ids_text)  # the one serialization of the prompt, in both bodies
         encoded = dumps(body)
         sent = b'{"prompt":' + ids + b"," + encoded[1:]
         client = {k: v for k, v in request.items() if k not in CLIENT_ONLY_FIELDS}
