@@ -401,7 +401,7 @@ class AsyncSandbox:
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
-        fleetgc.host_connection(self, self._loop)  # the automatic fleet GC policy counts open connections
+        fleetgc.host_connection(self, self._loop)  # the automatic fleet GC policy counts open connections (released when gone)
 
     # -- properties --------------------------------------------------------
 
@@ -472,6 +472,7 @@ class AsyncSandbox:
         """Close the connection; pending calls fail with ``SandboxClosed``. Idempotent."""
         if not self._closing:
             self._closing = True
+            fleetgc.release_connection(self, self._loop)
             await self._ws.close()
         # The reader fails what is still pending once the socket is closed.
         await asyncio.shield(self._reader)
@@ -899,6 +900,8 @@ class AsyncSandbox:
         except Exception as exc:  # a bug here must not leave calls hanging
             cause, close_with = exc, (1011, "client error")
             log.exception("%s: reader failed; closing the connection", self._url)
+        finally:  # the connection is no longer open, even when cancelled (a SharedLoop shutting down)
+            fleetgc.release_connection(self, self._loop)
         # Fail what is pending first: the closing handshake may take close_timeout.
         await self._connection_gone(cause)
         if close_with is not None:

@@ -40,6 +40,7 @@ __all__ = [
     "GcTuning",
     "auto_policy",
     "host_connection",
+    "release_connection",
     "tune_gc_for_fleet",
 ]
 
@@ -197,22 +198,19 @@ def auto_policy() -> FleetGcPolicy:
     return _AUTO
 
 
-#: Seconds between recounts of a loop's open connections (closed ones drop out at a recount).
-RECOUNT_INTERVAL = 2.0
-
 _HOSTED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Any]] = (
     weakref.WeakKeyDictionary()
 )
 _LOOPS: weakref.WeakValueDictionary[int, asyncio.AbstractEventLoop] = weakref.WeakValueDictionary()
-_RECOUNT_SCHEDULED: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Count ``connection`` (anything with a ``closed`` attribute) as hosted by ``loop``.
+    """Count ``connection`` as open on ``loop`` (default: the running loop) and report.
 
-    Called by every new client connection, on its loop. The count is reported
-    at once; a slow recount on the loop notices the closed ones (held weakly,
-    so collected ones drop out too).
+    Called by every new client connection, on its loop; :func:`release_connection`
+    when it closes or is lost. Held weakly, so one collected without either drops
+    out at the next report. Both are O(1): no timer and no scan of the fleet (a
+    periodic recount walked all N connections on the loop every interval).
     """
     loop = loop or asyncio.get_running_loop()
     hosted = _HOSTED.get(loop)
@@ -220,17 +218,14 @@ def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = No
         hosted = _HOSTED[loop] = weakref.WeakSet()
         _LOOPS[id(loop)] = loop
     hosted.add(connection)
-    _recount(loop, timer=False)
+    _AUTO.report(loop, len(hosted))
 
 
-def _recount(loop: asyncio.AbstractEventLoop, timer: bool = True) -> None:
-    # One recount timer per loop: a connect reports at once but must not start another chain
-    # (1024 connects would otherwise leave 1024 timers each counting the whole fleet).
-    if timer:
-        _RECOUNT_SCHEDULED.discard(loop)
+def release_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """``connection`` closed or was lost: stop counting it and report. Idempotent."""
+    loop = loop or asyncio.get_running_loop()
     hosted = _HOSTED.get(loop)
-    count = 0 if hosted is None else sum(1 for c in list(hosted) if not getattr(c, "closed", False))
-    _AUTO.report(loop, count)
-    if count and loop not in _RECOUNT_SCHEDULED and not loop.is_closed():
-        _RECOUNT_SCHEDULED.add(loop)
-        loop.call_later(RECOUNT_INTERVAL, _recount, loop)
+    if hosted is None or connection not in hosted:
+        return
+    hosted.discard(connection)
+    _AUTO.report(loop, len(hosted))
