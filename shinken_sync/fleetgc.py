@@ -44,10 +44,16 @@ __all__ = [
     "tune_gc_for_fleet",
 ]
 
-#: ``gc.set_threshold`` values used by :func:`tune_gc_for_fleet`: gen 0 after
-#: this many net allocations (default 700), gen 1 after this many gen-0
-#: collections (10), gen 2 after this many gen-1 collections (10).
-FLEET_GC_THRESHOLDS: tuple[int, int, int] = (20_000, 20, 50)
+#: ``gc.set_threshold`` values used by :func:`tune_gc_for_fleet` and the automatic
+#: policy: gen 0 after this many net allocations (default 700), gen 1 after this
+#: many gen-0 collections (10), gen 2 after this many gen-1 collections (10).
+#: Why 100000 for gen 0: a lockstep round at N=1024 holds ~20-60 tracked objects
+#: per step in flight (tasks, futures, frames of the calls), so 20000 was crossed
+#: 1-3 times in every round, each time walking everything in flight (5 ms on a
+#: quiet core, 20-100 ms on a loaded one). A collection's cost is what is alive,
+#: not the threshold, so a higher one means fewer collections of about the same
+#: cost; the price is cyclic garbage waiting longer (at most this many objects).
+FLEET_GC_THRESHOLDS: tuple[int, int, int] = (100_000, 20, 50)
 
 
 @dataclass(frozen=True)
