@@ -276,6 +276,7 @@ async def aconnect(
     if frame_budget_bytes is not USE_GLOBAL:  # the caller's own, explicit setting
         loop_frame_budget(loop).limit = frame_budget_bytes
     _tune_transport(ws)
+    transport.pace_reading(ws)
     try:
         hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
     except BaseException:
