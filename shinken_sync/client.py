@@ -520,14 +520,15 @@ class AsyncSandbox:
         return future
 
     async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault) -> asyncio.Future[Any]:
-        await self._admit(1)
+        waiter = self._admission(1)
+        if waiter is not None:
+            await waiter
         return await self._send(self._prepare(verb, args, timeout))
 
-    async def _admit(self, calls: int) -> None:
-        """Wait for room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN)."""
-        limit = MAX_CALL_STARTS_PER_TURN
-        if limit is not None and not self._turns.try_admit(calls, limit):
-            await self._turns.admit(calls, limit)
+    def _admission(self, calls: int) -> asyncio.Future[None] | None:
+        """Room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN):
+        None when there is room now, else the future to await for it."""
+        return self._turns.ticket(calls, MAX_CALL_STARTS_PER_TURN)
 
     def _arm_deadline(self, when: float) -> None:
         if self._deadline_timer is not None:
@@ -718,7 +719,9 @@ class AsyncSandbox:
                 failed_at = i
                 continue
             try:
-                await self._admit(1)
+                waiter = self._admission(1)
+                if waiter is not None:
+                    await waiter
                 value = unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
@@ -758,7 +761,9 @@ class AsyncSandbox:
         # Admission comes before any other work: in a burst of 1024 steps the
         # ones that must wait cost the turn only this, and the checking,
         # encoding and sending of each is spread over the turns too.
-        await self._admit(len(actions_) + (observe is not None))
+        waiter = self._admission(len(actions_) + (observe is not None))
+        if waiter is not None:
+            await waiter
         calls = [split_action(i, action) for i, action in enumerate(actions_)]
         observe_args = None if observe is None else split_action(len(calls), build.screenshot(**observe))[1]
         gate = gateway or self._gateway
