@@ -50,6 +50,7 @@ async def _next_turn() -> None:
 
 def test_past_the_budget_data_waits_for_later_turns_in_order(monkeypatch, run):
     monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
+    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)  # any held byte pauses the socket
 
     async def body():
         budget = read_budget_for_loop(asyncio.get_running_loop())
@@ -69,8 +70,31 @@ def test_past_the_budget_data_waits_for_later_turns_in_order(monkeypatch, run):
     run(body())
 
 
+def test_a_little_held_data_leaves_the_socket_reading(monkeypatch, run):
+    """Pausing costs two system calls: only a connection holding more than
+    HOLD_BYTES_BEFORE_PAUSE stops reading."""
+    monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
+    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 60)
+
+    async def body():
+        budget = read_budget_for_loop(asyncio.get_running_loop())
+        log: list[tuple[str, object]] = []
+        t = FakeTransport()
+        p = PacedProtocol(Inner("a", log), t, budget)
+        budget.take(100)  # the turn's budget is spent
+        p.data_received(b"1" * 50)
+        assert t.reading  # 50 held: under the mark
+        p.data_received(b"2" * 50)
+        assert not t.reading  # 100 held: over it
+        await _next_turn()
+        assert log == [("a", b"1" * 50), ("a", b"2" * 50)] and t.reading
+
+    run(body())
+
+
 def test_a_big_read_goes_alone_and_the_end_comes_after_held_data(monkeypatch, run):
     monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
+    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)
 
     async def body():
         budget = read_budget_for_loop(asyncio.get_running_loop())
