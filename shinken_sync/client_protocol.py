@@ -20,8 +20,8 @@ events come out (:data:`Event`), and calls to send come out of
   (:func:`unwrap`, one decoder per result kind of :mod:`shinken_sync.verbs`)
   and the hello check (:func:`check_hello`).
 
-``client.py`` is the asyncio transport around it: it dials, reads, arms a
-timer per call, wakes waiters and probes liveness. ``tests/sdk/test_client_protocol.py``
+``client.py`` is the asyncio transport around it: it dials, reads, arms one
+deadline timer per connection, wakes waiters and probes liveness. ``tests/sdk/test_client_protocol.py``
 drives this object against the daemon's own dispatch and a scripted peer
 without any socket.
 """
