@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import weakref
 from typing import Any
+
+log = logging.getLogger("shinken_sync.readpacing")
 
 __all__ = ["HOLD_BYTES_BEFORE_PAUSE", "MAX_READ_BYTES_PER_TURN", "PacedProtocol", "ReadBudget", "pace", "read_budget_for_loop"]
 
@@ -125,12 +128,22 @@ class PacedProtocol(asyncio.Protocol):
             self._paused = True
 
     def release(self) -> None:
-        """Our turn: parse what was held, then read again unless the library paused."""
-        self._deliver()
+        """Our turn: parse what was held, then read again unless the library paused.
+
+        Never raises: it runs in the budget's callback, on behalf of every
+        connection waiting behind this one. A parser that fails here gets what
+        it would get from the transport's own read callback: the connection is
+        aborted (its reader then fails its calls with the loss)."""
+        try:
+            self._deliver()
+        except Exception:
+            log.exception("parsing held data failed; aborting the connection")
+            self._transport.abort()
+            return
         if self._paused:
             self._paused = False
             recv_messages = getattr(self._inner, "recv_messages", None)
-            if not getattr(recv_messages, "paused", False):
+            if not getattr(recv_messages, "paused", False) and not self._transport.is_closing():
                 self._transport.resume_reading()
 
     def _deliver(self) -> None:

@@ -16,6 +16,13 @@ TOKEN = "test-token"
 class FakeTransport:
     def __init__(self) -> None:
         self.reading = True
+        self.aborted = False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def is_reading(self) -> bool:
         return self.reading
@@ -134,6 +141,33 @@ def test_a_burst_of_replies_arrives_whole(monkeypatch, run, peer, helpers):
             assert read_budget_for_loop(asyncio.get_running_loop()).held_turns > 0  # really paced
             for sb in sandboxes:
                 await sb.close()
+
+    run(body())
+
+
+def test_a_parser_failing_on_held_data_aborts_only_its_connection(monkeypatch, run):
+    """The budget's callback serves every waiting connection: one parser raising
+    aborts its own connection (as the transport's read callback would) and the
+    others still get their turn."""
+    monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
+    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)
+
+    class Broken(Inner):
+        def data_received(self, data: bytes) -> None:
+            raise ValueError("parser bug")
+
+    async def body():
+        budget = read_budget_for_loop(asyncio.get_running_loop())
+        log: list[tuple[str, object]] = []
+        ta, tb = FakeTransport(), FakeTransport()
+        budget.take(100)
+        a = PacedProtocol(Broken("a", log), ta, budget)
+        b = PacedProtocol(Inner("b", log), tb, budget)
+        a.data_received(b"1")
+        b.data_received(b"2")
+        await _next_turn()
+        assert ta.aborted and not ta.reading  # not resumed either
+        assert log == [("b", b"2")] and tb.reading and not tb.aborted
 
     run(body())
 
