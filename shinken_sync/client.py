@@ -3,7 +3,7 @@
 This module is the transport around :class:`~shinken_sync.client_protocol.ClientProtocol`,
 which holds the connection's state without any I/O (call ids, pending calls,
 deadlines, streams, reply routing, decoding). Here: dialing, the socket, one
-timer per call, waking waiters, and the liveness probe on a loss.
+deadline timer per connection, waking waiters, and the liveness probe on a loss.
 
 Each connection has exactly one reader task. It feeds every daemon message to
 the protocol object and acts on the event it returns: a reply resolves the
@@ -276,6 +276,7 @@ async def aconnect(
     if frame_budget_bytes is not USE_GLOBAL:  # the caller's own, explicit setting
         loop_frame_budget(loop).limit = frame_budget_bytes
     _tune_transport(ws)
+    transport.pace_reading(ws)
     try:
         hello = await _receive_hello(ws, url, max(0.0, deadline - loop.time()), transport)
     except BaseException:
@@ -395,10 +396,13 @@ class AsyncSandbox:
         self._frame_counters = FrameCounters()
         self._proto = ClientProtocol(hello, rpc_timeout)
         self._stopping_unclaimed: set[asyncio.Task[None]] = set()
+        # One timer per connection, armed for the earliest pending deadline (see _send).
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at: float | None = None
         self._closing = False
         self._loss: ShinkenError | None = None  # set once the connection is gone
         self._reader = self._loop.create_task(self._read_loop(), name=f"shinken-reader {url}")
-        fleetgc.host_connection(self, self._loop)  # the automatic fleet GC policy counts open connections
+        fleetgc.host_connection(self, self._loop)  # the automatic fleet GC policy counts open connections (released when gone)
 
     # -- properties --------------------------------------------------------
 
@@ -469,6 +473,7 @@ class AsyncSandbox:
         """Close the connection; pending calls fail with ``SandboxClosed``. Idempotent."""
         if not self._closing:
             self._closing = True
+            fleetgc.release_connection(self, self._loop)
             await self._ws.close()
         # The reader fails what is still pending once the socket is closed.
         await asyncio.shield(self._reader)
@@ -500,8 +505,14 @@ class AsyncSandbox:
             future.set_exception(self._loss_error())
             return future
         # No deadline (timeout=None): the call ends with its reply or the connection's end.
-        timer = None if call.deadline is None else self._loop.call_later(call.deadline, self._expire, call.call_id)
-        self._proto.sent(call, future, timer)
+        # Not a timer per call: the connection's one timer is armed for the earliest
+        # pending deadline, and a reply leaves it be (at 1024 connections x 2 calls a
+        # step, timers per call were thousands of handles made, cancelled and
+        # kept in the loop's heap every round).
+        expires_at = None if call.deadline is None else self._loop.time() + call.deadline
+        self._proto.sent(call, future, expires_at)
+        if expires_at is not None and (self._deadline_at is None or expires_at < self._deadline_at):
+            self._arm_deadline(expires_at)
         try:
             await self._ws.send(call.message)
         except self._closed_error:
@@ -509,19 +520,37 @@ class AsyncSandbox:
         return future
 
     async def _submit(self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault) -> asyncio.Future[Any]:
-        await self._admit(1)
+        waiter = self._admission(1)
+        if waiter is not None:
+            await waiter
         return await self._send(self._prepare(verb, args, timeout))
 
-    async def _admit(self, calls: int) -> None:
-        """Wait for room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN)."""
-        limit = MAX_CALL_STARTS_PER_TURN
-        if limit is not None and not self._turns.try_admit(calls, limit):
-            await self._turns.admit(calls, limit)
+    def _admission(self, calls: int) -> asyncio.Future[None] | None:
+        """Room for ``calls`` call starts in a loop turn (see MAX_CALL_STARTS_PER_TURN):
+        None when there is room now, else the future to await for it."""
+        return self._turns.ticket(calls, MAX_CALL_STARTS_PER_TURN)
 
-    def _expire(self, call_id: int) -> None:
-        expired = self._proto.expire(call_id)
-        if expired is not None and not expired[0].waiter.done():
-            expired[0].waiter.set_exception(expired[1])
+    def _arm_deadline(self, when: float) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_at = when
+        self._deadline_timer = self._loop.call_at(when, self._expire_due, when)
+
+    def _disarm_deadline(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_timer = self._deadline_at = None
+
+    def _expire_due(self, armed_for: float) -> None:
+        """The connection's timer: fail every call past its deadline, re-arm for the next."""
+        self._deadline_timer = self._deadline_at = None
+        # The loop runs a timer up to its clock resolution early: the time it was armed for counts.
+        expired, next_at = self._proto.expire_due(max(self._loop.time(), armed_for))
+        for pending, error in expired:
+            if not pending.waiter.done():
+                pending.waiter.set_exception(error)
+        if next_at is not None and self._loss is None:
+            self._arm_deadline(next_at)
 
     async def _call(self, verb: str, args: Mapping[str, Any], timeout: float | None | UseDefault = DEFAULT) -> Any:
         future = await self._submit(verb, args, timeout)
@@ -690,7 +719,9 @@ class AsyncSandbox:
                 failed_at = i
                 continue
             try:
-                await self._admit(1)
+                waiter = self._admission(1)
+                if waiter is not None:
+                    await waiter
                 value = unwrap(verb, await (await self._send(call)))
             except ShinkenError as exc:
                 rows.append(StepRow(index=i, verb=verb, outcome=classify_exception(exc), error=exc))
@@ -724,6 +755,15 @@ class AsyncSandbox:
         seconds of the send, so it bounds the whole step.
         """
         actions_ = list(actions)
+        self._check_usable()
+        # The whole step is admitted in one turn (its calls stay together on the
+        # wire), counting every action (a gateway denial only leaves room unused).
+        # Admission comes before any other work: in a burst of 1024 steps the
+        # ones that must wait cost the turn only this, and the checking,
+        # encoding and sending of each is spread over the turns too.
+        waiter = self._admission(len(actions_) + (observe is not None))
+        if waiter is not None:
+            await waiter
         calls = [split_action(i, action) for i, action in enumerate(actions_)]
         observe_args = None if observe is None else split_action(len(calls), build.screenshot(**observe))[1]
         gate = gateway or self._gateway
@@ -734,10 +774,6 @@ class AsyncSandbox:
         sent = [call for call, ok in zip(calls, admitted) if ok]
         if observe_args is not None:
             sent.append(("screenshot", observe_args))
-        # The whole step is admitted in one turn (its calls stay together on the
-        # wire); encoding waits for the admission, so a burst is spread too.
-        await self._admit(len(sent))
-        self._check_usable()
         deadlines = iter(pipelined_deadlines(self._rpc_timeout, sent, timeout))
         # Encode everything first: a bad argument raises before anything is sent.
         prepared = [
@@ -870,6 +906,8 @@ class AsyncSandbox:
         except Exception as exc:  # a bug here must not leave calls hanging
             cause, close_with = exc, (1011, "client error")
             log.exception("%s: reader failed; closing the connection", self._url)
+        finally:  # the connection is no longer open, even when cancelled (a SharedLoop shutting down)
+            fleetgc.release_connection(self, self._loop)
         # Fail what is pending first: the closing handshake may take close_timeout.
         await self._connection_gone(cause)
         if close_with is not None:
@@ -881,8 +919,6 @@ class AsyncSandbox:
             event.stream._push(event.frame, event.size)
         elif isinstance(event, (Replied, StreamOpened)):
             call = event.call
-            if call.timer is not None:  # None: a call without a deadline
-                call.timer.cancel()
             if call.waiter.done():  # the caller was cancelled
                 if isinstance(event, StreamOpened):
                     self._stop_unclaimed_stream(event.stream_id)
@@ -903,9 +939,8 @@ class AsyncSandbox:
         loss.__cause__ = cause
         self._loss = loss
         pending, streams = self._proto.lose()
+        self._disarm_deadline()
         for call in pending:
-            if call.timer is not None:  # None: a call without a deadline
-                call.timer.cancel()
             if not call.waiter.done():
                 call.waiter.set_exception(self._loss_error())
         for stream in streams:

@@ -6,7 +6,9 @@ events come out (:data:`Event`), and calls to send come out of
 :meth:`~ClientProtocol.prepare`. It owns
 
 * call ids and the calls awaiting a reply (each carries an opaque ``waiter``
-  and ``timer`` the transport puts there; the protocol never looks at them);
+  the transport puts there, and the time it expires on the transport's clock:
+  :meth:`~ClientProtocol.expire_due` finds the calls past it, so a transport
+  needs one timer per connection, not one per call);
 * reply routing: a reply goes to its call, a late one (its call expired) is
   dropped, and one to a call never sent is a :class:`ProtocolViolation`;
 * the streams open on the connection (frame routing, ``stream_end``, the
@@ -18,8 +20,8 @@ events come out (:data:`Event`), and calls to send come out of
   (:func:`unwrap`, one decoder per result kind of :mod:`shinken_sync.verbs`)
   and the hello check (:func:`check_hello`).
 
-``client.py`` is the asyncio transport around it: it dials, reads, arms a
-timer per call, wakes waiters and probes liveness. ``tests/sdk/test_client_protocol.py``
+``client.py`` is the asyncio transport around it: it dials, reads, arms one
+deadline timer per connection, wakes waiters and probes liveness. ``tests/sdk/test_client_protocol.py``
 drives this object against the daemon's own dispatch and a scripted peer
 without any socket.
 """
@@ -118,18 +120,18 @@ class OutgoingCall:
 
 
 class PendingCall:
-    """A sent call awaiting its reply. ``waiter`` and ``timer`` belong to the
-    transport (an asyncio future and its deadline timer); the protocol only
-    hands them back in events."""
+    """A sent call awaiting its reply. ``waiter`` belongs to the transport (an
+    asyncio future); the protocol only hands it back in events. ``expires_at``
+    is when the call's deadline passes on the transport's clock (None: never)."""
 
-    __slots__ = ("call_id", "deadline", "timer", "verb", "waiter")
+    __slots__ = ("call_id", "deadline", "expires_at", "verb", "waiter")
 
-    def __init__(self, call: OutgoingCall, waiter: Any, timer: Any):
+    def __init__(self, call: OutgoingCall, waiter: Any, expires_at: float | None):
         self.call_id = call.call_id
         self.verb = call.verb
         self.deadline = call.deadline
         self.waiter = waiter
-        self.timer = timer
+        self.expires_at = expires_at
 
 
 # ---------------------------------------------------------------------------
@@ -239,10 +241,21 @@ class ClientProtocol:
             deadline = call_deadline(self.rpc_timeout, verb, wire, timeout)
         return OutgoingCall(call_id, verb, message, deadline)
 
-    def sent(self, call: OutgoingCall, waiter: Any = None, timer: Any = None) -> PendingCall:
-        """Record ``call`` as on the wire; its reply will be routed to ``waiter``."""
-        pending = self._pending[call.call_id] = PendingCall(call, waiter, timer)
+    def sent(self, call: OutgoingCall, waiter: Any = None, expires_at: float | None = None) -> PendingCall:
+        """Record ``call`` as on the wire; its reply will be routed to ``waiter``.
+        ``expires_at``: the send time plus the call's deadline, on the clock the
+        transport later passes to :meth:`expire_due` (None: no deadline)."""
+        pending = self._pending[call.call_id] = PendingCall(call, waiter, expires_at)
         return pending
+
+    def expire_due(self, now: float) -> tuple[list[tuple[PendingCall, RPCTimeout]], float | None]:
+        """Expire every pending call whose ``expires_at`` is at or before ``now``
+        (as :meth:`expire`, in send order); return them and the earliest
+        ``expires_at`` still pending (None: no pending call has a deadline)."""
+        due = [call_id for call_id, p in self._pending.items() if p.expires_at is not None and p.expires_at <= now]
+        expired = [expired for expired in map(self.expire, due) if expired is not None]
+        remaining = [p.expires_at for p in self._pending.values() if p.expires_at is not None]
+        return expired, min(remaining, default=None)
 
     def expire(self, call_id: int) -> tuple[PendingCall, RPCTimeout] | None:
         """The call's deadline passed: forget it (a late reply is dropped) and

@@ -40,13 +40,20 @@ __all__ = [
     "GcTuning",
     "auto_policy",
     "host_connection",
+    "release_connection",
     "tune_gc_for_fleet",
 ]
 
-#: ``gc.set_threshold`` values used by :func:`tune_gc_for_fleet`: gen 0 after
-#: this many net allocations (default 700), gen 1 after this many gen-0
-#: collections (10), gen 2 after this many gen-1 collections (10).
-FLEET_GC_THRESHOLDS: tuple[int, int, int] = (20_000, 20, 50)
+#: ``gc.set_threshold`` values used by :func:`tune_gc_for_fleet` and the automatic
+#: policy: gen 0 after this many net allocations (default 700), gen 1 after this
+#: many gen-0 collections (10), gen 2 after this many gen-1 collections (10).
+#: Why 100000 for gen 0: a lockstep round at N=1024 holds ~20-60 tracked objects
+#: per step in flight (tasks, futures, frames of the calls), so 20000 was crossed
+#: 1-3 times in every round, each time walking everything in flight (5 ms on a
+#: quiet core, 20-100 ms on a loaded one). A collection's cost is what is alive,
+#: not the threshold, so a higher one means fewer collections of about the same
+#: cost; the price is cyclic garbage waiting longer (at most this many objects).
+FLEET_GC_THRESHOLDS: tuple[int, int, int] = (100_000, 20, 50)
 
 
 @dataclass(frozen=True)
@@ -197,22 +204,19 @@ def auto_policy() -> FleetGcPolicy:
     return _AUTO
 
 
-#: Seconds between recounts of a loop's open connections (closed ones drop out at a recount).
-RECOUNT_INTERVAL = 2.0
-
 _HOSTED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Any]] = (
     weakref.WeakKeyDictionary()
 )
 _LOOPS: weakref.WeakValueDictionary[int, asyncio.AbstractEventLoop] = weakref.WeakValueDictionary()
-_RECOUNT_SCHEDULED: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Count ``connection`` (anything with a ``closed`` attribute) as hosted by ``loop``.
+    """Count ``connection`` as open on ``loop`` (default: the running loop) and report.
 
-    Called by every new client connection, on its loop. The count is reported
-    at once; a slow recount on the loop notices the closed ones (held weakly,
-    so collected ones drop out too).
+    Called by every new client connection, on its loop; :func:`release_connection`
+    when it closes or is lost. Held weakly, so one collected without either drops
+    out at the next report. Both are O(1): no timer and no scan of the fleet (a
+    periodic recount walked all N connections on the loop every interval).
     """
     loop = loop or asyncio.get_running_loop()
     hosted = _HOSTED.get(loop)
@@ -220,17 +224,14 @@ def host_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = No
         hosted = _HOSTED[loop] = weakref.WeakSet()
         _LOOPS[id(loop)] = loop
     hosted.add(connection)
-    _recount(loop, timer=False)
+    _AUTO.report(loop, len(hosted))
 
 
-def _recount(loop: asyncio.AbstractEventLoop, timer: bool = True) -> None:
-    # One recount timer per loop: a connect reports at once but must not start another chain
-    # (1024 connects would otherwise leave 1024 timers each counting the whole fleet).
-    if timer:
-        _RECOUNT_SCHEDULED.discard(loop)
+def release_connection(connection: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """``connection`` closed or was lost: stop counting it and report. Idempotent."""
+    loop = loop or asyncio.get_running_loop()
     hosted = _HOSTED.get(loop)
-    count = 0 if hosted is None else sum(1 for c in list(hosted) if not getattr(c, "closed", False))
-    _AUTO.report(loop, count)
-    if count and loop not in _RECOUNT_SCHEDULED and not loop.is_closed():
-        _RECOUNT_SCHEDULED.add(loop)
-        loop.call_later(RECOUNT_INTERVAL, _recount, loop)
+    if hosted is None or connection not in hosted:
+        return
+    hosted.discard(connection)
+    _AUTO.report(loop, len(hosted))

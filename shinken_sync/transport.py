@@ -98,6 +98,9 @@ class Transport:
     handshake_errors: tuple[type[BaseException], ...]
     #: called after a large message was dispatched: drop what the library still holds of it
     release_message: Callable[[Any], None] = _no_release
+    #: called once a connection is open, on its loop: bound the parsing per loop turn
+    #: (:mod:`shinken_sync.readpacing`; picows parses in C and is left as it is)
+    pace_reading: Callable[[Any], None] = _no_release
     #: ``(socket_path, uri, **options)``: dial a ``ws+unix://`` endpoint; None when the
     #: library dials TCP only (then ``choose`` answers websockets for such URLs)
     connect_unix: Callable[..., Any] | None = None
@@ -111,9 +114,11 @@ def _websockets() -> Transport:
     from websockets.asyncio.client import connect, unix_connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+    from .readpacing import pace
+
     return Transport(
         WEBSOCKETS, connect, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI),
-        _release_websockets_frame, unix_connect,
+        _release_websockets_frame, pace, unix_connect,
     )  # fmt: skip
 
 

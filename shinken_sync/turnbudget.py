@@ -70,13 +70,21 @@ class TurnBudget:
 
     async def admit(self, calls: int, limit: int | None) -> None:
         """Return once ``calls`` call starts fit in a turn (at once when they fit now)."""
+        waiter = self.ticket(calls, limit)
+        if waiter is not None:
+            await waiter  # cancelled while waiting: _new_turn skips the cancelled future
+
+    def ticket(self, calls: int, limit: int | None) -> asyncio.Future[None] | None:
+        """:meth:`admit` without a coroutine: None when admitted now, else the
+        future that resolves at the admission (the hot path of every call
+        start makes no coroutine object this way)."""
         if self.try_admit(calls, limit):
-            return
+            return None
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._waiters.append((waiter, calls))
         self._schedule_reset()
         self.admitted_late += 1
-        await waiter  # cancelled while waiting: _new_turn skips the cancelled future
+        return waiter
 
     def _schedule_reset(self) -> None:
         if not self._reset_scheduled:

@@ -134,6 +134,24 @@ def test_late_replies_are_dropped_and_unknown_ones_are_violations():
         client.receive(protocol.encode_hello(HELLO))
 
 
+def test_expire_due_ends_the_calls_past_their_time_and_names_the_next():
+    """One timer per connection: the transport asks which calls are due at a time."""
+    client = ClientProtocol(HELLO, 5.0)
+    calls = [client.prepare("click", {"x": 1, "y": 1}) for _ in range(4)]
+    client.sent(calls[0], waiter="a", expires_at=10.0)
+    client.sent(calls[1], waiter="b", expires_at=None)  # no deadline: never due
+    client.sent(calls[2], waiter="c", expires_at=12.0)
+    client.sent(calls[3], waiter="d", expires_at=9.0)
+    assert client.expire_due(8.9) == ([], 9.0)
+    expired, next_at = client.expire_due(10.0)
+    assert [p.waiter for p, _ in expired] == ["a", "d"] and next_at == 12.0  # in send order
+    assert all(isinstance(error, RPCTimeout) and error.call_id == p.call_id for p, error in expired)
+    assert client.receive(_reply(calls[0].call_id)) is None  # expired: its late reply is dropped
+    assert isinstance(client.receive(_reply(calls[2].call_id)), Replied)
+    assert client.expire_due(100.0) == ([], None)  # only the call without a deadline is left
+    assert client.pending_calls == 1
+
+
 def test_a_late_openers_stream_is_handed_back_to_be_stopped():
     client = ClientProtocol(HELLO, 5.0)
     call = client.prepare("screencast_start", {})

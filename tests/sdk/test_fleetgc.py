@@ -145,42 +145,69 @@ def test_a_loop_reports_its_open_connections_and_the_closed_ones_release():
         "from shinken_sync import fleetgc\n"
         "gc.set_threshold(700, 10, 10)\n"
         "policy = fleetgc.auto_policy(); policy.engage_at = 2; policy.release_below = 1\n"
-        "fleetgc.RECOUNT_INTERVAL = 0.01\n"
         "class Conn:\n"
-        "    closed = False\n"
+        "    pass\n"
         "async def main():\n"
         "    conns = [Conn(), Conn()]\n"
         "    for c in conns: fleetgc.host_connection(c)\n"
         "    engaged = [policy.engaged, gc.get_threshold()]\n"
-        "    for c in conns: c.closed = True\n"
-        "    while policy.engaged: await asyncio.sleep(0.01)\n"
-        "    return engaged\n"
-        "engaged = asyncio.run(main())\n"
-        "print(json.dumps({'engaged': engaged, 'after': [policy.engaged, gc.get_threshold()]}))\n"
+        "    fleetgc.release_connection(conns[0]); fleetgc.release_connection(conns[0])  # idempotent\n"
+        "    one_left = policy.engaged\n"
+        "    fleetgc.release_connection(conns[1])\n"
+        "    return engaged, one_left\n"
+        "engaged, one_left = asyncio.run(main())\n"
+        "print(json.dumps({'engaged': engaged, 'one_left': one_left, 'after': [policy.engaged, gc.get_threshold()]}))\n"
     )
     assert state["engaged"] == [True, list(FLEET_GC_THRESHOLDS)]
+    assert state["one_left"] is True  # 1 open, not below release_below=1
     assert state["after"] == [False, [700, 10, 10]]
 
 
-def test_many_connects_on_one_loop_keep_one_recount_timer():
-    """Each connect reports at once; only one recount timer runs per loop (a timer per
-    connect would recount the whole fleet N times every interval)."""
+def test_hosting_a_fleet_costs_no_timer_and_no_scan():
+    """Connects and releases report at once, each O(1): no recount timer walking the
+    whole fleet on the loop every interval."""
     import asyncio
 
     from shinken_sync import fleetgc
 
     class Conn:
-        closed = False
+        pass
 
-    async def main() -> int:
+    async def main() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
+        before = sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
         conns = [Conn() for _ in range(50)]
         for c in conns:
             fleetgc.host_connection(c, loop)
         timers = sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
+        hosted = fleetgc.auto_policy().connections
         for c in conns:
-            c.closed = True
-        fleetgc._recount(loop)
-        return timers
+            fleetgc.release_connection(c, loop)
+        return timers - before, hosted
 
-    assert asyncio.run(main()) == 1
+    timers, hosted = asyncio.run(main())
+    assert timers == 0 and hosted >= 50
+    assert fleetgc.auto_policy().connections == 0
+
+
+def test_a_real_connection_is_counted_while_open():
+    """AsyncSandbox reports itself on connect and releases on close (and on a loss)."""
+    import asyncio
+
+    from shinken_sync import fleetgc
+    from shinken_sync.client import aconnect
+    from shinken_sync.providers.local import LocalProvider
+
+    async def main(url: str, token: str) -> list[int]:
+        policy = fleetgc.auto_policy()
+        counts = [policy.connections]
+        sb = await aconnect(url, token)
+        counts.append(policy.connections)
+        await sb.close()
+        counts.append(policy.connections)
+        return counts
+
+    with LocalProvider() as provider:
+        handle = provider.create()
+        counts = asyncio.run(main(handle.url, handle.token))
+    assert counts[1] == counts[0] + 1 and counts[2] == counts[0]

@@ -71,6 +71,37 @@ def test_call_deadline_fails_only_that_call(run, peer, helpers):
     run(body())
 
 
+def test_one_deadline_timer_per_connection_however_many_calls(run, peer, helpers):
+    """Calls in flight share the connection's one timer, armed for the earliest
+    deadline: a short call sent after long ones still times out on time, and the
+    long ones keep theirs."""
+
+    async def script(ws):
+        calls = await helpers.calls(ws, 21)
+        for call in calls[:20]:
+            await helpers.reply(ws, call, {"n": call.call_id})  # the 21st (timeout=0.2) never
+        await helpers.serve_forever(ws)
+
+    def timers(loop):
+        return sum(1 for h in loop._scheduled if not h.cancelled())  # type: ignore[attr-defined]
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        async with peer(script) as url, await aconnect(url, TOKEN, rpc_timeout=60) as sb:
+            before = timers(loop)
+            slow = [asyncio.ensure_future(sb.wait(1)) for _ in range(20)]
+            await asyncio.sleep(0)  # all 20 sent, each with a 60 s deadline
+            assert timers(loop) - before <= 1  # not one per call
+            started = loop.time()
+            with pytest.raises(RPCTimeout) as info:
+                await sb.wait(1, timeout=0.2)
+            assert info.value.timeout == 0.2 and loop.time() - started < 30
+            assert all(isinstance(r, dict) for r in await asyncio.gather(*slow))
+            assert sb.pending_calls == 0
+
+    run(body())
+
+
 def test_connection_death_fails_every_pending_call_at_once(run, peer, helpers):
     async def script(ws):
         await helpers.calls(ws, 5)

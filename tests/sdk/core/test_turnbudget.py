@@ -173,3 +173,21 @@ def test_a_burst_of_replies_wakes_at_most_limit_callers_per_turn(run, peer, help
             assert max(per_turn.values()) <= 4, per_turn
 
     run(body())
+
+
+def test_a_ticket_admits_now_without_a_future_or_hands_one_out(run):
+    """The call start's hot path: room now is None (nothing to await, no coroutine made);
+    past the bound, a future that resolves at the admission, in arrival order."""
+
+    async def body():
+        budget = TurnBudget(asyncio.get_running_loop())
+        assert budget.ticket(2, 3) is None
+        late = budget.ticket(2, 3)  # 2 + 2 > 3: the next turn
+        later = budget.ticket(1, 3)  # someone waits already: behind it
+        assert isinstance(late, asyncio.Future) and isinstance(later, asyncio.Future)
+        assert not late.done() and budget.waiting == 2
+        await late
+        assert later.done() and budget.used == 3 and budget.admitted_late == 2
+        assert budget.ticket(5, None) is None  # no bound
+
+    run(body())
