@@ -79,7 +79,7 @@ def _whole_payload(dialect: Any, request: dict[str, Any], ids: list[int], images
     payload["input_ids"] = ids
     if images.images:
         payload["messages"] = wire_messages(images.messages)
-        payload["image_data"] = [url if urls else image.ref for image, url in images.images]
+        payload["image_data"] = [url.decode() if urls else image.ref for image, url in images.images]
     return dumps(payload)
 
 
