@@ -79,6 +79,7 @@ class ImageConversation:
     """One session's agent loop: each turn adds one screenshot and resends the history."""
 
     def __init__(self, url: str, sid: str, shots: list[bytes]) -> None:
+        self.url = url
         self.http = Http(url)
         self.sid = sid
         self.shots = shots
@@ -102,6 +103,10 @@ class ImageConversation:
 
     def finish(self) -> dict:
         """The bytes sent and stored; deletes the session."""
+        # A new connection: this one may have idled past the server's keep-alive (5 s) while the
+        # sessions before it finished (a lockstep run finishes them one after the other).
+        self.http.close()
+        self.http = Http(self.url)
         try:
             _, records = self.http.request("GET", f"/sessions/{self.sid}")
             _, with_images = self.http.request("GET", f"/sessions/{self.sid}?images=1")
