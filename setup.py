@@ -26,6 +26,7 @@ SERVER = [
     "numpy>=1.24",
     "safetensors>=0.4",
     "pybase64>=1.3",  # the records GET and each turn's R3 check are base64-bound (docs/dependencies.md)
+    "blake3>=1.0,<2",  # each turn hashes every known screenshot's URL text (docs/dependencies.md)
 ]
 # The demo, above both: the session server's stack plus its progress bar and tables.
 DEMO = [

@@ -35,7 +35,9 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import gevent
 import gevent.event
@@ -77,6 +79,7 @@ class ImageConversation:
     """One session's agent loop: each turn adds one screenshot and resends the history."""
 
     def __init__(self, url: str, sid: str, shots: list[bytes]) -> None:
+        self.url = url
         self.http = Http(url)
         self.sid = sid
         self.shots = shots
@@ -100,6 +103,10 @@ class ImageConversation:
 
     def finish(self) -> dict:
         """The bytes sent and stored; deletes the session."""
+        # A new connection: this one may have idled past the server's keep-alive (5 s) while the
+        # sessions before it finished (a lockstep run finishes them one after the other).
+        self.http.close()
+        self.http = Http(self.url)
         try:
             _, records = self.http.request("GET", f"/sessions/{self.sid}")
             _, with_images = self.http.request("GET", f"/sessions/{self.sid}?images=1")
@@ -127,7 +134,8 @@ def run_lockstep(workers: int, backend: ReferenceBackendProcess, sessions: int, 
                  pool_of_shots: list[bytes], code: str | None = None) -> dict:
     """Every session's turn k together, then turn k + 1: the server's and the backend's CPU per
     turn at each history length (turn k's body carries k screenshots)."""
-    server = start_session_server(workers, backend.url, env=code_env(code))
+    log = Path(tempfile.mkstemp(prefix="images-lockstep-", suffix=".log")[1])
+    server = start_session_server(workers, backend.url, env=code_env(code), log_path=log)
     try:
         http = Http(server.url)
         sids = [json.loads(http.request("POST", "/sessions")[1])["session_id"] for _ in range(sessions)]
@@ -142,6 +150,10 @@ def run_lockstep(workers: int, backend: ReferenceBackendProcess, sessions: int, 
             backend_ms.append(1e3 * (tree_cpu(backend.proc.pid) - backend0) / sessions)
         for c in conversations:
             c.finish()
+    except BaseException:  # which code failed, and what its server said
+        print(f"[{code or 'this checkout'}] lockstep workers={workers} failed; server log {log}:\n"
+              f"{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+        raise
     finally:
         server.close()
     return {"code": code or "this checkout", "workers": workers, "server_cpu_ms_by_images": server_ms,

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import pybase64
+from blake3 import blake3
 
 from webapp.limits import require_positive
 from webapp.session_errors import (
@@ -137,17 +138,22 @@ class SessionImage(Protocol):
 @dataclass(frozen=True)
 class RequestImages:
     messages: list[Any]  # the request's messages, image parts replaced by reference parts
-    images: list[tuple[SessionImage, str]]  # in order of appearance: the image, its data URL as sent
+    # In order of appearance: the image, its data URL's text as sent (checked: ASCII, nothing
+    # that JSON escapes), kept from hashing it to splice into the engine request.
+    images: list[tuple[SessionImage, bytes]]
     new: dict[str, DecodedImage]  # the images the session did not hold yet, by sha256
     # url_key(data URL) -> sha256 of each image part: the session remembers them once the turn
     # is committed, so the next turn recognises these parts by their text
     url_keys: dict[bytes, str] = field(default_factory=dict)
 
 
-def url_key(url: str) -> bytes:
-    """The digest of an image part's data URL text (mime type and base64 payload: exactly the
-    image's bytes), 32 bytes; hashing the text costs a fraction of decoding it."""
-    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest()  # sha256: hardware-assisted here
+def url_key(text: bytes) -> bytes:
+    """The digest of an image part's data URL text (UTF-8; mime type and base64 payload: exactly
+    the image's bytes), 32 bytes. BLAKE3 (collision resistant, as sha256): every known image's
+    URL is hashed on every turn, ~3.4 MB at a 20-screenshot history, and its SIMD code does
+    that in about a quarter of sha256's time here (docs/benchmarks.md section 33). Kept in
+    memory only (a session learns its URLs again after a restart)."""
+    return blake3(text).digest()
 
 
 def decode_data_url(url: Any, where: str, limits: ImageLimits,
@@ -212,7 +218,7 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
     if not isinstance(raw_messages, list):
         return RequestImages(raw_messages, [], {})
     messages: list[Any] = []
-    images: list[tuple[SessionImage, str]] = []
+    images: list[tuple[SessionImage, bytes]] = []
     new: dict[str, DecodedImage] = {}
     keys: dict[bytes, str] = {}
     for i, message in enumerate(raw_messages):
@@ -240,20 +246,20 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
                 raise TooManyImages(where, f"more than max_images={limits.max_images} images in one request")
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
-            key = url_key(url) if isinstance(url, str) else b""
+            text = url.encode("utf-8", "surrogatepass") if isinstance(url, str) else b""
+            key = url_key(text) if text else b""
             # Lookups, never iterations: ``known`` and ``known_urls`` may grow meanwhile (another
             # turn committing).
             digest = known_urls.get(key) if known_urls is not None and key else None
             seen = known.get(digest) if digest is not None else None
             # typeshed's ChainMap takes MutableMappings only; this one is only read (get).
             image = seen or decode_data_url(url, where, limits, ChainMap(new, known))  # type: ignore[arg-type]
-            assert isinstance(url, str)  # decode_data_url refused anything else
             keys[key] = image.sha256
             if image.sha256 not in known:
                 # known never loses an image: one not in it came from new or was decoded now
                 assert isinstance(image, DecodedImage)
                 new[image.sha256] = image
-            images.append((image, url))
+            images.append((image, text))
             parts.append({"type": "image", "image": image.ref, "width": image.width, "height": image.height})
         messages.append({**message, "content": parts})
     return RequestImages(messages, images, new, keys)

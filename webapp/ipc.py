@@ -359,7 +359,8 @@ class FrameDecoder:
     several consecutive ``Frame`` pieces (same request id, in order): while
     :meth:`piece_wanted` is non-zero, receive up to that many bytes as a ``bytes`` object
     (``sock.recv``) and pass it to :meth:`piece_received` — the kernel writes straight into the
-    object that is later written to the HTTP client.
+    object that is later written to the HTTP client — or receive it into a view of where its
+    consumer keeps it (``recv_into``) and pass that view.
 
     Raises:
         IpcProtocolError: from :meth:`advance`, on a corrupt length or an unknown type. The
@@ -383,7 +384,12 @@ class FrameDecoder:
         """Bytes of the current BODY payload still to receive with :meth:`piece_received`."""
         return self._piece_left
 
-    def piece_received(self, piece: bytes) -> list[Frame]:
+    @property
+    def piece_request_id(self) -> int:
+        """Request id of the BODY payload :meth:`piece_wanted` asks for."""
+        return self._piece_id
+
+    def piece_received(self, piece: Buffer) -> list[Frame]:
         if not 0 < len(piece) <= self._piece_left:
             raise ValueError(f"piece of {len(piece)} bytes, {self._piece_left} wanted")
         self._piece_left -= len(piece)

@@ -111,7 +111,10 @@ class FrameTransport:
     ``on_frame`` runs in the reader greenlet for every decoded frame and must not block.
     ``on_close`` runs once, with the :class:`IpcChannelClosed` that ended the channel.
     ``allocate(size)`` gives the buffer a large payload is received into (see
-    :class:`~webapp.ipc.FrameDecoder`).
+    :class:`~webapp.ipc.FrameDecoder`). ``body_sink(request_id, size)``, if given, names where
+    the next at most ``size`` bytes of a BODY payload belong (a writable view, or None: a new
+    ``bytes``); the piece is received straight into it and handed to ``on_frame`` as a view of
+    it, released after ``on_frame`` returns (``on_frame`` keeps none of it).
     """
 
     def __init__(
@@ -121,9 +124,11 @@ class FrameTransport:
         on_close: Callable[[IpcChannelClosed], None],
         name: str = "ipc",
         allocate: Callable[[int], Any] = bytearray,
+        body_sink: Callable[[int, int], memoryview | None] | None = None,
     ) -> None:
         self.name = name
         self._allocate = allocate
+        self._body_sink = body_sink
         self._sock = sock
         self._fd = sock.fileno()
         self._on_frame = on_frame
@@ -198,13 +203,18 @@ class FrameTransport:
 
     def _read_loop(self) -> None:
         decoder = FrameDecoder(allocate=self._allocate)
-        sock, fd = self._sock, self._fd
+        sock, fd, sink = self._sock, self._fd, self._body_sink
         since_yield = 0
         try:
             while True:
                 wanted = decoder.piece_wanted()
+                target = sink(decoder.piece_request_id, min(wanted, MAX_BODY_CHUNK)) if wanted and sink else None
+                piece: Buffer = b""
                 try:
-                    if wanted:
+                    if target is not None:
+                        n = sock.recv_into(target)
+                        piece = target[:n]
+                    elif wanted:
                         piece = sock.recv(min(wanted, MAX_BODY_CHUNK))
                         n = len(piece)
                     else:
@@ -213,11 +223,16 @@ class FrameTransport:
                     since_yield = 0
                     wait_read(fd)
                     continue
+                finally:
+                    if target is not None:
+                        target.release()
                 if n == 0:
                     self.close("peer closed the channel (EOF)")
                     return
                 for frame in decoder.piece_received(piece) if wanted else decoder.advance(n):
                     self._on_frame(frame)
+                if isinstance(piece, memoryview):  # the consumer's buffer: no view of it outlives the piece
+                    piece.release()
                 since_yield += n
                 if since_yield >= _READ_YIELD_BYTES:
                     since_yield = 0
@@ -571,13 +586,21 @@ class _InBody:
         self.buffer: Any = pool.acquire(self.length) if self.length else bytearray()
         self.received = 0
 
+    def room(self, size: int) -> memoryview | None:
+        """A view of the buffer's next at most ``size`` bytes to receive into (None: no room, or
+        a growing buffer); a piece received into it is given back to :meth:`add` as such."""
+        left = self.length - self.received if self.length is not None else 0
+        return memoryview(self.buffer)[self.received:self.received + min(size, left)] if left > 0 else None
+
     def add(self, piece: Buffer) -> str | None:
         """Append ``piece``; a reason (the request fails, the channel stays up) if it does not fit."""
         end = self.received + len(piece)
         limit = MAX_FRAME_BYTES if self.length is None else self.length
         if end > limit:
             return f"streamed request body over {'its announced' if self.length is not None else 'the'} {limit} bytes"
-        if self.length is not None:
+        if isinstance(piece, memoryview) and piece.obj is self.buffer:
+            pass  # received in place (:meth:`room`): the next bytes of the buffer already
+        elif self.length is not None:
             self.buffer[self.received:end] = piece
         else:
             self.buffer += piece
@@ -621,7 +644,8 @@ class IpcServer:
         self._incoming: dict[int, _InBody] = {}  # streamed request bodies still arriving
         self._stopped = gevent.event.Event()
         self.receive_pool = receive_pool if receive_pool is not None else ReceiveBufferPool()
-        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name, self.receive_pool.acquire)
+        self._transport = FrameTransport(sock, self._on_frame, self._on_close, name, self.receive_pool.acquire,
+                                         self._body_view)
 
     @property
     def closed(self) -> IpcChannelClosed | None:
@@ -633,6 +657,12 @@ class IpcServer:
 
     def close(self, reason: str = "closed locally") -> None:
         self._transport.close(reason)
+
+    def _body_view(self, rid: int, size: int) -> memoryview | None:
+        """Where the next piece of request ``rid``'s streamed body goes: its buffer (the transport's
+        ``body_sink``), so a body is written once, by the kernel."""
+        incoming = self._incoming.get(rid)
+        return incoming.room(size) if incoming is not None else None
 
     def _on_frame(self, frame: Frame) -> None:
         rid = frame.request_id

@@ -711,8 +711,9 @@ class SessionJournal:
 
     def prompt_ids_text(self, ids: Sequence[int]) -> bytes:
         """``ids_json(ids)`` of a turn's prompt ids (cheap: see :meth:`_ids_text`); the engine
-        request is built around it, as the record is."""
-        return self._ids_text(ids)
+        request is built around it, as the record is. (The state's ids are a tuple: a list of
+        the same ids would never compare equal to them.)"""
+        return self._ids_text(ids if isinstance(ids, tuple) else tuple(ids))
 
     def _ids_text(self, ids: Sequence[int]) -> bytes:
         """``ids_json(ids)``, from the last state's text when ``ids`` extend its ids (TITO appends)."""

@@ -79,7 +79,7 @@ def _whole_payload(dialect: Any, request: dict[str, Any], ids: list[int], images
     payload["input_ids"] = ids
     if images.images:
         payload["messages"] = wire_messages(images.messages)
-        payload["image_data"] = [url if urls else image.ref for image, url in images.images]
+        payload["image_data"] = [url.decode() if urls else image.ref for image, url in images.images]
     return dumps(payload)
 
 
@@ -363,3 +363,34 @@ def test_the_session_core_names_no_engine_field():
     for name in ("meta_info", "output_token_logprobs", "input_ids", "image_data", "return_routed_experts",
                  "return_meta_info", "no_stop_trim", "prompt_token_ids", "/v1/completions"):
         assert name not in source, name
+
+
+def test_a_turn_turns_only_its_new_prompt_ids_into_text(monkeypatch):
+    """The engine request and the journal share one ids text, extended per turn by the ids the
+    turn added (the earlier ones are never turned into text again); the bodies are unchanged."""
+    import webapp.journal as journal_module
+
+    texts: list[int] = []  # lengths of the id runs turned into JSON text
+    monkeypatch.setattr(journal_module, "ids_json", lambda ids: texts.append(len(ids)) or ids_json(ids))
+
+    class Backend:
+        def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+            request = json.loads(payload)
+            assert payload == dumps(request)  # the whole body, byte for byte, as one dumps of it
+            return as_reply(reference_completion(request["input_ids"], TOK))
+
+        def close(self) -> None:
+            pass
+
+    core = SessionCore(TOK, Backend())  # type: ignore[arg-type]
+    sid = json.loads(core.create_session().body)["session_id"]
+    messages: list[dict[str, Any]] = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"observation {turn} " + "x" * 300})
+        texts.clear()
+        reply = core.chat(sid, json.dumps({"messages": messages}).encode())
+        assert reply.status == 200, reply.read()
+        messages.append(json.loads(reply.read())["choices"][0]["message"])
+        if turn:
+            assert texts and max(texts) < 400, texts  # the new user message and the reply, not the history
+    core.close()

@@ -23,6 +23,7 @@ import openai
 import pytest
 import requests
 import safetensors.numpy
+from blake3 import blake3
 from PIL import Image
 
 from webapp.images import ImageLimits, QwenVLRule, extract_images
@@ -146,6 +147,11 @@ def test_a_committed_image_is_recognised_by_its_data_url_without_decoding_it(mon
     assert len(decoded) == 1 and base64.b64decode(decoded[0]) == b  # only the new screenshot decoded
     assert [image.sha256 for image, _ in second.images] == [hashlib.sha256(x).hexdigest() for x in (a, b)]
     assert second.messages[0]["content"][1] == first.messages[0]["content"][1]  # the same reference part
+    # each part's URL text as sent, ready to splice into the engine request, and learned by it
+    urls = [part["image_url"]["url"] for m in (user("one", a), user("two", b)) for part in m["content"]
+            if part["type"] == "image_url"]
+    assert [text for _, text in second.images] == [url.encode() for url in urls]
+    assert set(second.url_keys) == {blake3(url.encode()).digest() for url in urls}
     # a digest the session learned but whose image it no longer holds: decoded again, not trusted
     decoded.clear()
     again = extract_images([user("one", a)], ImageLimits(), {}, learned)

@@ -591,3 +591,27 @@ def test_a_streamed_body_unlike_its_length_fails_only_its_request(pooled_pair, a
     assert caught.value.remote_type == "BodyMismatch"
     assert client.request({"op": "echo"}, b"still up", timeout=5).body == b"still up"
     until(lambda: not server._incoming and not server._inflight and server.receive_pool.lent == 0)
+
+
+def test_a_streamed_body_of_known_length_is_received_straight_into_its_buffer(pooled_pair) -> None:
+    """Its pieces land in the pool buffer the handler reads (no per-piece ``bytes`` copied in),
+    and no view of that buffer outlives the request: the next body reuses it."""
+    client, server, lent_buffers = pooled_pair
+    on_frame = server._transport._on_frame
+    in_place = [0, 0]  # bytes of BODY pieces received into the body's buffer, bytes copied in
+
+    def watch(frame: ipc.Frame) -> None:
+        if frame.type is ipc.FrameType.BODY and frame.payload:
+            lent = isinstance(frame.payload, memoryview) and id(frame.payload.obj) in lent_buffers
+            in_place[0 if lent else 1] += len(frame.payload)
+        on_frame(frame)
+
+    server._transport._on_frame = watch
+    for i in range(3):
+        body = _body(i, 3 * 1024 * 1024)
+        reply = client.request({"op": "echo"}, timeout=10, body_stream=_pieces(body, 1 << 20), body_length=len(body))
+        assert (b"".join(reply.stream) if reply.stream is not None else reply.body) == body
+        until(lambda: server.receive_pool.lent == 0)
+    # All but what was read with each BODY frame's header (at most one stage's worth: 3 frames a body).
+    assert in_place[1] <= 3 * 3 * ipc._STAGE_BYTES and sum(in_place) == 3 * len(body)
+    assert len(set(lent_buffers)) == 1 < len(lent_buffers)  # given back whole each time, lent again

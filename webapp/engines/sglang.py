@@ -75,11 +75,14 @@ class SglangDialect(Dialect):
         end = b',"routed_experts_start_len":%d}' % replay_from if replay_from and self.replay.routed_experts else b"}"
         if not images.images:
             return EngineRequest(CHAT_PATH, head + end, head + b"}", prompt_ids)
-        # Checked: a data URL and a reference are ASCII with nothing JSON escapes.
-        urls = b'","'.join([url.encode("ascii") for _image, url in images.images])
-        refs = b'","'.join([image.ref.encode("ascii") for image, _url in images.images])
-        return EngineRequest(CHAT_PATH, b"".join((head, b',"image_data":["', urls, b'"]', end)),
-                             b"".join((head, b',"image_data":["', refs, b'"]}')), prompt_ids)
+        # Checked: a data URL's text and a reference are ASCII with nothing JSON escapes. The
+        # bytes sent are joined once (~3.6 MB at 20 screenshots).
+        sent, recorded = [head, b',"image_data":['], [head, b',"image_data":[']
+        for image, url in images.images:
+            sent += (b'"', url, b'",')
+            recorded += (b'"', image.ref.encode("ascii"), b'",')
+        sent[-1] = recorded[-1] = b'"]'
+        return EngineRequest(CHAT_PATH, b"".join([*sent, end]), b"".join([*recorded, b"}"]), prompt_ids)
 
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
         parsed = reply.parsed
