@@ -155,3 +155,26 @@ def test_a_body_past_the_read_timeout_is_a_timeout() -> None:
     finally:
         client.close()
         engine.close()
+
+
+def test_a_small_request_goes_out_in_one_send(monkeypatch) -> None:
+    engine = _RawEngine(_http("200 OK", REPLY))
+    client = BackendClient(engine.url)
+    sent: list[bytes] = []
+    real_sendall = socket.socket.sendall
+
+    def sendall(sock: socket.socket, data: bytes, *args: object) -> None:
+        if not bytes(data[:5]) == b"HTTP/":  # the engine's replies are not counted
+            sent.append(bytes(data))
+        real_sendall(sock, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
+    try:
+        assert client.send("/v1/chat/completions", b'{"a":1}').raw == REPLY
+        assert len(sent) == 1 and sent[0].startswith(b"POST /v1/chat/completions ") and sent[0].endswith(b'\r\n\r\n{"a":1}')
+        big = b'{"a":"' + b"x" * (1 << 20) + b'"}'  # a large body is not copied into the head's buffer
+        assert client.send("/v1/chat/completions", big).raw == REPLY
+        assert len(sent) == 3 and sent[2] == big
+    finally:
+        client.close()
+        engine.close()
