@@ -164,7 +164,7 @@ def test_a_small_request_goes_out_in_one_send(monkeypatch) -> None:
     real_sendall = socket.socket.sendall
 
     def sendall(sock: socket.socket, data: bytes, *args: object) -> None:
-        if not bytes(data[:5]) == b"HTTP/":  # the engine's replies are not counted
+        if bytes(data[:5]) != b"HTTP/":  # the engine's replies are not counted
             sent.append(bytes(data))
         real_sendall(sock, data, *args)
 
