@@ -31,12 +31,7 @@ import certifi
 import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
-from webapp.session_errors import (
-    BackendMalformed,
-    BackendTimeout,
-    BackendUnreachable,
-    UpstreamStatus,
-)
+from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 
 __all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
