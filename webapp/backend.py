@@ -128,7 +128,7 @@ class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
     _join: bytes | None = None
     _held: bytes | None = None
 
-    def request(self, method: str, url: str, body: Any = None,  # type: ignore[override]
+    def request(self, method: str, url: str, body: Any = None,
                 headers: Any = None, **kwargs: Any) -> None:
         framed = not kwargs.get("chunked") and not any(k.lower() == "transfer-encoding" for k in headers or ())
         if isinstance(body, bytes) and 0 < len(body) <= _JOIN_BODY_MAX and framed:
