@@ -3,7 +3,7 @@
 Started by :mod:`webapp.supervisor` with the multiprocessing *spawn* context; :func:`run` is
 the process target. It monkey-patches with gevent before anything else runs, then serves
 every request in its own greenlet, so blocking ``core.chat`` calls (backend I/O through
-``requests``) overlap. This module imports nothing of the session core at import time: the
+urllib3) overlap. This module imports nothing of the session core at import time: the
 router imports it (to name the spawn target) and must stay free of the core and tokenizers.
 
 Ops: :class:`webapp.ipc.Op` (docs/ipc.md). Every op but ``ping``/``health`` names a
