@@ -27,6 +27,8 @@ SERVER = [
     "safetensors>=0.4",
     "pybase64>=1.3",  # the records GET and each turn's R3 check are base64-bound (docs/dependencies.md)
     "blake3>=1.0,<2",  # each turn hashes every known screenshot's URL text (docs/dependencies.md)
+    "urllib3>=2,<3",  # the engine client drives requests' transport directly (docs/dependencies.md)
+    "certifi",  # its CA bundle when none is named, as requests took it
 ]
 # The demo, above both: the session server's stack plus its progress bar and tables.
 DEMO = [

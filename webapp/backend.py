@@ -1,6 +1,7 @@
 """Client for the inference backend: the HTTP half of an engine dialect (:mod:`webapp.engines`).
 
-One pooled ``requests.Session`` per core; every call has explicit (connect, read) timeouts and
+One urllib3 connection pool per core (requests' own transport, driven directly: requests'
+per-call session merging, hooks and cookies were ~12 % of a chat's server CPU); every call has explicit (connect, read) timeouts and
 the body read is bounded by ``MAX_BACKEND_REPLY_BYTES`` and by the read timeout as a total
 deadline. Failures are translated once, here:
 
@@ -26,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-from requests.adapters import HTTPAdapter
-from requests.utils import get_environ_proxies
+import certifi
+import urllib3
+from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
@@ -40,6 +41,7 @@ __all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendRe
 # (see the seed); 4 GiB leaves ample headroom while refusing a runaway body before it is read.
 MAX_BACKEND_REPLY_BYTES = 4 << 30
 _READ_CHUNK = 1 << 20
+_JSON_HEADERS = {"Content-Type": "application/json"}
 # The replay payloads (routing replay R3, indexer replay): base64 strings, most of a big
 # reply's bytes, kept verbatim and never decoded on the turn path.
 REPLAY_KEYS = ("routed_experts", "indexer_topk")
@@ -114,6 +116,55 @@ class ProxyReply:
     body: bytes
 
 
+# A request body up to this size goes out in the same send as the request's head: urllib3
+# sends them apart (two syscalls, and two segments the engine may wake up for); a larger body
+# is sent as urllib3 sends it rather than copied into one buffer.
+_JOIN_BODY_MAX = 64 << 10
+
+
+class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
+    """urllib3's connection, except that a small bytes body is sent joined to the head."""
+
+    _join: bytes | None = None
+    _held: bytes | None = None
+
+    def request(self, method: str, url: str, body: Any = None,
+                headers: Any = None, **kwargs: Any) -> None:
+        framed = not kwargs.get("chunked") and not any(k.lower() == "transfer-encoding" for k in headers or ())
+        if isinstance(body, bytes) and 0 < len(body) <= _JOIN_BODY_MAX and framed:
+            self._join = body
+        try:
+            super().request(method, url, body, headers, **kwargs)
+        finally:
+            held, self._held, self._join = self._held, None, None
+        if held is not None:  # the body never followed (not expected): the head still goes out
+            super().send(held)
+
+    def send(self, data: Any) -> None:
+        if self._join is not None:
+            if self._held is None:  # http.client's one send of the whole head
+                self._held = bytes(data)
+                return
+            if data is self._join:  # urllib3's send of the body: head and body in one
+                head, self._held, self._join = self._held, None, None
+                super().send(head + data)
+                return
+        super().send(data)
+
+
+_TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+def _translated(exc: BaseException, who: str) -> BackendTimeout | BackendUnreachable:
+    """A transport error as the session's: a connect or read timeout is ``BackendTimeout``,
+    anything else (refused, reset, cut short, a proxy that failed) ``BackendUnreachable``.
+    urllib3 makes a refused connection a ``ConnectTimeoutError`` too (``NewConnectionError``):
+    it is not a timeout, as requests did not count it one."""
+    if isinstance(exc, urllib3.exceptions.TimeoutError) and not isinstance(exc, urllib3.exceptions.NewConnectionError):
+        return BackendTimeout(f"{who} timed out: {exc}")
+    return BackendUnreachable(f"{who} unreachable: {exc}")
+
+
 class BackendClient:
     def __init__(self, base_url: str, *, connect_timeout: float = default("connect_timeout"),
                  read_timeout: float = default("read_timeout"), pool_maxsize: int = default("pool_maxsize"),
@@ -122,17 +173,41 @@ class BackendClient:
         self.base_url = base_url.rstrip("/")
         self.name = name
         self.timeout = (connect_timeout, read_timeout)
-        self._http = requests.Session()
-        # What requests takes from the environment (HTTP_PROXY/NO_PROXY for the engine's URL, a
-        # CA bundle), read once here: it would otherwise read and match the whole environment on
-        # every call (~5 % of a chat's server CPU, measured). Set after start, they are not seen;
-        # ~/.netrc credentials are not used for the engine.
-        self._http.proxies = get_environ_proxies(self.base_url)
-        self._http.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-        self._http.trust_env = False
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_maxsize, max_retries=0)
-        self._http.mount("http://", adapter)
-        self._http.mount("https://", adapter)
+        # What the environment says for the engine's URL (HTTP_PROXY/NO_PROXY, a CA bundle) is
+        # read once here, with requests' own rules so the choice is the one requests made when
+        # it carried these calls. Set after start, it is not seen; ~/.netrc is not used.
+        proxy = select_proxy(self.base_url, get_environ_proxies(self.base_url))
+        verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or certifi.where()
+        tls: dict[str, Any] = {"cert_reqs": "CERT_REQUIRED",
+                               ("ca_cert_dir" if os.path.isdir(verify) else "ca_certs"): verify}
+        pool: dict[str, Any] = {"maxsize": pool_maxsize, "block": False, "retries": False}
+        self._manager: urllib3.PoolManager | None = None
+        if proxy:
+            # urllib3 itself, as requests' HTTPAdapter drives it: the proxy sees absolute URLs
+            # (http) or a CONNECT tunnel (https); credentials in the proxy's URL go out as
+            # Proxy-Authorization.
+            user, password = get_auth_from_url(proxy)
+            headers = urllib3.make_headers(proxy_basic_auth=f"{user}:{password}") if user else None
+            self._manager = urllib3.ProxyManager(proxy, proxy_headers=headers, num_pools=1, **pool, **tls)
+            self._prefix = self.base_url
+        else:
+            https = self.base_url.lower().startswith("https:")
+            self._pool = urllib3.connection_from_url(self.base_url, **pool, **(tls if https else {}))
+            if not https:
+                self._pool.ConnectionCls = _HeadWithBodyConnection
+            self._prefix = urllib3.util.parse_url(self.base_url).path or ""
+
+    def _open(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
+              timeout: urllib3.Timeout) -> urllib3.BaseHTTPResponse:
+        # No retries, no redirects followed: a 3xx is the engine's answer, relayed like any
+        # other status; the body is read by _read_body, bounded.
+        if self._manager is not None:
+            return self._manager.urlopen(method, self._prefix + target, body=body, headers=headers,
+                                         timeout=timeout, retries=False, redirect=False,
+                                         preload_content=False)
+        return self._pool.urlopen(method, self._prefix + target, body=body, headers=headers, timeout=timeout,
+                                  retries=False, redirect=False, preload_content=False,
+                                  assert_same_host=False)
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
         """POST ``payload`` (JSON bytes) to the engine endpoint ``path`` (the dialect's).
@@ -140,7 +215,6 @@ class BackendClient:
         ``deadline`` (``time.monotonic()``) caps the connect and read timeouts: past it the
         call fails with :class:`BackendTimeout`.
         """
-        url = self.base_url + path
         connect_timeout, read_timeout = self.timeout
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -148,17 +222,13 @@ class BackendClient:
                 raise BackendTimeout(f"{self.name} timed out: the turn's time budget ran out before the call")
             connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
         try:
-            resp = self._http.post(url, data=payload, timeout=(connect_timeout, read_timeout), stream=True,
-                                   headers={"Content-Type": "application/json"})
-            with resp:
-                raw = self._read_body(resp, read_timeout)
-        except requests.Timeout as exc:
-            raise BackendTimeout(f"{self.name} at {self.base_url} timed out: {exc}") from exc
-        except requests.RequestException as exc:
-            raise BackendUnreachable(f"{self.name} at {self.base_url} unreachable: {exc}") from exc
-        if resp.status_code != 200:
-            raise UpstreamStatus(resp.status_code, raw,
-                                 resp.headers.get("Content-Type", "application/octet-stream"))
+            resp = self._open("POST", path, payload, _JSON_HEADERS,
+                              urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+            raw = self._read_body(resp, read_timeout)
+        except _TRANSPORT_ERRORS as exc:
+            raise _translated(exc, f"{self.name} at {self.base_url}") from exc
+        if resp.status != 200:
+            raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "application/octet-stream"))
         return BackendReply.from_raw(raw)
 
     def proxy(self, method: str, path: str, query: str, body: bytes, headers: dict[str, str], *,
@@ -168,34 +238,44 @@ class BackendClient:
         ``routing_key`` goes out as ``X-SMG-Routing-Key`` (as miles sends it), so a router in
         front of the engines keeps a session on one engine.
         """
-        url = f"{self.base_url}/{path.lstrip('/')}" + (f"?{query}" if query else "")
+        target = f"/{path.lstrip('/')}" + (f"?{query}" if query else "")
         try:
-            resp = self._http.request(method, url, data=body or None, timeout=self.timeout, stream=True,
-                                      headers={**headers, "X-SMG-Routing-Key": routing_key})
-            with resp:
-                raw = self._read_body(resp, self.timeout[1])
-        except requests.Timeout as exc:
-            raise BackendTimeout(f"backend timed out: {exc}") from exc
-        except requests.RequestException as exc:
-            raise BackendUnreachable(f"backend unreachable: {exc}") from exc
-        return ProxyReply(resp.status_code, resp.headers.get("Content-Type", ""), raw)
+            resp = self._open(method, target, body or None, {**headers, "X-SMG-Routing-Key": routing_key},
+                              urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]))
+            raw = self._read_body(resp, self.timeout[1])
+        except _TRANSPORT_ERRORS as exc:
+            raise _translated(exc, "backend") from exc
+        return ProxyReply(resp.status, resp.headers.get("Content-Type", ""), raw)
 
-    def _read_body(self, resp: requests.Response, read_timeout: float) -> bytes:
-        declared = resp.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BACKEND_REPLY_BYTES:
-            raise BackendMalformed(f"backend reply of {declared} bytes exceeds {MAX_BACKEND_REPLY_BYTES}")
-        # requests' read timeout bounds each socket read; the deadline bounds the whole body.
-        deadline = time.monotonic() + read_timeout
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in resp.iter_content(_READ_CHUNK):
-            size += len(chunk)
-            if size > MAX_BACKEND_REPLY_BYTES:
-                raise BackendMalformed(f"backend reply exceeds {MAX_BACKEND_REPLY_BYTES} bytes")
-            if time.monotonic() > deadline:
-                raise requests.Timeout(f"reply body not complete after {read_timeout:.3g} s")
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def _read_body(self, resp: urllib3.BaseHTTPResponse, read_timeout: float) -> bytes:
+        """The whole body, then the connection back to the pool; on any failure the connection
+        is closed (a half-read reply must not be reused)."""
+        done = False
+        try:
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > MAX_BACKEND_REPLY_BYTES:
+                raise BackendMalformed(f"backend reply of {declared} bytes exceeds {MAX_BACKEND_REPLY_BYTES}")
+            # The read timeout bounds each socket read; the deadline bounds the whole body.
+            deadline = time.monotonic() + read_timeout
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := resp.read(_READ_CHUNK):
+                size += len(chunk)
+                if size > MAX_BACKEND_REPLY_BYTES:
+                    raise BackendMalformed(f"backend reply exceeds {MAX_BACKEND_REPLY_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise BackendTimeout(f"{self.name} at {self.base_url} timed out: "
+                                         f"reply body not complete after {read_timeout:.3g} s")
+                chunks.append(chunk)
+            done = True
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            if not done:
+                resp.close()
+            resp.release_conn()
 
     def close(self) -> None:
-        self._http.close()
+        if self._manager is not None:
+            self._manager.clear()
+        else:
+            self._pool.close()

@@ -43,7 +43,8 @@ class LocalShard:
     def __init__(self, config: CoreConfig) -> None:
         # Every session of the data directory is this shard's: loaded before the first request.
         self.core: SessionCore = build_session_core(config, shard=0, shards=1)
-        self._ops = SessionOps(self.core, 0, 1, config)
+        # The router in this process admits every body against the same in-flight budget.
+        self._ops = SessionOps(self.core, 0, 1, config, admitted=True)
         self._closed = False
 
     def start(self) -> None:

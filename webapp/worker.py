@@ -3,7 +3,7 @@
 Started by :mod:`webapp.supervisor` with the multiprocessing *spawn* context; :func:`run` is
 the process target. It monkey-patches with gevent before anything else runs, then serves
 every request in its own greenlet, so blocking ``core.chat`` calls (backend I/O through
-``requests``) overlap. This module imports nothing of the session core at import time: the
+urllib3) overlap. This module imports nothing of the session core at import time: the
 router imports it (to name the spawn target) and must stay free of the core and tokenizers.
 
 Ops: :class:`webapp.ipc.Op` (docs/ipc.md). Every op but ``ping``/``health`` names a
@@ -163,8 +163,11 @@ def _wire_reply(reply: Any) -> Any:
 class SessionOps:
     """Maps IPC ops (:class:`webapp.ipc.Op`) to session-core calls; each returns a ``webapp.core.Reply``."""
 
-    def __init__(self, core: Any, shard: int, shards: int, config: Any = None, restoring: bool = False) -> None:
-        """``restoring``: session ops wait until :meth:`restore` has loaded the shard."""
+    def __init__(self, core: Any, shard: int, shards: int, config: Any = None, restoring: bool = False,
+                 admitted: bool = False) -> None:
+        """``restoring``: session ops wait until :meth:`restore` has loaded the shard.
+        ``admitted``: every body was admitted already, against the same budget, by the router in
+        this process (``--workers 0``), so a turn holds no second reservation of it here."""
         from webapp import core as core_module
         from webapp.sharding import shard_for
 
@@ -180,8 +183,8 @@ class SessionOps:
         self._json_response = core_module.json_response
         self._openai_error_response = core_module.openai_error_response
         self._anthropic_error_response = core_module.anthropic_error_response
-        self._inflight = InflightBudget(config.max_inflight_bytes if config is not None
-                                        else core_module.CoreConfig("").max_inflight_bytes)
+        self._inflight = None if admitted else InflightBudget(
+            config.max_inflight_bytes if config is not None else core_module.CoreConfig("").max_inflight_bytes)
         self._error_response = core_module.error_response
         # The ops that name a session, each a method taking (session_id, meta, body).
         self._session_ops: dict[Op, Callable[[str, dict[str, Any], memoryview], Any]] = {
@@ -247,13 +250,14 @@ class SessionOps:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not budget > 0):
             return self._error_response(400, f"op {op.value!r} needs a positive number as budget, got {budget!r}")
+        # The receive buffer's view itself: the core only parses it (no copy of the body) and
+        # keeps nothing of it past this call, when the buffer goes back to the pool.
+        turn = self._core.messages if op is Op.MESSAGES else self._core.chat
+        if self._inflight is None:
+            return turn(session_id, body, budget)
         try:
             with self._inflight.hold(len(body)):  # this worker's bodies in flight (webapp.inflight)
-                # The receive buffer's view itself: the core only parses it (no copy of the body)
-                # and keeps nothing of it past this call, when the buffer goes back to the pool.
-                if op is Op.MESSAGES:
-                    return self._core.messages(session_id, body, budget)
-                return self._core.chat(session_id, body, budget)
+                return turn(session_id, body, budget)
         except InflightRefused as exc:
             if op is Op.MESSAGES:
                 reply = self._anthropic_error_response(exc.status, str(exc))

@@ -1,14 +1,16 @@
-"""The engine client's environment: proxy settings are taken once, when the client is made."""
+"""The engine client: proxy settings are taken once, when the client is made; a redirect is the
+engine's answer; one kept-alive connection; a reply cut short or late fails as the errors say."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import pytest
 
 from webapp.backend import BackendClient
-from webapp.session_errors import BackendUnreachable
+from webapp.session_errors import BackendTimeout, BackendUnreachable, UpstreamStatus
 
 REPLY = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]}).encode()
 
@@ -60,3 +62,119 @@ def test_the_environment_is_read_once_when_the_client_is_made(engine, monkeypatc
         assert client.send("/v1/chat/completions", b"{}").raw == REPLY
     finally:
         client.close()
+
+
+class _RawEngine:
+    """A loopback engine that answers every request on a connection with ``reply`` (raw HTTP
+    bytes) and counts the connections it accepted."""
+
+    def __init__(self, reply: bytes, *, close_after: bool = False) -> None:
+        self.reply, self.close_after, self.connections = reply, close_after, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as rfile:
+            while (line := rfile.readline()) and line.strip():
+                length = 0
+                while (header := rfile.readline()).strip():
+                    name, _, value = header.decode().partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value)
+                rfile.read(length)
+                conn.sendall(self.reply)
+                if self.close_after:
+                    return
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _http(status: str, body: bytes, *extra: str, length: int | None = None) -> bytes:
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json",
+            f"Content-Length: {len(body) if length is None else length}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def test_a_redirect_from_the_engine_is_its_answer_not_followed() -> None:
+    engine = _RawEngine(_http("307 Temporary Redirect", b'{"moved":1}', "Location: /elsewhere"))
+    client = BackendClient(engine.url)
+    try:
+        with pytest.raises(UpstreamStatus) as caught:
+            client.send("/v1/chat/completions", b"{}")
+        assert (caught.value.status, caught.value.body) == (307, b'{"moved":1}')
+        reply = client.proxy("GET", "v1/models", "", b"", {}, routing_key="s")
+        assert (reply.status, reply.body) == (307, b'{"moved":1}')
+    finally:
+        client.close()
+        engine.close()
+
+
+def test_calls_share_one_kept_alive_connection() -> None:
+    engine = _RawEngine(_http("200 OK", REPLY))
+    client = BackendClient(engine.url)
+    try:
+        for _ in range(5):
+            assert client.send("/v1/chat/completions", b"{}").raw == REPLY
+        assert client.proxy("GET", "v1/models", "a=1", b"", {}, routing_key="s").body == REPLY
+        assert engine.connections == 1
+    finally:
+        client.close()
+        engine.close()
+
+
+def test_a_reply_cut_short_is_unreachable_and_its_connection_not_reused() -> None:
+    engine = _RawEngine(_http("200 OK", REPLY[:5], length=len(REPLY)), close_after=True)
+    client = BackendClient(engine.url)
+    try:
+        for _ in range(2):
+            with pytest.raises(BackendUnreachable):
+                client.send("/v1/chat/completions", b"{}")
+        assert engine.connections == 2
+    finally:
+        client.close()
+        engine.close()
+
+
+def test_a_body_past_the_read_timeout_is_a_timeout() -> None:
+    engine = _RawEngine(_http("200 OK", b"", length=len(REPLY)))  # the head, then nothing
+    client = BackendClient(engine.url, connect_timeout=2.0, read_timeout=0.2)
+    try:
+        with pytest.raises(BackendTimeout):
+            client.send("/v1/chat/completions", b"{}")
+    finally:
+        client.close()
+        engine.close()
+
+
+def test_a_small_request_goes_out_in_one_send(monkeypatch) -> None:
+    engine = _RawEngine(_http("200 OK", REPLY))
+    client = BackendClient(engine.url)
+    sent: list[bytes] = []
+    real_sendall = socket.socket.sendall
+
+    def sendall(sock: socket.socket, data: bytes, *args: object) -> None:
+        if bytes(data[:5]) != b"HTTP/":  # the engine's replies are not counted
+            sent.append(bytes(data))
+        real_sendall(sock, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
+    try:
+        assert client.send("/v1/chat/completions", b'{"a":1}').raw == REPLY
+        assert len(sent) == 1 and sent[0].startswith(b"POST /v1/chat/completions ") and sent[0].endswith(b'\r\n\r\n{"a":1}')
+        big = b'{"a":"' + b"x" * (1 << 20) + b'"}'  # a large body is not copied into the head's buffer
+        assert client.send("/v1/chat/completions", big).raw == REPLY
+        assert len(sent) == 3 and sent[2] == big
+    finally:
+        client.close()
+        engine.close()
