@@ -19,7 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from webapp.backend import REPLAY_KEYS, BackendReply
-from webapp.engines.base import CLIENT_ONLY_FIELDS, Dialect, EngineRequest, EngineTurn, ReplayRequest, dumps, ids_array
+from webapp.engines.base import (
+    CLIENT_ONLY_FIELDS,
+    Dialect,
+    EngineRequest,
+    EngineTurn,
+    ReplayRequest,
+    dumps,
+    ids_array,
+)
 from webapp.images import RequestImages, wire_messages
 from webapp.samples import SAMPLE_META_KEYS
 from webapp.session_errors import BackendMalformed, InvalidField, MalformedReplyField
