@@ -43,7 +43,7 @@ import gevent
 import gevent.event
 import gevent.pool
 import numpy as np
-import psutil
+import procfs
 from dataplane import Http, sessions_on  # importing it gevent-patches this process
 from PIL import Image
 from scratch import scratch_state_home
@@ -144,10 +144,10 @@ def run_lockstep(workers: int, backend: ReferenceBackendProcess, sessions: int, 
                                                                    for t in range(turns)]) for i in range(sessions)]
         server_ms, backend_ms, latencies = [], [], []
         for turn in range(turns):
-            cpu0, backend0 = tree_cpu(server.pid), tree_cpu(backend.proc.pid)
+            cpu0, backend0 = procfs.tree_cpu(server.pid), procfs.tree_cpu(backend.proc.pid)
             gevent.joinall([gevent.spawn(c.turn, turn, latencies) for c in conversations], raise_error=True)
-            server_ms.append(1e3 * (tree_cpu(server.pid) - cpu0) / sessions)
-            backend_ms.append(1e3 * (tree_cpu(backend.proc.pid) - backend0) / sessions)
+            server_ms.append(1e3 * (procfs.tree_cpu(server.pid) - cpu0) / sessions)
+            backend_ms.append(1e3 * (procfs.tree_cpu(backend.proc.pid) - backend0) / sessions)
         for c in conversations:
             c.finish()
     except BaseException:  # which code failed, and what its server said
@@ -203,19 +203,6 @@ def code_env(code: str | None) -> dict[str, str]:
     return env
 
 
-def tree_cpu(pid: int) -> float:
-    """User + system seconds of ``pid`` and all its descendants alive now."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def run(workers: int, backend: ReferenceBackendProcess, sessions: int, turns: int, pool_of_shots: list[bytes],
         code: str | None = None) -> dict:
     server: SessionServerProcess = start_session_server(workers, backend.url, env=code_env(code))
@@ -231,13 +218,13 @@ def run(workers: int, backend: ReferenceBackendProcess, sessions: int, turns: in
         stop = gevent.event.Event()
         prober = gevent.spawn(probe, url, workers, loaded, stop, 0)
         pool = gevent.pool.Pool(sessions)
-        cpu0, backend0 = tree_cpu(server.pid), tree_cpu(backend.proc.pid)
+        cpu0, backend0 = procfs.tree_cpu(server.pid), procfs.tree_cpu(backend.proc.pid)
         start = time.perf_counter()
         results = pool.map(lambda i: image_session(url, sids[i], [pool_of_shots[(i * 7 + t) % len(pool_of_shots)]
                                                                    for t in range(turns)], latencies),
                            range(sessions))
         elapsed = time.perf_counter() - start
-        server_cpu, backend_cpu = tree_cpu(server.pid) - cpu0, tree_cpu(backend.proc.pid) - backend0
+        server_cpu, backend_cpu = procfs.tree_cpu(server.pid) - cpu0, procfs.tree_cpu(backend.proc.pid) - backend0
         stop.set()
         prober.join()
     finally:

@@ -268,29 +268,6 @@ def start_miles(name: str, python: Path, tree: Path, workers: int, backend: str,
     return Server(name, url, proc.pid, lambda: stop(proc), f"miles {tree.name} workers={workers}")
 
 
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every descendant (from /proc's ppid fields)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def tree_cpu(root: int) -> float:
-    return sum(procfs.cpu_seconds(pid, gone=0.0) for pid in tree_pids(root))
-
-
 # ---- the load -------------------------------------------------------------------------------------
 
 def user_text(rng: random.Random, n: int) -> str:
@@ -379,7 +356,7 @@ def measure_chats(server: Server, args: argparse.Namespace, tmp: Path) -> tuple[
     procs = []
     per = [args.clients // args.load_procs + (1 if i < args.clients % args.load_procs else 0)
            for i in range(args.load_procs)]
-    cpu0 = tree_cpu(server.pid)
+    cpu0 = procfs.tree_cpu(server.pid)
     t0 = time.perf_counter()
     for i, threads in enumerate(t for t in per if t):
         cfg = tmp / f"load-{server.name}-{i}.json"
@@ -395,7 +372,7 @@ def measure_chats(server: Server, args: argparse.Namespace, tmp: Path) -> tuple[
             raise RuntimeError(f"{server.name}: {len(got['errors'])} clients failed: {got['errors'][:3]}")
         latencies += got["latencies"]
     seconds = time.perf_counter() - t0
-    cpu = tree_cpu(server.pid) - cpu0
+    cpu = procfs.tree_cpu(server.pid) - cpu0
     return len(latencies), seconds, [x * 1e3 for x in latencies], cpu
 
 

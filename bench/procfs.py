@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["CLK_TCK", "alive", "cpu_seconds", "fd_count", "loadavg", "state", "status", "status_bytes",
-           "thread_count"]
+           "thread_count", "tree_cpu", "tree_pids"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -79,3 +79,28 @@ def loadavg() -> float:
     """The machine's 1-minute load average: other work competing for the cores."""
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every descendant alive now (from /proc's ppid fields)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def tree_cpu(root: int) -> float:
+    """User + system seconds of ``root`` and every descendant alive now (one that exits
+    meanwhile counts 0)."""
+    return sum(cpu_seconds(pid, gone=0.0) for pid in tree_pids(root))

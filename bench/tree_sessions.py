@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import procfs
 import psutil
 import requests
 import safetensors.numpy
@@ -47,19 +48,6 @@ R3_LAYERS, R3_TOPK = 4, 8
 # The flag that makes a server's sessions trees (miles' --use-session-server v2).
 TREE_FLAGS: tuple[str, ...] = ("--session-mode", "v2")
 SYSTEM = {"role": "system", "content": "You operate a 1920x1080 desktop."}
-
-
-def server_cpu(pid: int) -> float:
-    """User + system seconds of the server process and all its children (workers, gunicorn)."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 class Client:
@@ -107,9 +95,9 @@ def run_turns(servers: dict[str, tuple[Client, int]], args: argparse.Namespace, 
         order = list(servers) if c % 2 == 0 else list(reversed(servers))  # alternate who goes first
         for mode in order:
             client, pid = servers[mode]
-            before = server_cpu(pid)
+            before = procfs.tree_cpu(pid)
             conversation(client, args.turns, retry_every, latencies[mode], f"{name}{c}")
-            cpu[mode] += server_cpu(pid) - before
+            cpu[mode] += procfs.tree_cpu(pid) - before
     return {mode: {"turns": len(lat), "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
                    "cpu_ms_per_turn": cpu[mode] / len(lat) * 1e3} for mode, lat in latencies.items()}
 
@@ -139,10 +127,10 @@ def build_linear(client: Client, turns: int) -> str:
 
 def time_samples(client: Client, pid: int, sid: str, repeats: int) -> dict[str, float]:
     runs = []
-    before = server_cpu(pid)
+    before = procfs.tree_cpu(pid)
     for _ in range(repeats):  # the first call computes each leaf's mismatch check; later ones reuse it
         runs.append(client.samples(sid))
-    cpu = (server_cpu(pid) - before) / repeats
+    cpu = (procfs.tree_cpu(pid) - before) / repeats
     times = [r[0] for r in runs]
     return {"p50_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3, "bytes": runs[0][1],
             "samples": runs[0][2], "cpu_ms": cpu * 1e3, "decode_ms": statistics.median(r[3] for r in runs) * 1e3}
