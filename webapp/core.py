@@ -374,7 +374,8 @@ class SessionRegistry:
         """Load the sessions on disk that ``owns`` accepts (this worker's shard); how many.
         ``pause``: see ``JournalStore.restore``."""
         n = 0
-        for restored in self.store.restore(owns, pause):
+        # A session whose journal is set aside whole answers 410 (reason ``damaged``), not 404.
+        for restored in self.store.restore(owns, pause, lambda session_id: self.tombstones.add(session_id, "damaged")):
             with self._lock:
                 self._sessions[restored.session_id] = Session.restored(restored)
             n += 1

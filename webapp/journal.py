@@ -992,12 +992,14 @@ class JournalStore:
             return
         self.usage.add(-1, -size)
 
-    def restore(self, owns: Callable[[str], bool],
-                pause: Callable[[], object] = lambda: None) -> Iterator[RestoredSession]:
+    def restore(self, owns: Callable[[str], bool], pause: Callable[[], object] = lambda: None,
+                lost: Callable[[str], object] = lambda session_id: None) -> Iterator[RestoredSession]:
         """Every session on disk whose id ``owns`` accepts, torn tails and damage set aside (see
         module doc). ``pause()`` is called after every read chunk (a gevent worker yields there,
-        so it answers its heartbeats while it reads GiBs). A file that cannot be read is logged
-        and left alone; the others load."""
+        so it answers its heartbeats while it reads GiBs). ``lost(session_id)`` is called for a
+        session of which nothing is served (its whole file set aside), so its id can answer as
+        gone rather than as never seen. A file that cannot be read is logged and left alone; the
+        others load."""
         with os.scandir(self.dir) as it:
             all_names = sorted(e.name for e in it)
         names = [n for n in all_names if n.endswith(SUFFIX)]
@@ -1009,14 +1011,15 @@ class JournalStore:
             if not owns(session_id):
                 continue
             try:
-                restored = self._restore(session_id, pause)
+                restored = self._restore(session_id, pause, lost)
             except (_NotOurs, DataDirUnsafe, OSError) as exc:
                 log.error("journal %s not loaded, left as it is: %s", self.path(session_id), exc)
                 continue
             if restored is not None:
                 yield restored
 
-    def _restore(self, session_id: str, pause: Callable[[], object]) -> RestoredSession | None:
+    def _restore(self, session_id: str, pause: Callable[[], object],
+                 lost: Callable[[str], object]) -> RestoredSession | None:
         path = self.path(session_id)
         _open_journals.discard(path)  # restore may cut or set the file aside: appends open it anew
         fd = open_private(path, os.O_RDWR)  # every change below goes through this fd: no link followed
@@ -1034,12 +1037,14 @@ class JournalStore:
                 aside = self._set_aside(f, path, 0, size, whole=True)
                 log.error("journal %s: nothing of a session verifies (%s); the file is set aside as %s and "
                           "not served", path, torn, aside)
+                lost(session_id)
                 return None
             if restored.damaged_create is not None and not self._repair_create(f, path, restored):
                 self.usage.add(-1, -size)
                 aside = self._set_aside(f, path, 0, size, whole=True)
                 log.error("journal %s: its CREATE entry is damaged and cannot be rewritten; set aside as %s",
                           path, aside)
+                lost(session_id)
                 return None
             if good < size:
                 aside = self._set_aside(f, path, good, size)

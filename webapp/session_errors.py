@@ -61,6 +61,7 @@ import re
 from webapp.errors import WebappError
 
 __all__ = [
+    "GONE_REASONS",
     "AppendOnlyViolation",
     "BackendError",
     "BackendMalformed",
@@ -215,10 +216,19 @@ class SessionNotFound(SessionError):
         return f"session not found: session_id={self.session_id}"  # miles' wording
 
 
+# Why a session is gone, SessionGone's parenthesis for each: the tombstones' reasons (webapp.tombstones).
+GONE_REASONS = {
+    "deleted": "the trainer released this session and is no longer waiting for the agent",
+    "expired": "it expired: unused for longer than the server's session_idle_ttl",
+    "damaged": "its journal was found damaged when the server started and was set aside, see the server's log",
+}
+
+
 class SessionGone(SessionError):
     """410 (miles' ``SessionReclaimedError``): the session existed here and was deleted, or
-    expired unused (``reason``: ``deleted`` or ``expired``), so a client still at work learns it
-    was let go instead of getting the 404 of a mistyped id. A sibling of
+    expired unused, or a restart found its journal damaged past serving (``reason``: ``deleted``,
+    ``expired`` or ``damaged``), so a client still at work learns it was let go instead of
+    getting the 404 of a mistyped id. A sibling of
     :class:`SessionNotFound`, not a kind of it: catching one never swallows the other. Lasts as
     long as the id's tombstone (``tombstone_ttl``, ``max_tombstones``: :mod:`webapp.tombstones`)."""
 
@@ -232,9 +242,7 @@ class SessionGone(SessionError):
 
     def __str__(self) -> str:
         # miles' wording, which a client may match on; an expiry says so instead
-        why = ("the trainer released this session and is no longer waiting for the agent" if self.reason == "deleted"
-               else "it expired: unused for longer than the server's session_idle_ttl")
-        return f"session reclaimed: session_id={self.session_id} ({why})"
+        return f"session reclaimed: session_id={self.session_id} ({GONE_REASONS[self.reason]})"
 
 
 class GenerationMismatch(SessionError):

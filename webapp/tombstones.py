@@ -1,4 +1,5 @@
-"""Tombstones: the ids of sessions that were deleted or expired, kept a while so a request on
+"""Tombstones: the ids of sessions that were deleted or expired, or whose journal a restart found
+damaged past serving (set aside whole: ``webapp.journal``), kept a while so a request on
 one answers 410 Gone (:class:`webapp.session_errors.SessionGone`) rather than the 404 of an id
 never seen (miles' reclaimed sessions).
 
@@ -32,20 +33,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from webapp.datadir import DataDirUnsafe, ensure_private_dir, open_private
+from webapp.session_errors import GONE_REASONS
 
 __all__ = ["TOMBSTONES_DIR", "Tombstone", "Tombstones", "tombstones_path"]
 
 log = logging.getLogger(__name__)
 
 TOMBSTONES_DIR = "tombstones"
-REASONS = ("deleted", "expired")
+REASONS = tuple(GONE_REASONS)  # deleted, expired, damaged (its journal set aside whole at a restart)
 _MAX_LINE = 1024  # far above any line of ours (ids are at most 128 characters): longer is not one
 
 
 @dataclass(frozen=True)
 class Tombstone:
     session_id: str
-    at: float  # time.time() of the delete or expiry
+    at: float  # time.time() of the delete, the expiry or the restart that set the journal aside
     reason: str  # one of REASONS
 
 

@@ -198,6 +198,34 @@ def test_a_damaged_create_entry_keeps_the_file_and_every_turn(mode, backend, ses
     conv.turn(server.url)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_session_set_aside_whole_answers_410_damaged_across_restarts(mode, backend, session_server_factory,
+                                                                       tmp_path) -> None:
+    data = tmp_path / "data"
+    server = serve(session_server_factory, backend.url, data, MODES[mode])
+    lost, kept = create(server.url), Conversation(create(server.url), "kept")
+    kept.turn(server.url)
+    server.close()
+    path = journal_path(data, lost)
+    (only,) = read_journal(path)  # a CREATE and no turn: nothing else of it could verify
+    _flip_digit(path, only.offset + ENTRY.size, only.end)
+    for _ in range(2):  # the restart that sets it aside, then one that finds only the tombstone
+        server = serve(session_server_factory, backend.url, data, MODES[mode])
+        for method, route in (("GET", f"/sessions/{lost}"), ("POST", f"/sessions/{lost}/v1/chat/completions")):
+            resp = http(method, f"{server.url}{route}", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert resp.status_code == 410, (method, resp.status_code, resp.text[:300])
+            error = resp.json()["error"]  # miles' shape on its routes (a string), OpenAI's on the chat route
+            if method == "POST":
+                assert error["code"] == "session_gone", error
+                error = error["message"]
+            assert error.startswith(f"session reclaimed: session_id={lost} (its journal was found damaged"), error
+        assert http("GET", f"{server.url}/sessions/{'0' * 32}").status_code == 404  # never seen: still 404
+        kept.turn(server.url)  # the other session lost nothing
+        assert not path.exists() and len(_sidecars(data)) == 1
+        server.close()
+
+
 # -- the data directory: modes, symlinks, other users -------------------------------------------------
 
 @pytest.fixture
