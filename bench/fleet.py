@@ -73,6 +73,7 @@ from fleet_measure import (
     PING_TICK_S,
     ROUND_PERIOD_S,
     Clicks,
+    async_loop_name,
     cpu_seconds,
     proc_status,
     raise_fd_limit,
@@ -83,16 +84,19 @@ from fleet_measure import (
 
 
 def _own_loop_runner(spec: dict[str, Any]) -> Any:
-    """The async face's loop, as an ``asyncio.Runner``: uvloop under ``--transport
-    fast`` (what the [fast] extra's users would run), else asyncio's own, or with
-    ``--async-loop fair`` the SDK's bounded-select loop (``sharedloop.new_fair_event_loop``)."""
+    """The async face's loop, as an ``asyncio.Runner``: by default uvloop under
+    ``--transport fast`` (what the [fast] extra's users would run), else asyncio's
+    own; ``--async-loop asyncio|uvloop`` picks one whatever the transport (so the
+    two transports can be compared on the same loop), ``fair`` the SDK's
+    bounded-select loop (``sharedloop.new_fair_event_loop``)."""
     import asyncio
 
-    if spec.get("transport") == "fast":
+    choice = async_loop_name(spec)
+    if choice == "uvloop":
         import uvloop
 
         return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    if spec.get("async_loop") == "fair":
+    if choice == "fair":
         from shinken_sync.sharedloop import new_fair_event_loop
 
         return asyncio.Runner(loop_factory=new_fair_event_loop)
@@ -273,8 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
     p.add_argument("--transport", choices=("websockets", "fast", "both"), default="websockets",
                    help="the SDK's transport: websockets, the [fast] extra (picows + uvloop), or both in turn")
-    p.add_argument("--async-loop", choices=("asyncio", "fair"), default="asyncio",
-                   help="the async face's loop under --transport websockets: asyncio.run's, or "
+    p.add_argument("--async-loop", choices=("default", "asyncio", "uvloop", "fair"), default="default",
+                   help="the async face's loop: default = uvloop under --transport fast, else asyncio.run's; "
+                   "asyncio or uvloop whatever the transport; fair = "
                    "shinken_sync.sharedloop.new_fair_event_loop (bounded ready sockets per select)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the raw-recv floor run that follows each N's faces")
