@@ -78,6 +78,7 @@ from fleet_measure import (
     proc_status,
     raise_fd_limit,
 )
+from fleet_turns import format_turns
 
 # ---------------------------------------------------------------------------
 # Child entry point
@@ -231,6 +232,7 @@ def format_round_report(r: dict[str, Any]) -> str:
          f"longest pause {_ms(r['gc_pause_max_s'])} ms"
          + (" (heap frozen after connect)" if r["gc_freeze"] else "")),
         f"  step outcomes            {r['step_outcomes']}",
+        *([line] if (line := format_turns(r)) else []),
         *([f"  TEARDOWN FAILED          {r['teardown_error']}"] if "teardown_error" in r else []),
         (f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}"
          + (f" (steps spread over {r['spread_ms']:g} ms of each round)" if r["spread_ms"] else "")),
@@ -281,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the async face's loop: default = uvloop under --transport fast, else asyncio.run's; "
                    "asyncio or uvloop whatever the transport; fair = "
                    "shinken_sync.sharedloop.new_fair_event_loop (bounded ready sockets per select)")
+    p.add_argument("--trace-turns", action="store_true",
+                   help="time each turn of the face's loop on and off the CPU (bench/fleet_turns.py; asyncio loops)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the raw-recv floor run that follows each N's faces")
     p.add_argument("--memory", default="",
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
                     "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
                     "actions": args.actions, "keepalive_interval": args.keepalive_interval,
-                    "async_loop": args.async_loop,
+                    "async_loop": args.async_loop, "trace_turns": args.trace_turns,
                     "keepalive_jitter": args.keepalive_jitter,
                     "spread_ms": args.spread_ms,
                 }  # fmt: skip

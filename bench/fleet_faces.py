@@ -38,6 +38,7 @@ from fleet_measure import (
     summary,
     timed_step,
 )
+from fleet_turns import TurnTracer
 
 # ---------------------------------------------------------------------------
 # The sync face: Sandbox on a SharedLoop, driven by greenlets or threads
@@ -230,10 +231,13 @@ def run_face(spec: dict[str, Any], face: SyncFace | AsyncFace) -> dict[str, Any]
     clicks = Clicks(spec["clicks"], width, height)
     lag: list[float] = []
     face.start_lag_probe(lag)
+    turns = TurnTracer(face.loop) if spec.get("trace_turns") else None
     log = StepLog()
     gc_pauses = GcPauses()
 
     def measure() -> None:
+        if turns is not None:
+            turns.reset()
         log.reset()
         lag.clear()
         face.clear()
@@ -250,6 +254,8 @@ def run_face(spec: dict[str, Any], face: SyncFace | AsyncFace) -> dict[str, Any]
         fds.sample()
     frames = frame_counters(face.loop)
     extra = face.finish()
+    if turns is not None:
+        extra.update(turns.report())
     report = finish_report(
         spec, log, clock, lag, rss, fds, connect_s, len(sandboxes), connect_errors, frames, gc_pauses, extra
     )
