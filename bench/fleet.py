@@ -283,6 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the async face's loop: default = uvloop under --transport fast, else asyncio.run's; "
                    "asyncio or uvloop whatever the transport; fair = "
                    "shinken_sync.sharedloop.new_fair_event_loop (bounded ready sockets per select)")
+    p.add_argument("--spawn-callers", action="store_true",
+                   help="sync face with gevent: a new greenlet per step every round (the driver before "
+                   "long-lived callers; costs the callers' thread an mmap/munmap pair per step)")
     p.add_argument("--trace-turns", action="store_true",
                    help="time each turn of the face's loop on and off the CPU (bench/fleet_turns.py; asyncio loops)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
@@ -346,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                     "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
                     "actions": args.actions, "keepalive_interval": args.keepalive_interval,
                     "async_loop": args.async_loop, "trace_turns": args.trace_turns,
+                    "spawn_callers": args.spawn_callers,
                     "keepalive_jitter": args.keepalive_jitter,
                     "spread_ms": args.spread_ms,
                 }  # fmt: skip
