@@ -73,26 +73,31 @@ from fleet_measure import (
     PING_TICK_S,
     ROUND_PERIOD_S,
     Clicks,
+    async_loop_name,
     cpu_seconds,
     proc_status,
     raise_fd_limit,
 )
+from fleet_turns import format_turns
 
 # ---------------------------------------------------------------------------
 # Child entry point
 
 
 def _own_loop_runner(spec: dict[str, Any]) -> Any:
-    """The async face's loop, as an ``asyncio.Runner``: uvloop under ``--transport
-    fast`` (what the [fast] extra's users would run), else asyncio's own, or with
-    ``--async-loop fair`` the SDK's bounded-select loop (``sharedloop.new_fair_event_loop``)."""
+    """The async face's loop, as an ``asyncio.Runner``: by default uvloop under
+    ``--transport fast`` (what the [fast] extra's users would run), else asyncio's
+    own; ``--async-loop asyncio|uvloop`` picks one whatever the transport (so the
+    two transports can be compared on the same loop), ``fair`` the SDK's
+    bounded-select loop (``sharedloop.new_fair_event_loop``)."""
     import asyncio
 
-    if spec.get("transport") == "fast":
+    choice = async_loop_name(spec)
+    if choice == "uvloop":
         import uvloop
 
         return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    if spec.get("async_loop") == "fair":
+    if choice == "fair":
         from shinken_sync.sharedloop import new_fair_event_loop
 
         return asyncio.Runner(loop_factory=new_fair_event_loop)
@@ -227,6 +232,7 @@ def format_round_report(r: dict[str, Any]) -> str:
          f"longest pause {_ms(r['gc_pause_max_s'])} ms"
          + (" (heap frozen after connect)" if r["gc_freeze"] else "")),
         f"  step outcomes            {r['step_outcomes']}",
+        *([line] if (line := format_turns(r)) else []),
         *([f"  TEARDOWN FAILED          {r['teardown_error']}"] if "teardown_error" in r else []),
         (f"  sustained 1 Hz           {'yes' if r['sustained_1hz'] else 'NO'}"
          + (f" (steps spread over {r['spread_ms']:g} ms of each round)" if r["spread_ms"] else "")),
@@ -273,9 +279,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shinken_sync.tune_gc_for_fleet() once the fleet is connected (freeze + thresholds)")
     p.add_argument("--transport", choices=("websockets", "fast", "both"), default="websockets",
                    help="the SDK's transport: websockets, the [fast] extra (picows + uvloop), or both in turn")
-    p.add_argument("--async-loop", choices=("asyncio", "fair"), default="asyncio",
-                   help="the async face's loop under --transport websockets: asyncio.run's, or "
+    p.add_argument("--async-loop", choices=("default", "asyncio", "uvloop", "fair"), default="default",
+                   help="the async face's loop: default = uvloop under --transport fast, else asyncio.run's; "
+                   "asyncio or uvloop whatever the transport; fair = "
                    "shinken_sync.sharedloop.new_fair_event_loop (bounded ready sockets per select)")
+    p.add_argument("--spawn-callers", action="store_true",
+                   help="sync face with gevent: a new greenlet per step every round (the driver before "
+                   "long-lived callers; costs the callers' thread an mmap/munmap pair per step)")
+    p.add_argument("--trace-turns", action="store_true",
+                   help="time each turn of the face's loop on and off the CPU (bench/fleet_turns.py; asyncio loops)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the raw-recv floor run that follows each N's faces")
     p.add_argument("--memory", default="",
@@ -336,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ping_jitter": PING_JITTER_S if n >= 256 else 0.0, "callers": args.callers, "seed": n,
                     "clicks": args.clicks, "gc_freeze": args.gc_freeze, "gc_fleet": args.gc_fleet,
                     "actions": args.actions, "keepalive_interval": args.keepalive_interval,
-                    "async_loop": args.async_loop,
+                    "async_loop": args.async_loop, "trace_turns": args.trace_turns,
+                    "spawn_callers": args.spawn_callers,
                     "keepalive_jitter": args.keepalive_jitter,
                     "spread_ms": args.spread_ms,
                 }  # fmt: skip

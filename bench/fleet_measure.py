@@ -292,6 +292,16 @@ class RoundClock:
         return (len(self.starts) - 1) / (self.starts[-1] - self.starts[0])
 
 
+def async_loop_name(spec: dict[str, Any]) -> str:
+    """The async face's loop (``--async-loop``): ``asyncio``, ``uvloop`` or ``fair``;
+    ``default`` is uvloop under ``--transport fast`` (what the [fast] extra's users
+    run), else asyncio's own."""
+    choice = spec.get("async_loop", "default")
+    if choice == "default":
+        return "uvloop" if spec.get("transport") == "fast" else "asyncio"
+    return str(choice)
+
+
 def loop_lag_probe(samples: list[float]):
     """A coroutine that records how late a short sleep wakes up (event-loop lag)."""
     import asyncio
@@ -340,7 +350,7 @@ def finish_report(
         "n": spec["n"],
         "face": spec["face"],
         "callers": spec["callers"] if spec["face"] == "sync" else (
-            "fair loop" if spec.get("async_loop") == "fair" and spec.get("transport") != "fast" else "asyncio"
+            "fair loop" if async_loop_name(spec) == "fair" else async_loop_name(spec)
         ),
         "rtt_ms": spec["rtt_ms"],
         "clicks": spec["clicks"],
@@ -378,7 +388,7 @@ def finish_report(
         "host_rss_bytes": proc_status(spec["host_pid"])["VmRSS"],
         "actions_per_step": spec.get("actions", 1),
         "transport": spec.get("transport", "websockets"),
-        "async_loop": spec.get("async_loop", "asyncio") if spec["face"] == "async" else "sharedloop",
+        "async_loop": async_loop_name(spec) if spec["face"] == "async" else "sharedloop",
         "gc_freeze": spec["gc_freeze"],
         "gc_fleet": spec.get("gc_fleet", False),
         "spread_ms": spec["spread_ms"],

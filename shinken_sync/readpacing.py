@@ -14,9 +14,8 @@ arriving within the turn's budget (:data:`MAX_READ_BYTES_PER_TURN` across the
 loop's connections) goes to the WebSocket parser at once; past it, the data is
 held as received (no parsing) -- past :data:`HOLD_BYTES_BEFORE_PAUSE` held,
 the socket stops being read -- and the next turns hand the held data to the
-parser, in arrival order, a budget's worth each. A
-turn ends when the budget's reset callback runs (queued with ``call_soon`` at
-the turn's first use, so it runs after every callback already ready).
+parser, in arrival order, a budget's worth each (the per-turn budget and its
+queue are :class:`shinken_sync.loopturn.PerTurnBudget`'s).
 
 Order is kept (held data is always delivered before anything after it, and
 before the end of the stream); the library's own flow control is respected (a
@@ -27,10 +26,11 @@ loop's budget.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import weakref
 from typing import Any
+
+from .loopturn import PerTurnBudget
 
 log = logging.getLogger("shinken_sync.readpacing")
 
@@ -49,59 +49,32 @@ MAX_READ_BYTES_PER_TURN: int | None = 2 << 20
 HOLD_BYTES_BEFORE_PAUSE = 256 * 1024
 
 
-class ReadBudget:
+class ReadBudget(PerTurnBudget["PacedProtocol"]):
     """The bytes parsed in the current turn of one loop, and the connections waiting."""
 
-    __slots__ = ("__weakref__", "_loop", "_reset_scheduled", "_used", "_waiting", "held_turns")
+    __slots__ = ("held_turns",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._used = 0
-        self._waiting: collections.deque[PacedProtocol] = collections.deque()
-        self._reset_scheduled = False
+        super().__init__(loop)
         #: Times a connection's data had to wait for a later turn (for benchmarks and tests).
         self.held_turns = 0
 
-    @property
-    def used(self) -> int:
-        return self._used
-
     def take(self, size: int) -> bool:
         """Count ``size`` bytes against this turn if there is room and nobody waits."""
-        limit = MAX_READ_BYTES_PER_TURN
-        if limit is None:
-            return True
-        if self._waiting or (self._used and self._used + size > limit):
-            return False
-        self._used += size
-        self._schedule_reset()
-        return True
+        return self._try_take(size, MAX_READ_BYTES_PER_TURN)
 
     def wait(self, paced: PacedProtocol) -> None:
-        self._waiting.append(paced)
+        self._enqueue(paced)
         self.held_turns += 1
-        self._schedule_reset()
 
-    def _schedule_reset(self) -> None:
-        if not self._reset_scheduled:
-            self._reset_scheduled = True
-            self._loop.call_soon(self._new_turn)
+    def _limit(self) -> int | None:
+        return MAX_READ_BYTES_PER_TURN
 
-    def _new_turn(self) -> None:
-        self._reset_scheduled = False
-        self._used = 0
-        limit = MAX_READ_BYTES_PER_TURN
-        waiting = self._waiting
-        while waiting:
-            paced = waiting[0]
-            size = paced.held_bytes
-            if limit is not None and self._used and self._used + size > limit:
-                break
-            waiting.popleft()
-            self._used += size
-            paced.release()
-        if self._used or waiting:
-            self._schedule_reset()
+    def _size_of(self, waiter: PacedProtocol) -> int:
+        return waiter.held_bytes
+
+    def _release(self, waiter: PacedProtocol) -> None:
+        waiter.release()
 
 
 class PacedProtocol(asyncio.Protocol):

@@ -5,9 +5,9 @@ start prepares, JSON-encodes, frames and writes its calls; 1024 of them back
 to back are one loop turn of 100+ ms during which no timer fires and no reply
 is read. A :class:`TurnBudget` admits at most ``limit`` calls per turn (the
 client's ``MAX_CALL_STARTS_PER_TURN``); the rest wait, in arrival order, for
-the next turns. A turn ends when the budget's reset callback runs: it is
-queued with ``call_soon`` at the first admission of a turn, so it runs after
-everything already ready, and the loop polls its sockets before it.
+the next turns (the per-turn count and its queue are
+:class:`shinken_sync.loopturn.PerTurnBudget`'s: a turn ends when its reset
+callback, queued at the turn's first admission, runs).
 
 The bound is in *calls*, not steps: a step of five actions and an observation
 is six calls. One unit is never split: a step larger than the limit is
@@ -27,52 +27,40 @@ touches a loop's budget.
 from __future__ import annotations
 
 import asyncio
-import collections
 import weakref
+
+from .loopturn import PerTurnBudget
 
 __all__ = ["CALLS", "REPLIES", "TurnBudget", "turn_budget_for_loop"]
 
 
-class TurnBudget:
+class TurnBudget(PerTurnBudget[tuple["asyncio.Future[None]", int]]):
     """Call starts admitted in the current turn of one event loop, and who waits."""
 
-    __slots__ = ("__weakref__", "_limit", "_loop", "_reset_scheduled", "_used", "_waiters", "admitted_late")
+    __slots__ = ("_last_limit", "admitted_late")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._used = 0
-        self._limit: int | None = None
-        self._waiters: collections.deque[tuple[asyncio.Future[None], int]] = collections.deque()
-        self._reset_scheduled = False
+        super().__init__(loop)
+        self._last_limit: int | None = None
         #: Units that had to wait for a later turn (a counter for benchmarks and tests).
         self.admitted_late = 0
 
     @property
-    def used(self) -> int:
-        """Calls admitted in the current turn."""
-        return self._used
-
-    @property
     def waiting(self) -> int:
         """Units (steps, single calls) waiting for a later turn."""
-        return len(self._waiters)
+        return len(self._waiting)
 
     def try_admit(self, calls: int, limit: int | None) -> bool:
         """Admit ``calls`` now if this turn has room (and nobody queued earlier)."""
-        if limit is None:
-            return True
-        self._limit = limit
-        if self._waiters or (self._used and self._used + calls > limit):
-            return False
-        self._used += calls
-        self._schedule_reset()
-        return True
+        if limit is not None:
+            self._last_limit = limit
+        return self._try_take(calls, limit)
 
     async def admit(self, calls: int, limit: int | None) -> None:
         """Return once ``calls`` call starts fit in a turn (at once when they fit now)."""
         waiter = self.ticket(calls, limit)
         if waiter is not None:
-            await waiter  # cancelled while waiting: _new_turn skips the cancelled future
+            await waiter  # cancelled while waiting: the next turn skips the cancelled future
 
     def ticket(self, calls: int, limit: int | None) -> asyncio.Future[None] | None:
         """:meth:`admit` without a coroutine: None when admitted now, else the
@@ -81,33 +69,19 @@ class TurnBudget:
         if self.try_admit(calls, limit):
             return None
         waiter: asyncio.Future[None] = self._loop.create_future()
-        self._waiters.append((waiter, calls))
-        self._schedule_reset()
+        self._enqueue((waiter, calls))
         self.admitted_late += 1
         return waiter
 
-    def _schedule_reset(self) -> None:
-        if not self._reset_scheduled:
-            self._reset_scheduled = True
-            self._loop.call_soon(self._new_turn)
+    def _limit(self) -> int | None:
+        return self._last_limit
 
-    def _new_turn(self) -> None:
-        self._reset_scheduled = False
-        self._used = 0
-        limit = self._limit
-        waiters = self._waiters
-        while waiters:
-            waiter, calls = waiters[0]
-            if waiter.done():  # its task was cancelled while it waited
-                waiters.popleft()
-                continue
-            if self._used and limit is not None and self._used + calls > limit:
-                break
-            waiters.popleft()
-            self._used += calls
-            waiter.set_result(None)
-        if self._used or waiters:
-            self._schedule_reset()
+    def _size_of(self, waiter: tuple[asyncio.Future[None], int]) -> int | None:
+        future, calls = waiter
+        return None if future.done() else calls  # done: its task was cancelled while it waited
+
+    def _release(self, waiter: tuple[asyncio.Future[None], int]) -> None:
+        waiter[0].set_result(None)
 
 
 CALLS = "calls"

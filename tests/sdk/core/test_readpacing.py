@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
 from shinken_sync import readpacing, transport
 from shinken_sync.client import aconnect
-from shinken_sync.readpacing import PacedProtocol, read_budget_for_loop
+from shinken_sync.readpacing import PacedProtocol, ReadBudget, read_budget_for_loop
 
 TOKEN = "test-token"
 
@@ -55,24 +57,45 @@ async def _next_turn() -> None:
     await asyncio.sleep(0)
 
 
-def test_past_the_budget_data_waits_for_later_turns_in_order(monkeypatch, run):
-    monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
-    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)  # any held byte pauses the socket
+@dataclass
+class TwoConnections:
+    budget: ReadBudget
+    log: list[tuple[str, object]]
+    a: PacedProtocol
+    ta: FakeTransport
+    b: PacedProtocol
+    tb: FakeTransport
 
-    async def body():
+
+@pytest.fixture
+def two_connections(monkeypatch) -> Callable[..., TwoConnections]:
+    """Connections ``a`` and ``b`` paced by the running loop's budget: 100 bytes
+    a turn, and any held byte pauses the socket. Call it inside the loop."""
+    monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
+    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)
+
+    def make(a_inner: type[Inner] = Inner) -> TwoConnections:
         budget = read_budget_for_loop(asyncio.get_running_loop())
         log: list[tuple[str, object]] = []
         ta, tb = FakeTransport(), FakeTransport()
-        a = PacedProtocol(Inner("a", log), ta, budget)
+        a = PacedProtocol(a_inner("a", log), ta, budget)
         b = PacedProtocol(Inner("b", log), tb, budget)
-        a.data_received(b"1" * 80)  # within the turn's budget: parsed at once
-        b.data_received(b"2" * 50)  # over it: held, the socket paused
-        a.data_received(b"3" * 10)  # would fit, but b waits first: held behind it
-        assert log == [("a", b"1" * 80)] and not ta.reading and not tb.reading
-        assert budget.held_turns == 2
+        return TwoConnections(budget, log, a, ta, b, tb)
+
+    return make
+
+
+def test_past_the_budget_data_waits_for_later_turns_in_order(two_connections, run):
+    async def body():
+        c = two_connections()
+        c.a.data_received(b"1" * 80)  # within the turn's budget: parsed at once
+        c.b.data_received(b"2" * 50)  # over it: held, the socket paused
+        c.a.data_received(b"3" * 10)  # would fit, but b waits first: held behind it
+        assert c.log == [("a", b"1" * 80)] and not c.ta.reading and not c.tb.reading
+        assert c.budget.held_turns == 2
         await _next_turn()  # the next turn hands both over, in arrival order
-        assert log[1:] == [("b", b"2" * 50), ("a", b"3" * 10)]
-        assert ta.reading and tb.reading
+        assert c.log[1:] == [("b", b"2" * 50), ("a", b"3" * 10)]
+        assert c.ta.reading and c.tb.reading
 
     run(body())
 
@@ -145,29 +168,23 @@ def test_a_burst_of_replies_arrives_whole(monkeypatch, run, peer, helpers):
     run(body())
 
 
-def test_a_parser_failing_on_held_data_aborts_only_its_connection(monkeypatch, run):
+def test_a_parser_failing_on_held_data_aborts_only_its_connection(two_connections, run):
     """The budget's callback serves every waiting connection: one parser raising
     aborts its own connection (as the transport's read callback would) and the
     others still get their turn."""
-    monkeypatch.setattr(readpacing, "MAX_READ_BYTES_PER_TURN", 100)
-    monkeypatch.setattr(readpacing, "HOLD_BYTES_BEFORE_PAUSE", 0)
 
     class Broken(Inner):
         def data_received(self, data: bytes) -> None:
             raise ValueError("parser bug")
 
     async def body():
-        budget = read_budget_for_loop(asyncio.get_running_loop())
-        log: list[tuple[str, object]] = []
-        ta, tb = FakeTransport(), FakeTransport()
-        budget.take(100)
-        a = PacedProtocol(Broken("a", log), ta, budget)
-        b = PacedProtocol(Inner("b", log), tb, budget)
-        a.data_received(b"1")
-        b.data_received(b"2")
+        c = two_connections(Broken)
+        c.budget.take(100)
+        c.a.data_received(b"1")
+        c.b.data_received(b"2")
         await _next_turn()
-        assert ta.aborted and not ta.reading  # not resumed either
-        assert log == [("b", b"2")] and tb.reading and not tb.aborted
+        assert c.ta.aborted and not c.ta.reading  # not resumed either
+        assert c.log == [("b", b"2")] and c.tb.reading and not c.tb.aborted
 
     run(body())
 
