@@ -153,31 +153,35 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
         unreader.buf.write(ahead[reader.length:])
         ahead = ahead[:reader.length]
     recv_into = unreader.sock.recv_into
-    while reader.length:
-        size = min(chunk, reader.length)
-        piece = bytearray(size)
-        with memoryview(piece) as view:
-            filled = min(len(ahead), size)
-            if filled:
-                view[:filled] = ahead[:filled]
-                ahead = ahead[filled:]
-            try:
-                while filled < size:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise BodyTimeout(f"request body not received within the body_timeout of {timeout:g} s")
-                    with gevent.Timeout(remaining, BodyTimeout(
-                            f"request body not received within the body_timeout of {timeout:g} s")):
-                        n = recv_into(view[filled:])
-                    if not n:  # (iter_body's words for it)
-                        received = length - reader.length + filled
-                        raise MalformedBody(f"request body of {received} bytes, Content-Length {length}")
-                    filled += n
-            except BaseException:
-                body.failed = True  # where the next request starts is unknown now
-                raise
-        reader.length -= size
-        yield piece
+    late = f"request body not received within the body_timeout of {timeout:g} s"
+    try:
+        while reader.length:
+            size = min(chunk, reader.length)
+            piece = bytearray(size)
+            with memoryview(piece) as view:
+                filled = min(len(ahead), size)
+                if filled:
+                    view[:filled] = ahead[:filled]
+                    ahead = ahead[filled:]
+                try:
+                    while filled < size:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise BodyTimeout(late)
+                        with gevent.Timeout(remaining, BodyTimeout(late)):
+                            n = recv_into(view[filled:])
+                        if not n:  # (iter_body's words for it)
+                            received = length - reader.length + filled
+                            raise MalformedBody(f"request body of {received} bytes, Content-Length {length}")
+                        filled += n
+                except BaseException:
+                    body.failed = True  # where the next request starts is unknown now
+                    raise
+            reader.length -= size
+            yield piece
+    finally:
+        if ahead:  # left unread (the consumer stopped early): gunicorn's to drain, in order
+            unreader.unread(ahead)
 
 
 def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> bytes:

@@ -44,3 +44,19 @@ def test_a_body_cut_short_is_malformed_and_the_connection_not_reused() -> None:
     with pytest.raises(MalformedBody, match="request body of 43 bytes, Content-Length 100"):
         list(_socket_body(body, reader, timeout=10, chunk=64))
     assert body.failed
+
+
+def test_a_body_left_unread_is_left_to_gunicorn_in_order() -> None:
+    """A consumer that stops early (the worker answered before the whole body came) leaves the
+    rest, read-ahead included, to gunicorn's reader: it drains exactly the body, then finds the
+    next request."""
+    data = bytes(range(256)) * 8  # 2048 bytes
+    body, reader, client = _body((data + NEXT)[:1500], len(data))  # read ahead: past the first piece
+    client.sendall((data + NEXT)[1500:])
+    pieces = _socket_body(body, reader, timeout=10, chunk=1024)
+    assert next(pieces) == data[:1024]
+    pieces.close()
+    assert reader.length == 1024 and not body.failed
+    assert body.read() == data[1024:]  # gunicorn's own drain
+    assert reader.unreader.read(len(NEXT)) == NEXT
+    client.close()
