@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gevent
@@ -297,6 +298,16 @@ def report_run(r: dict) -> None:
           f"{r['probe_loaded_p99_ms']:.1f} ms ({r['probe_loaded_n']} probes)", flush=True)
 
 
+def with_backend(code: str | None, measure: Callable[..., dict], **kwargs: object) -> dict:
+    """``measure(backend=..., code=code, **kwargs)`` over a reference backend started for
+    ``code`` (its PYTHONPATH), closed after."""
+    backend = start_reference_backend(env=code_env(code))
+    try:
+        return measure(backend=backend, code=code, **kwargs)
+    finally:
+        backend.close()
+
+
 def main() -> None:
     scratch_state_home()  # the servers' journals go to a temporary directory
     parser = argparse.ArgumentParser(description="screenshot turns through the session server")
@@ -318,24 +329,17 @@ def main() -> None:
           f"{args.sessions} sessions x {args.turns} turns, full history resent each turn", flush=True)
     codes: list[str | None] = [args.old, None] if args.old else [None]
     report: list[dict] = []
+    load = {"sessions": args.sessions, "turns": args.turns, "pool_of_shots": shots}
     for _ in range(args.rounds):
         for workers in [] if args.no_throughput else args.workers:
             for code in codes:
-                backend = start_reference_backend(env=code_env(code))
-                try:
-                    r = run(workers, backend, args.sessions, args.turns, shots, code)
-                finally:
-                    backend.close()
+                r = with_backend(code, run, workers=workers, **load)
                 report.append(r)
                 report_run(r)
         if args.lockstep:
             for workers in args.workers:
                 for code in codes:
-                    backend = start_reference_backend(env=code_env(code))
-                    try:
-                        k = run_lockstep(workers, backend, args.sessions, args.turns, shots, code)
-                    finally:
-                        backend.close()
+                    k = with_backend(code, run_lockstep, workers=workers, **load)
                     report.append({"lockstep": k})
                     print(f"[{k['code']}] lockstep workers={workers}: CPU per turn, server / reference backend: "
                           + "; ".join(f"turns {lo + 1}-{hi}: {band(k['server_cpu_ms_by_images'], lo, hi):.1f} / "
@@ -343,11 +347,7 @@ def main() -> None:
                                       for lo, hi in bands(args.turns)), flush=True)
         if args.hol:
             for code in codes:
-                backend = start_reference_backend(env=code_env(code))
-                try:
-                    h = run_hol(backend, args.sessions // 2, args.turns, shots, code)
-                finally:
-                    backend.close()
+                h = with_backend(code, run_hol, **{**load, "sessions": args.sessions // 2})
                 report.append({"hol": h})
                 print(f"[{h['code']}] head-of-line (workers=2, {args.sessions // 2} image sessions all on shard 0, "
                       f"image chat p50 {h['image_chat_p50_ms']:.0f} ms): text probe on shard 0 p50 "

@@ -31,6 +31,7 @@ import certifi
 import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
+from webapp.ipc_channel import yield_to_chats
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 
@@ -120,6 +121,8 @@ class ProxyReply:
 # sends them apart (two syscalls, and two segments the engine may wake up for); a larger body
 # is sent as urllib3 sends it rather than copied into one buffer.
 _JOIN_BODY_MAX = 64 << 10
+# A request body past this size (image turns) waits for the hub's pending small work first.
+_BULK_BODY_BYTES = 1 << 20
 
 
 class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
@@ -221,6 +224,8 @@ class BackendClient:
             if left <= 0:
                 raise BackendTimeout(f"{self.name} timed out: the turn's time budget ran out before the call")
             connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
+        if len(payload) > _BULK_BODY_BYTES:  # an image turn's body: the process's small requests first
+            yield_to_chats()
         try:
             resp = self._open("POST", path, payload, _JSON_HEADERS,
                               urllib3.Timeout(connect=connect_timeout, read=read_timeout))

@@ -280,11 +280,13 @@ class Session:
 
     def commit(self, new_state: TitoState, plan: TurnPlan, turn: TurnRecord, record: RecordParts,
                images: dict[str, DecodedImage] | None = None,
-               image_urls: Mapping[bytes, str] | None = None, render: str | None = None) -> int:
+               image_urls: Mapping[bytes, str] | None = None, render: str | None = None,
+               prompt_text: bytes | None = None) -> int:
         """Store a finished turn, journal first; the session's generation after it, 0 (nothing
         stored) if the session was closed meanwhile. Raises ``InsufficientStorage`` (nothing
         stored) if the journal cannot be written. ``render``: the turn's render pin (see
-        :meth:`pin_render`).
+        :meth:`pin_render`); ``prompt_text``: the prompt ids' text the engine request was
+        built around (``SessionJournal.append_turn``).
 
         A rollback turn replaces the rolled-back record, as miles truncates its records: the
         records always match the checkpoints of the current state (the rolled-back history
@@ -299,7 +301,7 @@ class Session:
                 else (self.records[-1] if self.records else None)
             turn, stored = self.journal.append_turn(plan.base, new_state, plan.rollback, turn, record,
                                                     base.record if base is not None else None,
-                                                    list((images or {}).values()))
+                                                    list((images or {}).values()), prompt_text=prompt_text)
             self.previous, self.state = plan.base, new_state
             if plan.rollback:
                 self.records = self.records[:-1]
@@ -312,7 +314,8 @@ class Session:
 
     def commit_node(self, parent: TreeNode | None, new_state: TitoState, plan: TurnPlan, turn: TurnRecord,
                     record: RecordParts, response_id: str, images: dict[str, DecodedImage] | None = None,
-                    image_urls: Mapping[bytes, str] | None = None, render: str | None = None) -> int:
+                    image_urls: Mapping[bytes, str] | None = None, render: str | None = None,
+                    prompt_text: bytes | None = None) -> int:
         """A tree session's :meth:`commit`: the generation becomes a new node under ``parent``
         (the attach point found when it was positioned, so concurrent generations from one
         spot become siblings) and the active node. Journal first, stored on the parent's
@@ -328,7 +331,8 @@ class Session:
             turn, stored = self.journal.append_turn(
                 plan.base, new_state, False, turn, record, parent.turn.record if parent is not None else None,
                 list((images or {}).values()),
-                node={"parent": parent.seq if parent is not None else None, "response_id": response_id})
+                node={"parent": parent.seq if parent is not None else None, "response_id": response_id},
+                prompt_text=prompt_text)
             node = self.tree.add(parent, new_state, turn, response_id=response_id, committed_at=turn.timestamp)
             self.active, self.state = node, new_state
             self.records = [n.turn for n in node.path()]
@@ -803,9 +807,9 @@ class SessionCore:
                              request.get("tools"), self.tokenizer, self.matcher)
             self.limits.check_prompt(plan.prompt_ids)
             held = self._rows_held(session, plan)
+            ids_text = session.journal.prompt_ids_text(plan.prompt_ids)  # the request's and the record's
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
-                                                        replay_from=held[0] if held else 0,
-                                                        ids_text=session.journal.prompt_ids_text(plan.prompt_ids))
+                                                        replay_from=held[0] if held else 0, ids_text=ids_text)
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
@@ -816,7 +820,8 @@ class SessionCore:
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
             # A journal that cannot be written: InsufficientStorage (507), nothing stored.
-            generation = session.commit(new_state, plan, summary, record, images.new, images.url_keys, render)
+            generation = session.commit(new_state, plan, summary, record, images.new, images.url_keys, render,
+                                        prompt_text=ids_text)
         finally:
             session.turn_lock.release()
         return _with_generation(self._client_reply(turn, request), generation)
@@ -854,9 +859,9 @@ class SessionCore:
                              request.get("tools"), self.tokenizer)
             self.limits.check_prompt(plan.prompt_ids)
             held = self._rows_held_on(parent.turn if parent is not None else None, plan)
+            ids_text = session.journal.prompt_ids_text(plan.prompt_ids)  # the request's and the record's
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
-                                                        replay_from=held[0] if held else 0,
-                                                        ids_text=session.journal.prompt_ids_text(plan.prompt_ids))
+                                                        replay_from=held[0] if held else 0, ids_text=ids_text)
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
@@ -867,7 +872,7 @@ class SessionCore:
             response_id = turn.completion.get("id")
             generation = session.commit_node(parent, new_state, plan, summary, record,
                                              response_id if isinstance(response_id, str) else "", images.new,
-                                             images.url_keys, render)
+                                             images.url_keys, render, prompt_text=ids_text)
         finally:
             with session.state_lock:
                 session.inflight -= 1

@@ -15,15 +15,22 @@ flags ``--body-timeout`` and ``--max-client-connections``):
 :func:`iter_body` reads a request body under the deadline and turns the WSGI server's
 malformed-body errors (a bad chunk size, a missing chunk terminator, a body cut short) into
 :class:`MalformedBody` (400) instead of a 500 with a traceback.
+
+:func:`iter_request_body` is the servers' way in: a body of known length under gunicorn is
+received straight from the client socket into each piece's own buffer (``recv_into``), past
+gunicorn's reader, whose ``BytesIO`` read-ahead copied every megabyte of a screenshot turn
+three to four times; a chunked body, or one under another WSGI server, goes through
+:func:`iter_body`. Limits, errors and the keep-alive connection behave the same either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 import gevent
 from gevent import monkey
@@ -33,13 +40,17 @@ from webapp.errors import WebappError
 from webapp.settings import Scope, default, values_from_env
 
 try:  # the WSGI server both modes run under; absent in a bare Flask test client
+    from gunicorn.http.body import Body as _GunicornBody
+    from gunicorn.http.body import LengthReader as _LengthReader
     from gunicorn.http.errors import NoMoreData, ParseException
+    from gunicorn.http.unreader import SocketUnreader as _SocketUnreader
 
     _SERVER_BODY_ERRORS: tuple[type[BaseException], ...] = (ParseException, NoMoreData)
 except ImportError:  # pragma: no cover
     _SERVER_BODY_ERRORS = ()
+    _GunicornBody = _LengthReader = _SocketUnreader = None
 
-__all__ = ["BodyError", "BodyTimeout", "HttpLimits", "MalformedBody", "iter_body", "read_body"]
+__all__ = ["BodyError", "BodyTimeout", "HttpLimits", "MalformedBody", "iter_body", "iter_request_body", "read_body"]
 
 DEFAULT_BODY_TIMEOUT: float = default("body_timeout")  # 256 MiB at ~7 Mbit/s; a stalled client goes before
 DEFAULT_MAX_CLIENT_CONNECTIONS: int = default("max_client_connections")
@@ -110,6 +121,67 @@ def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,
             return
         received += len(piece)
         yield piece
+
+
+def iter_request_body(stream: IO[bytes], wsgi_input: Any, timeout: float, length: int | None,
+                      chunk: int = READ_CHUNK) -> Iterator[bytes | bytearray]:
+    """A request's body as :func:`iter_body` gives it (same pieces, limits and errors):
+    ``stream`` is werkzeug's ``request.stream`` (already past its size check: 413), ``wsgi_input``
+    the environ's ``wsgi.input`` and ``length`` the Content-Length. Under gunicorn, a body of
+    known length that nothing has read yet is received straight from the client socket
+    (:func:`_socket_body`); anything else reads ``stream``."""
+    reader = getattr(wsgi_input, "reader", None)
+    if (_GunicornBody is not None and length is not None and isinstance(wsgi_input, _GunicornBody)
+            and isinstance(reader, _LengthReader) and reader.length == length and not wsgi_input.buf.tell()
+            and isinstance(reader.unreader, _SocketUnreader) and monkey.is_module_patched("socket")):
+        return _socket_body(wsgi_input, reader, timeout, chunk)
+    return iter_body(stream, timeout, chunk, length)
+
+
+def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator[bytearray]:
+    """gunicorn's body of known length (``reader``: its ``LengthReader``), each piece a new
+    buffer of ``min(chunk, rest)`` bytes filled by ``recv_into`` from the client socket: the
+    bytes gunicorn read ahead with the request head come first, anything past the body (a
+    pipelined next request) is handed back to it. ``reader.length`` counts down as gunicorn's
+    own reads would, so a body left unread is drained by gunicorn before the connection's next
+    request; a failed read marks the body failed, so the connection is not reused."""
+    deadline = time.monotonic() + timeout
+    unreader, length = reader.unreader, reader.length
+    ahead = unreader.buf.getvalue()
+    unreader.buf = io.BytesIO()
+    if len(ahead) > reader.length:  # the next request's first bytes: gunicorn's again
+        unreader.buf.write(ahead[reader.length:])
+        ahead = ahead[:reader.length]
+    recv_into = unreader.sock.recv_into
+    late = f"request body not received within the body_timeout of {timeout:g} s"
+    try:
+        while reader.length:
+            size = min(chunk, reader.length)
+            piece = bytearray(size)
+            with memoryview(piece) as view:
+                filled = min(len(ahead), size)
+                if filled:
+                    view[:filled] = ahead[:filled]
+                    ahead = ahead[filled:]
+                try:
+                    while filled < size:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise BodyTimeout(late)
+                        with gevent.Timeout(remaining, BodyTimeout(late)):
+                            n = recv_into(view[filled:])
+                        if not n:  # (iter_body's words for it)
+                            received = length - reader.length + filled
+                            raise MalformedBody(f"request body of {received} bytes, Content-Length {length}")
+                        filled += n
+                except BaseException:
+                    body.failed = True  # where the next request starts is unknown now
+                    raise
+            reader.length -= size
+            yield piece
+    finally:
+        if ahead:  # left unread (the consumer stopped early): gunicorn's to drain, in order
+            unreader.unread(ahead)
 
 
 def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> bytes:

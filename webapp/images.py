@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import pybase64
 from blake3 import blake3
 
+from webapp.ipc_channel import yield_to_chats
 from webapp.limits import require_positive
 from webapp.session_errors import (
     ImageNotBase64,
@@ -221,6 +222,7 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
     images: list[tuple[SessionImage, bytes]] = []
     new: dict[str, DecodedImage] = {}
     keys: dict[bytes, str] = {}
+    parts_seen = False
     for i, message in enumerate(raw_messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -236,6 +238,9 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
             continue
         if message.get("role") not in IMAGE_ROLES:
             raise InvalidField(f"messages[{i}].content", "images are accepted in user and tool messages only")
+        if not parts_seen:  # the turn's image work starts: the process's small requests first
+            parts_seen = True
+            yield_to_chats()
         parts = []
         for j, part in enumerate(content):
             if not _is_image_part(part):

@@ -17,10 +17,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from webapp.errors import WebappError
 
 __all__ = ["RETRY_AFTER", "BodyOverBudget", "Grant", "InflightBudget", "InflightRefused", "Overloaded", "refusal_headers"]
+
+_Piece = TypeVar("_Piece", bound=bytes | bytearray)  # a body piece as its reader made it
 
 RETRY_AFTER = 1  # seconds: turns take about this long; a client polling faster only adds load
 
@@ -128,7 +131,7 @@ class Grant:
             self._budget._take(n)
             self.held += n
 
-    def metered(self, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    def metered(self, pieces: Iterable[_Piece]) -> Iterator[_Piece]:
         """``pieces`` (a body as it arrives), each held before it is passed on."""
         for piece in pieces:
             before, self._seen = self._seen, self._seen + len(piece)

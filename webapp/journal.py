@@ -656,11 +656,14 @@ class SessionJournal:
     def append_turn(self, base: TitoState, state: TitoState, rollback: bool, turn: TurnRecord,
                     parts: RecordParts, base_record: RecordBody | None = None,
                     images: Sequence[SessionImage] = (),
-                    node: dict[str, Any] | None = None) -> tuple[TurnRecord, dict[str, StoredImage]]:
+                    node: dict[str, Any] | None = None,
+                    prompt_text: bytes | None = None) -> tuple[TurnRecord, dict[str, StoredImage]]:
         """Append a turn (and its new images) as a DELTA entry on ``base_record`` (the record
         whose state is ``base``; None: the first turn); returns the turn and images as the
         session keeps them (pointing into the file). ``node``: a tree node's parent and
         response id (``base``/``base_record``: the parent's; see :func:`encode_delta`).
+        ``prompt_text``: :meth:`prompt_ids_text` of the turn's prompt ids when the caller made
+        it already (for the engine request), so the turn's new ids are turned into text once.
         Raises :class:`InsufficientStorage`: nothing written."""
         entries: list[list[bytes]] = []
         for image in images:
@@ -668,7 +671,8 @@ class SessionJournal:
                                 "height": image.height}, separators=(",", ":")).encode()
             entries.append(_entry(Kind.IMAGE, _meta_payload(facts, image.data)))
         known = self._known[1] if self._known is not None and self._known[0] is base_record else None
-        prompt_text = self._ids_text(state.token_ids[:turn.prompt_len])
+        if prompt_text is None:
+            prompt_text = self._ids_text(state.token_ids[:turn.prompt_len])
         fd = self._take_fd()
         try:
             payload, meta, raw = encode_delta(base, state, rollback, turn, parts, base_record, node, known,

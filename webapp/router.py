@@ -34,7 +34,7 @@ from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
-from webapp.http_limits import HttpLimits, discard_body, iter_body
+from webapp.http_limits import HttpLimits, discard_body, iter_request_body
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, Buffer, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply, bulk_turn
@@ -264,7 +264,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     instance_id = data_dir_instance_id(data_dir)
     inflight = InflightBudget(config.core["max_inflight_bytes"])
 
-    def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[bytes] | None = None,
+    def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[Buffer] | None = None,
              body_length: int | None = None, timeout: float | None = None, **meta: object) -> WerkzeugResponse:
         shard = shard_for(session_id, supervisor.workers)
         try:
@@ -345,7 +345,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         length = request.content_length
         try:  # the server's bodies in flight, across its shards (webapp.inflight)
             with inflight.admit(length) as grant:
-                pieces = grant.metered(iter_body(request.stream, http_limits.body_timeout, length=length))
+                pieces = grant.metered(iter_request_body(request.stream, request.environ.get("wsgi.input"),
+                                                         http_limits.body_timeout, length))
                 if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
                     return call(session_id, op, b"".join(pieces), timeout=timeout, **meta)
                 # Streamed on to the shard as it arrives: the router never holds a whole large body.
@@ -383,7 +384,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
             if route.body is Body.CHAT:
                 return chat_body_call(session_id, op, timeout, **meta)
             # A body relayed in one frame, read within the body timeout like a chat's.
-            body = (b"".join(iter_body(request.stream, http_limits.body_timeout, length=request.content_length))
+            body = (b"".join(iter_request_body(request.stream, request.environ.get("wsgi.input"),
+                                               http_limits.body_timeout, request.content_length))
                     if route.body is Body.SMALL else b"")
             return call(session_id, op, body, timeout=timeout, **meta)
 

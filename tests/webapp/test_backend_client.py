@@ -178,3 +178,28 @@ def test_a_small_request_goes_out_in_one_send(monkeypatch) -> None:
     finally:
         client.close()
         engine.close()
+
+
+def test_a_large_body_lets_the_process_small_requests_go_first(monkeypatch) -> None:
+    """In a gevent-patched process a body over 1 MiB (an image turn's) waits for what the hub
+    has pending (a small chat's greenlet) before it is sent; a small body does not wait."""
+    import gevent
+    from gevent import monkey
+
+    monkeypatch.setattr(monkey, "is_module_patched", lambda name: name == "socket")
+    order: list[str] = []
+
+    def opened(*args, **kwargs):
+        order.append("send")
+        raise OSError("not sent: the test only looks at the order")
+
+    client = BackendClient("http://127.0.0.1:9")
+    monkeypatch.setattr(client, "_open", opened)
+    for size, expected in ((2 << 20, ["chat", "send"]), (1000, ["send"])):
+        order.clear()
+        small = gevent.spawn(order.append, "chat")
+        with pytest.raises(BackendUnreachable):
+            client.send("/v1/chat/completions", b"x" * size)
+        assert order == expected, order
+        small.join()
+    client.close()

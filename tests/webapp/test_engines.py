@@ -367,7 +367,8 @@ def test_the_session_core_names_no_engine_field():
 
 def test_a_turn_turns_only_its_new_prompt_ids_into_text(monkeypatch):
     """The engine request and the journal share one ids text, extended per turn by the ids the
-    turn added (the earlier ones are never turned into text again); the bodies are unchanged."""
+    turn added (the earlier ones are never turned into text again, the new ones once: the
+    journal takes the request's text); the bodies are unchanged."""
     import webapp.journal as journal_module
 
     texts: list[int] = []  # lengths of the id runs turned into JSON text
@@ -391,6 +392,7 @@ def test_a_turn_turns_only_its_new_prompt_ids_into_text(monkeypatch):
         reply = core.chat(sid, json.dumps({"messages": messages}).encode())
         assert reply.status == 200, reply.read()
         messages.append(json.loads(reply.read())["choices"][0]["message"])
+        assert len(texts) == 2, texts  # the prompt's new ids (once, for both) and the reply's
         if turn:
-            assert texts and max(texts) < 400, texts  # the new user message and the reply, not the history
+            assert max(texts) < 400, texts  # the new user message and the reply, not the history
     core.close()

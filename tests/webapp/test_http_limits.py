@@ -120,3 +120,29 @@ def test_malformed_chunked_bodies_are_400_not_500(server, chunked) -> None:
     assert reply.startswith(b"HTTP/1.1 400"), reply[:300]
     assert len(reply) < 2000  # the offending bytes are not echoed in full
     _normal_client_is_served(server)
+
+
+def _chat_head(sid: str, length: int, extra: str = "") -> bytes:
+    return (f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n{extra}"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("pad", [0, 1_500_000], ids=["one-frame", "streamed"])
+def test_a_body_of_known_length_then_a_pipelined_request_on_one_connection(server, pad) -> None:
+    """The body is read to its Content-Length and no further: the request the client sent
+    right behind it (in the same packets) is answered on the same connection."""
+    sid = requests.post(f"{server}/sessions", timeout=30).json()["session_id"]
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}' + b" " * pad
+    pipelined = _chat_head(sid, len(body)) + body + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    reply = _exchange(server, pipelined, timeout=60)
+    first, _, rest = reply.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert rest.count(b"HTTP/1.1 200") == 1 and b'"status": "ok"' in rest, rest[-300:]
+
+
+@pytest.mark.parametrize("sent", [100, 1_200_000], ids=["one-frame", "streamed"])
+def test_a_body_shorter_than_its_content_length_is_400(server, sent) -> None:
+    sid = requests.post(f"{server}/sessions", timeout=30).json()["session_id"]
+    reply = _exchange(server, _chat_head(sid, 2_000_000) + b" " * sent, timeout=60)
+    assert reply.startswith(b"HTTP/1.1 400") and b"Content-Length 2000000" in reply, reply[:300]
+    _normal_client_is_served(server)

@@ -396,3 +396,27 @@ def test_bad_images_are_400_and_the_session_stays_usable(server_url, code):
     assert json.loads(good.choices[0].message.content)["action"]
     records = requests.get(f"{server_url}/sessions/{sid}", timeout=30).json()["records"]
     assert len(records) == 2 and not records[1]["rollback"]
+
+
+def test_an_image_turn_lets_the_process_small_requests_run_before_its_image_work(monkeypatch):
+    """In a gevent-patched process (a session worker) a request with images lets what the hub
+    has pending (a small chat's greenlet) run before it decodes or hashes anything, once per
+    request; a request without images does not wait."""
+    import gevent
+    from gevent import monkey
+
+    import webapp.images as images_module
+
+    monkeypatch.setattr(monkey, "is_module_patched", lambda name: name == "socket")
+    order: list[str] = []
+    real = images_module.pybase64.b64decode
+    monkeypatch.setattr(images_module.pybase64, "b64decode",
+                        lambda s, **kw: order.append("decode") or real(s, **kw))
+    for messages, expected in (([user("one", png(30, 20, 1)), user("two", png(30, 20, 2))],
+                                ["chat", "decode", "decode"]),
+                               ([{"role": "user", "content": "text only"}], [])):
+        order.clear()
+        small = gevent.spawn(order.append, "chat")
+        extract_images(messages, ImageLimits(), {})
+        assert order == expected, order
+        small.join()
