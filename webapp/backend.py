@@ -31,7 +31,7 @@ import certifi
 import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
-from webapp.ipc_channel import yield_to_chats
+from webapp.bulk import yield_to_chats
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 

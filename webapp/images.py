@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import pybase64
 from blake3 import blake3
 
-from webapp.ipc_channel import yield_to_chats
+from webapp.bulk import yield_to_chats
 from webapp.limits import require_positive
 from webapp.session_errors import (
     ImageNotBase64,

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import gevent
 import gevent.event
 import gevent.queue
-from gevent import monkey
 from gevent.socket import wait_read, wait_write
 
+from webapp.bulk import bulk_turn
 from webapp.ipc import (
     INLINE_BODY_MAX,
     MAX_BODY_CHUNK,
@@ -57,8 +57,7 @@ from webapp.ipc import (
 )
 
 __all__ = [
-    "BodyStream", "FrameTransport", "IpcClient", "IpcReply", "IpcServer", "ReplyLike", "ReplyStream", "bulk_turn",
-    "open_socket", "yield_to_chats",
+    "BodyStream", "FrameTransport", "IpcClient", "IpcReply", "IpcServer", "ReplyLike", "ReplyStream", "open_socket",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,35 +76,8 @@ STREAM_CREDIT_TIMEOUT = 120.0
 MAX_INFLIGHT_REQUESTS = 4096
 # The reader yields to other greenlets after this many bytes without an EAGAIN.
 _READ_YIELD_BYTES = 4 * MAX_BODY_CHUNK
-# Bulk work (a streamed body chunk) waits at most this long for the hub to go idle, so small
-# requests sharing the process run first but bulk always progresses.
-BULK_MAX_DEFER = 0.005
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def bulk_turn(max_defer: float = BULK_MAX_DEFER) -> None:
-    """Wait until the hub has nothing else to run (at most ``max_defer`` s).
-
-    Called before each chunk of bulk work, it makes multi-GiB bodies the lowest priority in
-    their process: a chat's greenlets never queue behind a run of body chunks.
-    """
-    with gevent.Timeout(max_defer, False):
-        gevent.idle()
-
-
-def yield_to_chats() -> None:
-    """:func:`bulk_turn` before a large request's heavy step (an image turn's image work, its
-    multi-MiB engine body), in a gevent-patched process (a session worker, the single-process
-    server); elsewhere (a bare test client, plain threads) nothing.
-
-    A small chat on a worker busy with image turns waited mostly while its engine call was in
-    flight: woken by the engine's reply, it ran only after the image turns' CPU steps already
-    queued on the hub (docs/benchmarks.md section 38). An image turn that lets the hub's
-    pending work run first before each of those two steps moved that chat's p50 x0.59-0.87.
-    """
-    if monkey.is_module_patched("socket"):
-        bulk_turn()
 
 
 def open_socket(fd: int) -> _socket.socket:

@@ -30,6 +30,7 @@ from werkzeug.wrappers import Response as WerkzeugResponse  # a file reply's (we
 
 from webapp.auth import require_api_key
 from webapp.backend_liveness import probe_backend
+from webapp.bulk import bulk_turn
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
@@ -37,7 +38,7 @@ from webapp.filebody import decode_layout, file_response
 from webapp.http_limits import HttpLimits, discard_body, iter_request_body
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, Buffer, FrameTooLarge, IpcError, Op
-from webapp.ipc_channel import IpcReply, bulk_turn
+from webapp.ipc_channel import IpcReply
 from webapp.routes import (
     IMAGES_QUERY,
     PROXY_HEADERS,
