@@ -34,8 +34,9 @@ import socket
 import ssl
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pybase64
 from werkzeug.http import parse_range_header, unquote_etag
@@ -343,68 +344,57 @@ class _FileBody:
         """Whether ``span`` goes to the client by ``sendfile`` (long enough, a raw socket)."""
         return span.length >= _SENDFILE_MIN and self._sock is not None
 
-    def _read(self, path: str, offset: int, length: int) -> bytes | memoryview:
-        """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or a pread."""
+    def _part(self, path: str, offset: int, length: int) -> memoryview | _Read:
+        """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or
+        the read to make (by whoever writes the batch: a send thread under gevent)."""
         whole = self._whole.get(path)
         if whole is not None and offset + length <= len(whole):
             return memoryview(whole)[offset:offset + length]
-        return _pread_all(self._fds[path], length, offset)
+        return _Read(self._fds[path], offset, length)
 
     def __iter__(self) -> Iterator[bytes]:
         # Small pieces (inline bytes, spans under _SENDFILE_MIN, base64 spans) are gathered and
-        # written in _BATCH-sized pieces: a records GET is many short spans (each turn's share
+        # written in _BATCH-sized batches: a records GET is many short spans (each turn's share
         # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
         # are encoded together (each but the last a whole number of quanta: the texts join).
-        out: list[bytes | memoryview] = []
-        packed: list[bytes | memoryview] = []
+        # A batch's reads, base64 and writes happen where _send_batch puts them: off the hub.
+        batch: list[_Part] = []
+        packed: list[memoryview | _Read] = []
         size = 0
         sock = self._sock
-        views = {path: memoryview(whole) for path, whole in self._whole.items()}
 
         def encoded() -> None:
-            nonlocal size
             if packed:
-                text = pybase64.b64encode(b"".join(packed))
+                batch.append(_B64Run(tuple(packed)))
                 packed.clear()
-                out.append(text)
 
         def flush() -> Iterator[bytes]:
             nonlocal size
             encoded()
-            if out:
+            if batch:
                 if sock is not None and self._headers_out:  # straight to the socket: no joined copy
-                    _writev_all(sock.fileno(), out)
+                    _send_batch(sock.fileno(), tuple(batch))
                 else:
                     self._headers_out = True
-                    yield b"".join(out)
-                out.clear()
+                    yield b"".join(_materialize(batch))
+                batch.clear()
             size = 0
 
         for piece in self._pieces:
             if isinstance(piece, B64Span):
                 for pos in range(0, piece.length, _B64_CHUNK):
-                    packed.append(self._read(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
+                    packed.append(self._part(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
                     size += min(_B64_CHUNK, piece.length - pos)
                     if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
                         yield from flush()
                 continue
-            if packed:
-                encoded()
+            encoded()
             if not isinstance(piece, FileSpan):
-                out.append(piece)
+                batch.append(piece)
                 size += len(piece)
             elif not (piece.length >= _SENDFILE_MIN and sock is not None):
-                if piece.length <= READ_CHUNK:  # most spans of a long session: one slice or pread
-                    view = views.get(piece.path)
-                    end = piece.offset + piece.length
-                    out.append(view[piece.offset:end] if view is not None and end <= len(view)
-                               else _pread_all(self._fds[piece.path], piece.length, piece.offset))
-                    size += piece.length
-                    if size >= _BATCH:
-                        yield from flush()
-                    continue
-                for pos in range(0, piece.length, READ_CHUNK):
-                    out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
+                for pos in range(0, piece.length, READ_CHUNK):  # most spans of a long session: one part
+                    batch.append(self._part(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
                     if size >= _BATCH:
                         yield from flush()
@@ -426,6 +416,82 @@ class _FileBody:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+class _Read(NamedTuple):
+    """``length`` bytes of the open file ``fd`` at ``offset``, to be read."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+class _B64Run(NamedTuple):
+    """Packed bytes whose base64 text is sent: parts that join (each but the last a whole
+    number of quanta)."""
+
+    parts: tuple[memoryview | _Read, ...]
+
+
+_Part = bytes | memoryview | _Read | _B64Run  # one buffer of a batch, as gathered in the hub
+
+
+def _materialize(batch: Sequence[_Part]) -> list[bytes | memoryview]:
+    """The batch's buffers: reads made, base64 runs read and encoded."""
+    out: list[bytes | memoryview] = []
+    for part in batch:
+        if isinstance(part, _Read):
+            out.append(_pread_all(part.fd, part.length, part.offset))
+        elif isinstance(part, _B64Run):
+            packed = [_pread_all(p.fd, p.length, p.offset) if isinstance(p, _Read) else p for p in part.parts]
+            out.append(pybase64.b64encode(packed[0] if len(packed) == 1 else b"".join(packed)))
+        else:
+            out.append(part)
+    return out
+
+
+def _send_batch(sock_fd: int, batch: Sequence[_Part]) -> None:
+    """Every byte of the batch to the client, in order. Under gevent the reads, the base64 and
+    the ``writev`` run in a thread of the ``send`` lane (all three release the GIL), so the hub
+    runs the process's chats meanwhile and the copy runs at the lane's CPU priority; a socket
+    that stays full for :data:`_SEND_SLICE` is waited for in the hub, holding no thread."""
+    if not gevent_active():
+        _writev_all(sock_fd, _materialize(batch))
+        return
+    from gevent.socket import wait_write
+
+    left = run_blocking("send", _materialize_and_write, sock_fd, batch)
+    while left:
+        wait_write(sock_fd, timeout=_STALL_TIMEOUT,
+                   timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
+        left = run_blocking("send", _writev_slice, sock_fd, left)
+
+
+def _materialize_and_write(sock_fd: int, batch: Sequence[_Part]) -> list[memoryview]:
+    return _writev_slice(sock_fd, _materialize(batch))
+
+
+def _writev_slice(sock_fd: int, buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """In a thread of the ``send`` lane: ``buffers`` written with ``writev`` (a blocking socket)
+    until done or the socket stays full for :data:`_SEND_SLICE`; what is left."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    first = 0
+    with _blocking_slice(sock_fd):
+        while first < len(views):
+            want = sum(len(v) for v in views[first:first + _IOV_MAX])
+            try:
+                sent = os.writev(sock_fd, views[first:first + _IOV_MAX])
+            except BlockingIOError:  # full for the whole slice: the hub waits instead
+                break
+            full = sent < want  # the timeout ended the call part-way: the socket is full
+            while first < len(views) and sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+            if full:
+                break
+    return views[first:]
 
 
 def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:
@@ -511,32 +577,41 @@ def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Calla
 
 def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int) -> int:
     """In a thread of the ``send`` lane: as many bytes of the span as the client takes before
-    its socket stays full for :data:`_SEND_SLICE`; how many. The socket is made blocking for the
-    call (the greenlet that owns the connection waits for it, nothing else touches it), so each
-    ``sendfile`` moves up to a GiB in the kernel; ``SO_SNDTIMEO`` ends the slice."""
+    its socket stays full for :data:`_SEND_SLICE`; how many. Each ``sendfile`` moves up to a
+    GiB in the kernel (:func:`_blocking_slice`)."""
+    done = 0
+    with _blocking_slice(sock_fd):
+        while done < count:
+            want = min(count - done, _SENDFILE_MAX)
+            try:
+                sent = os.sendfile(sock_fd, fd, offset + done, want)
+            except BlockingIOError:  # full for the whole slice: the hub waits instead
+                break
+            if sent == 0:
+                raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
+            done += sent
+            if sent < want:  # the timeout ended the call part-way: the socket is full
+                break
+    return done
+
+
+@contextmanager
+def _blocking_slice(sock_fd: int) -> Iterator[None]:
+    """The client's socket made blocking, with a send timeout of :data:`_SEND_SLICE`, for the
+    calls of one slice in a send thread (the greenlet that owns the connection waits for it,
+    nothing else touches it); a send that times out returns part-way or raises
+    ``BlockingIOError``."""
     from gevent import monkey
 
     raw_socket = monkey.get_original("socket", "socket")
     sock = raw_socket(fileno=os.dup(sock_fd))  # socket options belong to the socket: set via a dup
-    done = 0
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _SLICE_TIMEVAL)
         os.set_blocking(sock_fd, True)
         try:
-            while done < count:
-                want = min(count - done, _SENDFILE_MAX)
-                try:
-                    sent = os.sendfile(sock_fd, fd, offset + done, want)
-                except BlockingIOError:  # full for the whole slice: the hub waits instead
-                    break
-                if sent == 0:
-                    raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
-                done += sent
-                if sent < want:  # the timeout ended the call part-way: the socket is full
-                    break
+            yield
         finally:
             os.set_blocking(sock_fd, False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(0, 0))
     finally:
         sock.close()  # the dup only: the connection lives on in sock_fd
-    return done
