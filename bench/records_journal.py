@@ -635,7 +635,7 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
                buf: bytearray, sampler: RssSampler) -> dict:
     """Chats run throughout; idle windows (no GET) alternate with GET windows (GETs back to
     back); each chat is classified by the window it started and ended in."""
-    shards = args.workers
+    shards = max(1, args.workers)  # --workers 0: one in-process shard
     clients = args.chat_clients
     others = [shard for shard in range(shards) if shard != big_shard] or [big_shard]
     plan: list[int | None] = [big_shard if i % 2 == 0 else others[(i // 2) % len(others)] for i in range(clients)]

@@ -21,9 +21,11 @@ access log. Under gevent a span goes out from a thread of a pool (``webapp.offlo
 that makes the socket blocking for it: one ``sendfile`` moves up to a GiB without the GIL,
 while the process's other greenlets (chats) run; a loop of non-blocking ``sendfile`` calls in
 the hub moved one socket buffer per turn of the hub and fell to a third of the floor under 64
-chatting clients (docs/benchmarks.md section 15). A client that stops reading gives its
-thread back within :data:`_SEND_SLICE` and waits in the hub (:func:`_sendfile_gevent`), so
-stalled clients never hold the pool.
+chatting clients (docs/benchmarks.md section 15). The pieces written from memory go the same
+way in batches (:func:`_send_batch`): a batch's reads, base64 (a record's packed R3) and
+``writev`` run in a thread of the pool, not in the hub that runs the chats (section 39). A
+client that stops reading gives its thread back within :data:`_SEND_SLICE` and waits in the
+hub (:func:`_sendfile_gevent`, :func:`_send_batch`), so stalled clients never hold the pool.
 """
 
 from __future__ import annotations
