@@ -64,6 +64,9 @@ __all__ = [
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
 _B64_CHUNK = 3 << 20  # packed bytes read per piece of a B64Span (a multiple of 3: the texts join)
 _BATCH = 2 << 20  # small pieces are gathered into writes of about this size
+# Parts handed to a send thread at once (their reads and base64 made there, _BATCH at a time):
+# each hand-off waits for a turn of the hub, which under chats cost the GET half its speed.
+_HANDOFF = 32 << 20
 _WHOLE_MAX = 8 << 20  # a journal up to this size may be read whole for a GET (see _FileBody)
 _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter ones join the batch
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
@@ -359,16 +362,22 @@ class _FileBody:
         # written in _BATCH-sized batches: a records GET is many short spans (each turn's share
         # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
         # are encoded together (each but the last a whole number of quanta: the texts join).
-        # A batch's reads, base64 and writes happen where _send_batch puts them: off the hub.
+        # A batch's reads, base64 and writes happen where _send_batch puts them: off the hub, in
+        # batches of up to _HANDOFF bytes once the headers are out (made _BATCH at a time there).
         batch: list[_Part] = []
         packed: list[memoryview | _Read] = []
-        size = 0
+        size = packed_size = 0
         sock = self._sock
 
+        def limit() -> int:  # a batch for a send thread is made there, _BATCH at a time
+            return _HANDOFF if sock is not None and self._headers_out else _BATCH
+
         def encoded() -> None:
+            nonlocal packed_size
             if packed:
                 batch.append(_B64Run(tuple(packed)))
                 packed.clear()
+            packed_size = 0
 
         def flush() -> Iterator[bytes]:
             nonlocal size
@@ -387,8 +396,11 @@ class _FileBody:
                 for pos in range(0, piece.length, _B64_CHUNK):
                     packed.append(self._part(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
                     size += min(_B64_CHUNK, piece.length - pos)
-                    if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
-                        yield from flush()
+                    packed_size += min(_B64_CHUNK, piece.length - pos)
+                    if packed_size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
+                        encoded()  # a whole number of quanta: its text ends here
+                        if size >= limit():
+                            yield from flush()
                 continue
             encoded()
             if not isinstance(piece, FileSpan):
@@ -398,7 +410,7 @@ class _FileBody:
                 for pos in range(0, piece.length, READ_CHUNK):  # most spans of a long session: one part
                     batch.append(self._part(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
-                    if size >= _BATCH:
+                    if size >= limit():
                         yield from flush()
                 continue
             else:
@@ -409,7 +421,7 @@ class _FileBody:
                     self._headers_out = True
                     yield _pread_all(self._fds[piece.path], piece.length, piece.offset)
                 continue
-            if size >= _BATCH:
+            if size >= limit():
                 yield from flush()
         yield from flush()
 
@@ -438,62 +450,83 @@ class _B64Run(NamedTuple):
 _Part = bytes | memoryview | _Read | _B64Run  # one buffer of a batch, as gathered in the hub
 
 
+def _make(part: _Part) -> bytes | memoryview:
+    """A part's buffer: its read made, a base64 run read and encoded."""
+    if isinstance(part, _Read):
+        return _pread_all(part.fd, part.length, part.offset)
+    if isinstance(part, _B64Run):
+        packed = [_pread_all(p.fd, p.length, p.offset) if isinstance(p, _Read) else p for p in part.parts]
+        return pybase64.b64encode(packed[0] if len(packed) == 1 else b"".join(packed))
+    return part
+
+
 def _materialize(batch: Sequence[_Part]) -> list[bytes | memoryview]:
-    """The batch's buffers: reads made, base64 runs read and encoded."""
+    return [_make(part) for part in batch]
+
+
+def _gather(parts: Sequence[_Part], i: int, have: int) -> tuple[list[bytes | memoryview], int]:
+    """Buffers made from ``parts[i:]`` until ``have`` plus theirs reach :data:`_BATCH` bytes;
+    and the index of the first part not made."""
     out: list[bytes | memoryview] = []
-    for part in batch:
-        if isinstance(part, _Read):
-            out.append(_pread_all(part.fd, part.length, part.offset))
-        elif isinstance(part, _B64Run):
-            packed = [_pread_all(p.fd, p.length, p.offset) if isinstance(p, _Read) else p for p in part.parts]
-            out.append(pybase64.b64encode(packed[0] if len(packed) == 1 else b"".join(packed)))
-        else:
-            out.append(part)
-    return out
+    while i < len(parts) and have < _BATCH:
+        buf = _make(parts[i])
+        out.append(buf)
+        have += len(buf)
+        i += 1
+    return out, i
 
 
 def _send_batch(sock_fd: int, batch: Sequence[_Part]) -> None:
-    """Every byte of the batch to the client, in order. Under gevent the reads, the base64 and
-    the ``writev`` run in a thread of the ``send`` lane (all three release the GIL), so the hub
-    runs the process's chats meanwhile and the copy runs at the lane's CPU priority; a socket
-    that stays full for :data:`_SEND_SLICE` is waited for in the hub, holding no thread."""
+    """Every byte of the batch to the client, in order, made :data:`_BATCH` bytes at a time.
+    Under gevent the reads, the base64 and the ``writev`` run in a thread of the ``send`` lane
+    (all three release the GIL), so the hub runs the process's chats meanwhile and the copy runs
+    at the lane's CPU priority; a socket that stays full for :data:`_SEND_SLICE` is waited for
+    in the hub, holding no thread."""
     if not gevent_active():
-        _writev_all(sock_fd, _materialize(batch))
+        i = 0
+        while i < len(batch):
+            buffers, i = _gather(batch, i, 0)
+            _writev_all(sock_fd, buffers)
         return
     from gevent.socket import wait_write
 
-    left = run_blocking("send", _materialize_and_write, sock_fd, batch)
-    while left:
+    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0)
+    while left is not None:
         wait_write(sock_fd, timeout=_STALL_TIMEOUT,
                    timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
-        left = run_blocking("send", _writev_slice, sock_fd, left)
+        left = run_blocking("send", _write_parts, sock_fd, *left)
 
 
-def _materialize_and_write(sock_fd: int, batch: Sequence[_Part]) -> list[memoryview]:
-    return _writev_slice(sock_fd, _materialize(batch))
+_Left = tuple[list[memoryview], Sequence[_Part], int]  # a send slice's unsent buffers, parts, next part
 
 
-def _writev_slice(sock_fd: int, buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
-    """In a thread of the ``send`` lane: ``buffers`` written with ``writev`` (a blocking socket)
-    until done or the socket stays full for :data:`_SEND_SLICE`; what is left."""
-    views = [memoryview(b) for b in buffers if len(b)]
-    first = 0
+def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], i: int) -> _Left | None:
+    """In a thread of the ``send`` lane: ``views``, then ``parts[i:]`` made about
+    :data:`_BATCH` bytes at a time, written with ``writev`` (a blocking socket) until all are
+    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left)."""
     with _blocking_slice(sock_fd):
-        while first < len(views):
-            want = sum(len(v) for v in views[first:first + _IOV_MAX])
+        while True:
+            pending = sum(len(v) for v in views)
+            if pending < _BATCH and i < len(parts):
+                more, i = _gather(parts, i, pending)
+                views += [memoryview(b) for b in more if len(b)]
+            if not views:
+                return None
+            want = sum(len(v) for v in views[:_IOV_MAX])
             try:
-                sent = os.writev(sock_fd, views[first:first + _IOV_MAX])
+                sent = os.writev(sock_fd, views[:_IOV_MAX])
             except BlockingIOError:  # full for the whole slice: the hub waits instead
-                break
+                return views, parts, i
             full = sent < want  # the timeout ended the call part-way: the socket is full
+            first = 0
             while first < len(views) and sent >= len(views[first]):
                 sent -= len(views[first])
                 first += 1
+            views = views[first:]
             if sent:
-                views[first] = views[first][sent:]
+                views[0] = views[0][sent:]
             if full:
-                break
-    return views[first:]
+                return views, parts, i
 
 
 def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:

@@ -151,6 +151,12 @@ GEVENT_BODY_SCRIPT = """
         encoders.add(threading.get_native_id())
         return real_encode(data)
     pybase64.b64encode = spying_encode
+    slices = []  # each call of a send thread: where it began
+    real_write_parts = filebody._write_parts
+    def spying_write_parts(sock_fd, views, parts, i):
+        slices.append(i)
+        return real_write_parts(sock_fd, views, parts, i)
+    filebody._write_parts = spying_write_parts
 
     path = os.path.join(sys.argv[1], "s.journal")
     with open(path, "wb") as f:
@@ -164,12 +170,14 @@ GEVENT_BODY_SCRIPT = """
     def drain():  # a real thread, a blocking copy of the client side: a reader that pauses once
         sock = monkey.get_original("socket", "socket")(fileno=os.dup(client.fileno()))
         sock.setblocking(True)
-        first = True
+        pauses = [1, 8 << 20]  # at these byte counts, a pause longer than a send slice: the
+        size = 0                # send thread hands the wait to the hub (the second: mid-batch)
         while chunk := sock.recv(1 << 20):
             got.append(chunk)
-            if first:  # longer than a send slice: a send thread hands the wait to the hub
+            size += len(chunk)
+            if pauses and size >= pauses[0]:
                 monkey.get_original("time", "sleep")(3 * filebody._SEND_SLICE)
-                first = False
+                pauses.pop(0)
         sock.close()
         done.release()
     done = monkey.get_original("_thread", "allocate_lock")()
@@ -193,7 +201,7 @@ GEVENT_BODY_SCRIPT = """
     server.close()
     client.close()
     print(json.dumps({"same": b"".join(got) == expected, "hub": threading.get_native_id(),
-                      "encoders": sorted(encoders), "ticks": len(ticks)}))
+                      "encoders": sorted(encoders), "ticks": len(ticks), "slices": slices}))
 """
 
 
@@ -206,4 +214,5 @@ def test_under_gevent_base64_batches_are_read_encoded_and_written_off_the_hub(tm
     out = json.loads(clean_stdout(run_script(GEVENT_BODY_SCRIPT, str(tmp_path))))
     assert out["same"]
     assert any(tid != out["hub"] for tid in out["encoders"]), out
-    assert out["ticks"] >= 10  # ~60 ticks of 5 ms while the reader paused 0.6 s; fewer if the hub was held
+    assert out["ticks"] >= 10  # ~120 ticks of 5 ms while the reader paused; fewer if the hub was held
+    assert len(out["slices"]) >= 2  # the thread gave the paused reader's wait back to the hub, then went on
