@@ -8,8 +8,10 @@ Prints, against its targets (speed targets live here, never in tests):
 1. ``get``: ``GET /sessions/{id}`` of a ~4 GiB session (``--size-gib``, ``--turn-mib`` per turn)
    from ``shinken-session-server --workers 2 --data-dir DIR``, read on loopback by a client that
    ``recv_into``s a 4 MiB buffer and discards it, alternated in the same run with the physical
-   floor: a raw ``os.sendfile`` of the same journal file over a loopback TCP socket to the same
-   reader. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs.
+   floor: a raw ``os.sendfile`` of the GET's byte count (the journal file, repeated: it is
+   smaller than the records, which repeat each turn's R3) over a loopback TCP socket to the
+   same reader. The first GET of the fresh session (which computes the session metadata) is
+   printed on its own. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs.
 2. ``load``: the same GET while 64 clients chat on other sessions of the same server, half of
    them on the big session's shard (``webapp.sharding.shard_for``), each pausing ``--think-ms``
    between chats: GET MiB/s vs the idle floor (target >= 0.5x; the floor under the same chats
@@ -136,10 +138,16 @@ def read_get(addr: tuple[str, int], path: str, buf: bytearray) -> GetResult:
 
 class SendfileFloor:
     """The physical floor: a thread answering every connection with an HTTP head and then
-    ``os.sendfile`` of one file, read by the same :func:`read_get` as the session server."""
+    ``os.sendfile`` of one file, read by the same :func:`read_get` as the session server.
 
-    def __init__(self, path: Path) -> None:
+    ``length``: the bytes sent, the file over again as often as it takes (default: the file's
+    size). A records GET serves each record's whole R3, where the journal keeps each turn's
+    new rows once (packed), so its body is several times the journal: the floor moves the
+    GET's own byte count, or a short transfer's start-up would count against the floor only."""
+
+    def __init__(self, path: Path, length: int | None = None) -> None:
         self.path = path
+        self.length = length
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(8)
@@ -162,14 +170,16 @@ class SendfileFloor:
                     request += piece
                 with open(self.path, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
-                    conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n"
+                    total = self.length if self.length is not None else size
+                    conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {total}\r\n"
                                  f"Content-Type: application/json\r\n\r\n".encode())
-                    offset = 0
-                    while offset < size:
-                        sent = os.sendfile(conn.fileno(), f.fileno(), offset, size - offset)
+                    done = 0
+                    while done < total:
+                        offset = done % size
+                        sent = os.sendfile(conn.fileno(), f.fileno(), offset, min(size - offset, total - done))
                         if sent == 0:
                             break
-                        offset += sent
+                        done += sent
             except OSError:
                 pass
             finally:
@@ -548,7 +558,7 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
     first = opening_bytes(turn_bytes, layers, topk)
     name = "big-server"
     server = start_server(tmp, name, args.workers, [JOURNAL_FLAG, str(data), "--reference-r3-layers", str(layers),
-                                                      "--reference-r3-topk", str(topk)], REPO)
+                                                      "--reference-r3-topk", str(topk)], args.server_tree)
     sampler = RssSampler(server.pid)
     sampler.start()
     out: dict = {"workers": args.workers, "r3_layers": layers, "r3_topk": topk, "turns": turns,
@@ -574,15 +584,17 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
                    build_worker_rss_max=sampler.worker_max("build"))
         print(f"  journal {journal_size / GiB:.2f} GiB ({journal_size / turns / MiB:.1f} MiB per turn) in "
               f"{build.seconds:.0f} s; turn p50 {out['build_turn_p50_ms']:.0f} ms", flush=True)
-        floor = SendfileFloor(journal)
+        # the first GET of the fresh session (miles' shape: one GET after the build), then
+        # the floor of the same byte count; both warm the page cache and connections
+        sampler.set_phase("warm")
+        warm = read_get(url_addr(server.url), f"/sessions/{sid}", buf)
+        if not warm.complete:
+            raise RuntimeError(f"records GET incomplete: status {warm.status}, {warm.got} of {warm.length} "
+                               f"bytes\n{log_tail(tmp, name)}")
+        floor = SendfileFloor(journal, warm.length)
         try:
-            # warm both paths (page cache, connections), not counted
-            sampler.set_phase("warm")
-            warm = read_get(url_addr(server.url), f"/sessions/{sid}", buf)
-            if not warm.complete:
-                raise RuntimeError(f"records GET incomplete: status {warm.status}, {warm.got} of {warm.length} "
-                                   f"bytes\n{log_tail(tmp, name)}")
             out["records_bytes"] = warm.length
+            out["first_get_mib_s"] = warm.mib_s
             out["body_head"], out["body_tail"] = warm.head[:40].decode("latin-1"), warm.tail[-40:].decode("latin-1")
             floor.get(buf)
             gets, floors = [], []
@@ -605,7 +617,7 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
                 print(f"  GET {out['records_bytes'] / GiB:.2f} GiB: {out['get_mib_s_median']:.0f} MiB/s (runs "
                       f"{', '.join(f'{r:.0f}' for r in get_rates)}) vs sendfile floor "
                       f"{out['floor_mib_s_median']:.0f} MiB/s ({', '.join(f'{r:.0f}' for r in floor_rates)}): "
-                      f"x{out['get_ratio']:.2f}; worker RSS max {out['get_worker_rss_max'] / MiB:.0f} MiB, "
+                      f"x{out['get_ratio']:.2f}; the first GET {out['first_get_mib_s']:.0f} MiB/s; worker RSS max {out['get_worker_rss_max'] / MiB:.0f} MiB, "
                       f"router {out['get_router_rss_max'] / MiB:.0f} MiB", flush=True)
             if do_load:
                 out["load"] = under_load(args, tmp, server, sid, big_shard, floor, buf, sampler)
@@ -623,7 +635,7 @@ def under_load(args: argparse.Namespace, tmp: Path, server, sid: str, big_shard:
                buf: bytearray, sampler: RssSampler) -> dict:
     """Chats run throughout; idle windows (no GET) alternate with GET windows (GETs back to
     back); each chat is classified by the window it started and ended in."""
-    shards = args.workers
+    shards = max(1, args.workers)  # --workers 0: one in-process shard
     clients = args.chat_clients
     others = [shard for shard in range(shards) if shard != big_shard] or [big_shard]
     plan: list[int | None] = [big_shard if i % 2 == 0 else others[(i // 2) % len(others)] for i in range(clients)]
@@ -715,7 +727,7 @@ def bench_prod(args: argparse.Namespace, tmp: Path) -> dict:
                            f"{free / GiB:.1f} GiB free: scale it down (--prod-sessions/--prod-turns/--prod-turn-mib)")
     name = "prod-server"
     server = start_server(tmp, name, args.workers, [JOURNAL_FLAG, str(data), "--reference-r3-layers", str(layers),
-                                                      "--reference-r3-topk", str(topk)], REPO)
+                                                      "--reference-r3-topk", str(topk)], args.server_tree)
     sampler = RssSampler(server.pid)
     sampler.start()
     out: dict = {"sessions": args.prod_sessions, "turns": args.prod_turns, "turn_mib": args.prod_turn_mib,
@@ -967,6 +979,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a scaled-down smoke run (minutes, noisier)")
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--server-tree", type=Path, default=REPO,
+                        help="1-3: the source tree the server runs from (another commit's checkout: the same bench "
+                             "and floor against its code)")
     parser.add_argument("--r3-layers", type=int, default=6, help="the reference backend's R3 layers")
     parser.add_argument("--r3-topk", type=int, default=8, help="the reference backend's R3 top-k")
     parser.add_argument("--size-gib", type=float, default=4.0, help="1+2: the big session's records")

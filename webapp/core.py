@@ -610,7 +610,7 @@ class SessionCore:
         else:
             metadata.update(num_records=len(records), num_rollbacks=rollbacks)
         metadata.update(num_messages=len(state.messages), created_at=session.created_at)
-        encoded = json.dumps(metadata, separators=(",", ":")).encode()
+        encoded = _metadata_json(metadata, session.ids_text(state).text)
         session.metadata_cache = (state, metadata, encoded)
         return records, state, metadata, encoded, version, generation
 
@@ -1017,6 +1017,24 @@ def _if_match_allows(value: str, generation: int) -> bool:
 def _session_images(session: Session) -> list[StoredImage]:
     with session.state_lock:
         return list(session.images.values())
+
+
+def _metadata_json(metadata: dict[str, Any], ids_text: bytes) -> bytes:
+    """``json.dumps(metadata)``, compact, with ``accumulated_token_ids`` spliced in as
+    ``ids_text`` (their JSON text between the brackets: the records GET's own, cached per
+    state): a long session's one big list is not encoded a second time on its first GET."""
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    side = before
+    for key, value in metadata.items():
+        if key == "accumulated_token_ids":
+            side = after
+        else:
+            side[key] = value
+    head = json.dumps(before, separators=(",", ":")).encode()[:-1]  # '{' and the keys before
+    tail = json.dumps(after, separators=(",", ":")).encode()[1:]  # the keys after and '}'
+    return b"".join((head, b"," if before else b"", b'"accumulated_token_ids":[', ids_text, b"]",
+                     b"," if after else b"", tail))
 
 
 def _images_json(session: Session) -> list[bytes]:

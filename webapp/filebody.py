@@ -21,9 +21,11 @@ access log. Under gevent a span goes out from a thread of a pool (``webapp.offlo
 that makes the socket blocking for it: one ``sendfile`` moves up to a GiB without the GIL,
 while the process's other greenlets (chats) run; a loop of non-blocking ``sendfile`` calls in
 the hub moved one socket buffer per turn of the hub and fell to a third of the floor under 64
-chatting clients (docs/benchmarks.md section 15). A client that stops reading gives its
-thread back within :data:`_SEND_SLICE` and waits in the hub (:func:`_sendfile_gevent`), so
-stalled clients never hold the pool.
+chatting clients (docs/benchmarks.md section 15). The pieces written from memory go the same
+way in batches (:func:`_send_batch`): a batch's reads, base64 (a record's packed R3) and
+``writev`` run in a thread of the pool, not in the hub that runs the chats (section 39). A
+client that stops reading gives its thread back within :data:`_SEND_SLICE` and waits in the
+hub (:func:`_sendfile_gevent`, :func:`_send_batch`), so stalled clients never hold the pool.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import socket
 import ssl
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pybase64
 from werkzeug.http import parse_range_header, unquote_etag
@@ -61,6 +64,9 @@ __all__ = [
 READ_CHUNK = 1 << 20  # pread size of the fallback path (no raw socket)
 _B64_CHUNK = 3 << 20  # packed bytes read per piece of a B64Span (a multiple of 3: the texts join)
 _BATCH = 2 << 20  # small pieces are gathered into writes of about this size
+# Parts handed to a send thread at once (their reads and base64 made there, _BATCH at a time):
+# each hand-off waits for a turn of the hub, which under chats cost the GET half its speed.
+_HANDOFF = 32 << 20
 _WHOLE_MAX = 8 << 20  # a journal up to this size may be read whole for a GET (see _FileBody)
 _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter ones join the batch
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
@@ -343,70 +349,68 @@ class _FileBody:
         """Whether ``span`` goes to the client by ``sendfile`` (long enough, a raw socket)."""
         return span.length >= _SENDFILE_MIN and self._sock is not None
 
-    def _read(self, path: str, offset: int, length: int) -> bytes | memoryview:
-        """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or a pread."""
+    def _part(self, path: str, offset: int, length: int) -> memoryview | _Read:
+        """Bytes ``[offset, offset + length)`` of ``path``: a slice of the file read whole, or
+        the read to make (by whoever writes the batch: a send thread under gevent)."""
         whole = self._whole.get(path)
         if whole is not None and offset + length <= len(whole):
             return memoryview(whole)[offset:offset + length]
-        return _pread_all(self._fds[path], length, offset)
+        return _Read(self._fds[path], offset, length)
 
     def __iter__(self) -> Iterator[bytes]:
         # Small pieces (inline bytes, spans under _SENDFILE_MIN, base64 spans) are gathered and
-        # written in _BATCH-sized pieces: a records GET is many short spans (each turn's share
+        # written in _BATCH-sized batches: a records GET is many short spans (each turn's share
         # of a record), and a send per span cost more than the bytes. Consecutive base64 spans
         # are encoded together (each but the last a whole number of quanta: the texts join).
-        out: list[bytes | memoryview] = []
-        packed: list[bytes | memoryview] = []
-        size = 0
+        # A batch's reads, base64 and writes happen where _send_batch puts them: off the hub, in
+        # batches of up to _HANDOFF bytes once the headers are out (made _BATCH at a time there).
+        batch: list[_Part] = []
+        packed: list[memoryview | _Read] = []
+        size = packed_size = 0
         sock = self._sock
-        views = {path: memoryview(whole) for path, whole in self._whole.items()}
+
+        def limit() -> int:  # a batch for a send thread is made there, _BATCH at a time
+            return _HANDOFF if sock is not None and self._headers_out else _BATCH
 
         def encoded() -> None:
-            nonlocal size
+            nonlocal packed_size
             if packed:
-                text = pybase64.b64encode(b"".join(packed))
+                batch.append(_B64Run(tuple(packed)))
                 packed.clear()
-                out.append(text)
+            packed_size = 0
 
         def flush() -> Iterator[bytes]:
             nonlocal size
             encoded()
-            if out:
+            if batch:
                 if sock is not None and self._headers_out:  # straight to the socket: no joined copy
-                    _writev_all(sock.fileno(), out)
+                    _send_batch(sock.fileno(), tuple(batch))
                 else:
                     self._headers_out = True
-                    yield b"".join(out)
-                out.clear()
+                    yield b"".join(_materialize(batch))
+                batch.clear()
             size = 0
 
         for piece in self._pieces:
             if isinstance(piece, B64Span):
                 for pos in range(0, piece.length, _B64_CHUNK):
-                    packed.append(self._read(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
+                    packed.append(self._part(piece.path, piece.offset + pos, min(_B64_CHUNK, piece.length - pos)))
                     size += min(_B64_CHUNK, piece.length - pos)
-                    if size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
-                        yield from flush()
+                    packed_size += min(_B64_CHUNK, piece.length - pos)
+                    if packed_size >= _BATCH and (piece.length - pos <= _B64_CHUNK or (pos + _B64_CHUNK) % 3 == 0):
+                        encoded()  # a whole number of quanta: its text ends here
+                        if size >= limit():
+                            yield from flush()
                 continue
-            if packed:
-                encoded()
+            encoded()
             if not isinstance(piece, FileSpan):
-                out.append(piece)
+                batch.append(piece)
                 size += len(piece)
             elif not (piece.length >= _SENDFILE_MIN and sock is not None):
-                if piece.length <= READ_CHUNK:  # most spans of a long session: one slice or pread
-                    view = views.get(piece.path)
-                    end = piece.offset + piece.length
-                    out.append(view[piece.offset:end] if view is not None and end <= len(view)
-                               else _pread_all(self._fds[piece.path], piece.length, piece.offset))
-                    size += piece.length
-                    if size >= _BATCH:
-                        yield from flush()
-                    continue
-                for pos in range(0, piece.length, READ_CHUNK):
-                    out.append(self._read(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
+                for pos in range(0, piece.length, READ_CHUNK):  # most spans of a long session: one part
+                    batch.append(self._part(piece.path, piece.offset + pos, min(READ_CHUNK, piece.length - pos)))
                     size += min(READ_CHUNK, piece.length - pos)
-                    if size >= _BATCH:
+                    if size >= limit():
                         yield from flush()
                 continue
             else:
@@ -417,7 +421,7 @@ class _FileBody:
                     self._headers_out = True
                     yield _pread_all(self._fds[piece.path], piece.length, piece.offset)
                 continue
-            if size >= _BATCH:
+            if size >= limit():
                 yield from flush()
         yield from flush()
 
@@ -426,6 +430,103 @@ class _FileBody:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+class _Read(NamedTuple):
+    """``length`` bytes of the open file ``fd`` at ``offset``, to be read."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+class _B64Run(NamedTuple):
+    """Packed bytes whose base64 text is sent: parts that join (each but the last a whole
+    number of quanta)."""
+
+    parts: tuple[memoryview | _Read, ...]
+
+
+_Part = bytes | memoryview | _Read | _B64Run  # one buffer of a batch, as gathered in the hub
+
+
+def _make(part: _Part) -> bytes | memoryview:
+    """A part's buffer: its read made, a base64 run read and encoded."""
+    if isinstance(part, _Read):
+        return _pread_all(part.fd, part.length, part.offset)
+    if isinstance(part, _B64Run):
+        packed = [_pread_all(p.fd, p.length, p.offset) if isinstance(p, _Read) else p for p in part.parts]
+        return pybase64.b64encode(packed[0] if len(packed) == 1 else b"".join(packed))
+    return part
+
+
+def _materialize(batch: Sequence[_Part]) -> list[bytes | memoryview]:
+    return [_make(part) for part in batch]
+
+
+def _gather(parts: Sequence[_Part], i: int, have: int) -> tuple[list[bytes | memoryview], int]:
+    """Buffers made from ``parts[i:]`` until ``have`` plus theirs reach :data:`_BATCH` bytes;
+    and the index of the first part not made."""
+    out: list[bytes | memoryview] = []
+    while i < len(parts) and have < _BATCH:
+        buf = _make(parts[i])
+        out.append(buf)
+        have += len(buf)
+        i += 1
+    return out, i
+
+
+def _send_batch(sock_fd: int, batch: Sequence[_Part]) -> None:
+    """Every byte of the batch to the client, in order, made :data:`_BATCH` bytes at a time.
+    Under gevent the reads, the base64 and the ``writev`` run in a thread of the ``send`` lane
+    (all three release the GIL), so the hub runs the process's chats meanwhile and the copy runs
+    at the lane's CPU priority; a socket that stays full for :data:`_SEND_SLICE` is waited for
+    in the hub, holding no thread."""
+    if not gevent_active():
+        i = 0
+        while i < len(batch):
+            buffers, i = _gather(batch, i, 0)
+            _writev_all(sock_fd, buffers)
+        return
+    from gevent.socket import wait_write
+
+    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0)
+    while left is not None:
+        wait_write(sock_fd, timeout=_STALL_TIMEOUT,
+                   timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
+        left = run_blocking("send", _write_parts, sock_fd, *left)
+
+
+_Left = tuple[list[memoryview], Sequence[_Part], int]  # a send slice's unsent buffers, parts, next part
+
+
+def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], i: int) -> _Left | None:
+    """In a thread of the ``send`` lane: ``views``, then ``parts[i:]`` made about
+    :data:`_BATCH` bytes at a time, written with ``writev`` (a blocking socket) until all are
+    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left)."""
+    with _blocking_slice(sock_fd):
+        while True:
+            pending = sum(len(v) for v in views)
+            if pending < _BATCH and i < len(parts):
+                more, i = _gather(parts, i, pending)
+                views += [memoryview(b) for b in more if len(b)]
+            if not views:
+                return None
+            want = sum(len(v) for v in views[:_IOV_MAX])
+            try:
+                sent = os.writev(sock_fd, views[:_IOV_MAX])
+            except BlockingIOError:  # full for the whole slice: the hub waits instead
+                return views, parts, i
+            full = sent < want  # the timeout ended the call part-way: the socket is full
+            first = 0
+            while first < len(views) and sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            views = views[first:]
+            if sent:
+                views[0] = views[0][sent:]
+            if full:
+                return views, parts, i
 
 
 def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:
@@ -511,32 +612,41 @@ def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Calla
 
 def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int) -> int:
     """In a thread of the ``send`` lane: as many bytes of the span as the client takes before
-    its socket stays full for :data:`_SEND_SLICE`; how many. The socket is made blocking for the
-    call (the greenlet that owns the connection waits for it, nothing else touches it), so each
-    ``sendfile`` moves up to a GiB in the kernel; ``SO_SNDTIMEO`` ends the slice."""
+    its socket stays full for :data:`_SEND_SLICE`; how many. Each ``sendfile`` moves up to a
+    GiB in the kernel (:func:`_blocking_slice`)."""
+    done = 0
+    with _blocking_slice(sock_fd):
+        while done < count:
+            want = min(count - done, _SENDFILE_MAX)
+            try:
+                sent = os.sendfile(sock_fd, fd, offset + done, want)
+            except BlockingIOError:  # full for the whole slice: the hub waits instead
+                break
+            if sent == 0:
+                raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
+            done += sent
+            if sent < want:  # the timeout ended the call part-way: the socket is full
+                break
+    return done
+
+
+@contextmanager
+def _blocking_slice(sock_fd: int) -> Iterator[None]:
+    """The client's socket made blocking, with a send timeout of :data:`_SEND_SLICE`, for the
+    calls of one slice in a send thread (the greenlet that owns the connection waits for it,
+    nothing else touches it); a send that times out returns part-way or raises
+    ``BlockingIOError``."""
     from gevent import monkey
 
     raw_socket = monkey.get_original("socket", "socket")
     sock = raw_socket(fileno=os.dup(sock_fd))  # socket options belong to the socket: set via a dup
-    done = 0
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _SLICE_TIMEVAL)
         os.set_blocking(sock_fd, True)
         try:
-            while done < count:
-                want = min(count - done, _SENDFILE_MAX)
-                try:
-                    sent = os.sendfile(sock_fd, fd, offset + done, want)
-                except BlockingIOError:  # full for the whole slice: the hub waits instead
-                    break
-                if sent == 0:
-                    raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
-                done += sent
-                if sent < want:  # the timeout ended the call part-way: the socket is full
-                    break
+            yield
         finally:
             os.set_blocking(sock_fd, False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.pack(0, 0))
     finally:
         sock.close()  # the dup only: the connection lives on in sock_fd
-    return done

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
+from operator import add
 
 from webapp.filebody import B64Span, FileSpan, Piece, read_pieces
 
@@ -127,8 +128,9 @@ class IdsText:
     def __init__(self, ids: Sequence[int]) -> None:
         strs = list(map(str, ids))
         self.text = ",".join(strs).encode()  # = ids_json(ids)
-        # ends[n]: the length of the text of the first n ids.
-        self.ends = [0, *(e - 1 for e in accumulate(len(s) + 1 for s in strs))]
+        # ends[n]: the length of the text of the first n ids (their digits and n - 1 commas),
+        # summed by C iterators: a per-id generator cost a long session's first GET ~40 ms.
+        self.ends = [0, *map(add, accumulate(map(len, strs)), range(len(strs)))]
 
     def prefix(self, n: int) -> bytes:
         return self.text[:self.ends[n]]

@@ -3,6 +3,7 @@ span reader, and the bytes served by every path (sendfile, pread, the file read 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -135,3 +136,83 @@ def test_one_span_reader_serves_read_read_pieces_and_an_open_fd(tmp_path, monkey
     monkeypatch.setattr(os, "open", counting_open)
     assert read_pieces([plain, b"-", text, plain]) == expected
     assert opened == [path]
+
+
+GEVENT_BODY_SCRIPT = """
+    from gevent import monkey; monkey.patch_all()
+    import json, os, random, socket, sys, threading
+    import gevent
+    import pybase64
+    from webapp import filebody
+
+    encoders = set()  # the native threads base64 ran in
+    real_encode = pybase64.b64encode
+    def spying_encode(data):
+        encoders.add(threading.get_native_id())
+        return real_encode(data)
+    pybase64.b64encode = spying_encode
+    slices = []  # each call of a send thread: where it began
+    real_write_parts = filebody._write_parts
+    def spying_write_parts(sock_fd, views, parts, i):
+        slices.append(i)
+        return real_write_parts(sock_fd, views, parts, i)
+    filebody._write_parts = spying_write_parts
+
+    path = os.path.join(sys.argv[1], "s.journal")
+    with open(path, "wb") as f:
+        f.write(random.Random(7).randbytes((12 << 20) + 5))
+    pieces = [b'{"a":"', filebody.B64Span(path, 0, 6 << 20), filebody.B64Span(path, 6 << 20, (6 << 20) + 5),
+              b'","b":"', filebody.FileSpan(path, 10, 1000), b'"}']
+    expected = filebody.read_pieces(pieces)
+
+    server, client = socket.socketpair()
+    got = []
+    def drain():  # a real thread, a blocking copy of the client side: a reader that pauses once
+        sock = monkey.get_original("socket", "socket")(fileno=os.dup(client.fileno()))
+        sock.setblocking(True)
+        pauses = [1, 8 << 20]  # at these byte counts, a pause longer than a send slice: the
+        size = 0                # send thread hands the wait to the hub (the second: mid-batch)
+        while chunk := sock.recv(1 << 20):
+            got.append(chunk)
+            size += len(chunk)
+            if pauses and size >= pauses[0]:
+                monkey.get_original("time", "sleep")(3 * filebody._SEND_SLICE)
+                pauses.pop(0)
+        sock.close()
+        done.release()
+    done = monkey.get_original("_thread", "allocate_lock")()
+    done.acquire()
+    monkey.get_original("_thread", "start_new_thread")(drain, ())
+
+    ticks = []
+    def ticker():
+        while True:
+            ticks.append(1)
+            gevent.sleep(0.005)
+    ticking = gevent.spawn(ticker)
+    body = filebody._FileBody(pieces, server)
+    for chunk in body:  # the first batch goes through the server (its headers), the rest to the socket
+        server.sendall(chunk)
+    body.close()
+    ticking.kill()
+    server.shutdown(socket.SHUT_WR)
+    while not done.acquire(False):  # the reader is a real thread: joined by its lock, polled from the hub
+        gevent.sleep(0.01)
+    server.close()
+    client.close()
+    print(json.dumps({"same": b"".join(got) == expected, "hub": threading.get_native_id(),
+                      "encoders": sorted(encoders), "ticks": len(ticks), "slices": slices}))
+"""
+
+
+def test_under_gevent_base64_batches_are_read_encoded_and_written_off_the_hub(tmp_path):
+    """A records GET's base64 (packed R3 served as text) is read, encoded and written by a send
+    thread, not by the hub that runs the process's chats; a reader that pauses for longer than
+    a send slice still gets every byte, in order, and the hub runs meanwhile."""
+    from tests.support import clean_stdout, run_script
+
+    out = json.loads(clean_stdout(run_script(GEVENT_BODY_SCRIPT, str(tmp_path))))
+    assert out["same"]
+    assert any(tid != out["hub"] for tid in out["encoders"]), out
+    assert out["ticks"] >= 10  # ~120 ticks of 5 ms while the reader paused; fewer if the hub was held
+    assert len(out["slices"]) >= 2  # the thread gave the paused reader's wait back to the hub, then went on
