@@ -17,9 +17,26 @@ import psutil
 
 from bench import procfs
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``tests`` is a package
 # A server's graceful stop may take gunicorn's graceful_timeout (20 s) plus the launcher's cleanup.
 GRACEFUL_STOP_TIMEOUT = 30.0
 EXIT_GRACE = 5.0  # what a graceful stop left may take this long to finish exiting
+
+
+def start_hub_ticker(period: float) -> tuple[list[int], Any]:
+    """In a gevent-patched script: a greenlet appending to the returned list every ``period``
+    seconds (and the greenlet, to kill), so the script can tell whether the hub kept running
+    while something else blocked."""
+    import gevent
+
+    ticks: list[int] = []
+
+    def tick() -> None:
+        while True:
+            ticks.append(1)
+            gevent.sleep(period)
+
+    return ticks, gevent.spawn(tick)
 
 
 def native_thread_count(settle_to: int | None = None) -> int:
@@ -34,13 +51,17 @@ def native_thread_count(settle_to: int | None = None) -> int:
 
 
 def run_script(source: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    """Run ``source`` in a fresh interpreter where any warning is an error."""
+    """Run ``source`` in a fresh interpreter where any warning is an error; it may import
+    ``tests.support`` whatever the current directory."""
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, _REPO]) if path else _REPO)
     return subprocess.run(
         [sys.executable, "-W", "error", "-c", textwrap.dedent(source), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 

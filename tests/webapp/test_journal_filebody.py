@@ -184,12 +184,9 @@ GEVENT_BODY_SCRIPT = """
     done.acquire()
     monkey.get_original("_thread", "start_new_thread")(drain, ())
 
-    ticks = []
-    def ticker():
-        while True:
-            ticks.append(1)
-            gevent.sleep(0.005)
-    ticking = gevent.spawn(ticker)
+    from tests.support import start_hub_ticker
+
+    ticks, ticking = start_hub_ticker(0.005)
     body = filebody._FileBody(pieces, server)
     for chunk in body:  # the first batch goes through the server (its headers), the rest to the socket
         server.sendall(chunk)

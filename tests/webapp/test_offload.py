@@ -18,13 +18,9 @@ GEVENT_SCRIPT = """
     def nice_of_this_thread():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), threading.get_native_id()
 
-    ticks = []
-    def ticker():
-        while True:
-            ticks.append(1)
-            gevent.sleep(0.01)
+    from tests.support import start_hub_ticker
 
-    ticking = gevent.spawn(ticker)
+    ticks, ticking = start_hub_ticker(0.01)
     gevent.sleep(0.05)
     before = len(ticks)
     # A real blocking call (the unpatched sleep) in the journal lane: the hub keeps running.
