@@ -102,13 +102,8 @@ def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,
     # and a timer would start a hub this thread then leaves idle: only the deadline check applies.
     bounded = monkey.is_module_patched("socket")
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BodyTimeout(f"request body not received within the body_timeout of {timeout:g} s")
         try:
-            with (gevent.Timeout(remaining, BodyTimeout(
-                    f"request body not received within the body_timeout of {timeout:g} s"))
-                  if bounded else contextlib.nullcontext()):
+            with _read_within(deadline, timeout, bounded):
                 piece = stream.read(chunk)
         except ClientDisconnected as exc:
             raise MalformedBody("request body shorter than its Content-Length") from exc
@@ -121,6 +116,16 @@ def iter_body(stream: IO[bytes], timeout: float, chunk: int = READ_CHUNK,
             return
         received += len(piece)
         yield piece
+
+
+def _read_within(deadline: float, timeout: float, bounded: bool) -> contextlib.AbstractContextManager[object]:
+    """Where one read of a body runs: :class:`BodyTimeout` at once past ``deadline``, else (a
+    gevent-patched process: ``bounded``) interrupted by it when the deadline passes mid-read."""
+    remaining = deadline - time.monotonic()
+    late = BodyTimeout(f"request body not received within the body_timeout of {timeout:g} s")
+    if remaining <= 0:
+        raise late
+    return gevent.Timeout(remaining, late) if bounded else contextlib.nullcontext()
 
 
 def iter_request_body(stream: IO[bytes], wsgi_input: Any, timeout: float, length: int | None,
@@ -153,7 +158,6 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
         unreader.buf.write(ahead[reader.length:])
         ahead = ahead[:reader.length]
     recv_into = unreader.sock.recv_into
-    late = f"request body not received within the body_timeout of {timeout:g} s"
     try:
         while reader.length:
             size = min(chunk, reader.length)
@@ -165,10 +169,7 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
                     ahead = ahead[filled:]
                 try:
                     while filled < size:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise BodyTimeout(late)
-                        with gevent.Timeout(remaining, BodyTimeout(late)):
+                        with _read_within(deadline, timeout, True):
                             n = recv_into(view[filled:])
                         if not n:  # (iter_body's words for it)
                             received = length - reader.length + filled
