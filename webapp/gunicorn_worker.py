@@ -101,6 +101,11 @@ class HeadWithBody:
         if held is not None:
             self._sock.sendall(held)
 
+    @property
+    def wrapped(self) -> Any:
+        """The client socket itself (``webapp.http_limits.take_request_socket`` checks its kind)."""
+        return self._sock
+
     def close(self) -> None:
         try:
             self.flush()

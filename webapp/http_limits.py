@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import io
+import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 import gevent
+import gevent.socket
+import gevent.ssl
 from gevent import monkey
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
@@ -50,7 +53,8 @@ except ImportError:  # pragma: no cover
     _SERVER_BODY_ERRORS = ()
     _GunicornBody = _LengthReader = _SocketUnreader = None
 
-__all__ = ["BodyError", "BodyTimeout", "HttpLimits", "MalformedBody", "iter_body", "iter_request_body", "read_body"]
+__all__ = ["BodyError", "BodyTimeout", "HttpLimits", "MalformedBody", "SocketBody", "iter_body", "iter_request_body",
+           "read_body", "read_socket_body", "take_request_socket"]
 
 DEFAULT_BODY_TIMEOUT: float = default("body_timeout")  # 256 MiB at ~7 Mbit/s; a stalled client goes before
 DEFAULT_MAX_CLIENT_CONNECTIONS: int = default("max_client_connections")
@@ -136,11 +140,16 @@ def iter_request_body(stream: IO[bytes], wsgi_input: Any, timeout: float, length
     known length that nothing has read yet is received straight from the client socket
     (:func:`_socket_body`); anything else reads ``stream``."""
     reader = getattr(wsgi_input, "reader", None)
-    if (_GunicornBody is not None and length is not None and isinstance(wsgi_input, _GunicornBody)
-            and isinstance(reader, _LengthReader) and reader.length == length and not wsgi_input.buf.tell()
-            and isinstance(reader.unreader, _SocketUnreader) and monkey.is_module_patched("socket")):
+    if _direct(wsgi_input, reader, length):
         return _socket_body(wsgi_input, reader, timeout, chunk)
     return iter_body(stream, timeout, chunk, length)
+
+
+def _direct(wsgi_input: Any, reader: Any, length: int | None) -> bool:
+    """gunicorn's body of known length, nothing of it read yet, in a gevent-patched process."""
+    return (_GunicornBody is not None and length is not None and isinstance(wsgi_input, _GunicornBody)
+            and isinstance(reader, _LengthReader) and reader.length == length and not wsgi_input.buf.tell()
+            and isinstance(reader.unreader, _SocketUnreader) and monkey.is_module_patched("socket"))
 
 
 def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator[bytearray]:
@@ -157,7 +166,6 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
     if len(ahead) > reader.length:  # the next request's first bytes: gunicorn's again
         unreader.buf.write(ahead[reader.length:])
         ahead = ahead[:reader.length]
-    recv_into = unreader.sock.recv_into
     try:
         while reader.length:
             size = min(chunk, reader.length)
@@ -168,13 +176,8 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
                     view[:filled] = ahead[:filled]
                     ahead = ahead[filled:]
                 try:
-                    while filled < size:
-                        with _read_within(deadline, timeout, True):
-                            n = recv_into(view[filled:])
-                        if not n:  # (iter_body's words for it)
-                            received = length - reader.length + filled
-                            raise MalformedBody(f"request body of {received} bytes, Content-Length {length}")
-                        filled += n
+                    _recv_exactly(unreader.sock, view[filled:], deadline, timeout, length - reader.length + filled,
+                                  length)
                 except BaseException:
                     body.failed = True  # where the next request starts is unknown now
                     raise
@@ -183,6 +186,93 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
     finally:
         if ahead:  # left unread (the consumer stopped early): gunicorn's to drain, in order
             unreader.unread(ahead)
+
+
+def _recv_exactly(sock: Any, view: memoryview, deadline: float, timeout: float, before: int, length: int) -> None:
+    """Fill ``view`` from ``sock`` (a gevent socket) by ``deadline``; ``before``: bytes of the
+    body ahead of ``view``, ``length`` its Content-Length (for the error's text)."""
+    filled = 0
+    while filled < len(view):
+        with _read_within(deadline, timeout, True):
+            n = sock.recv_into(view[filled:])
+        if not n:  # (iter_body's words for it)
+            raise MalformedBody(f"request body of {before + filled} bytes, Content-Length {length}")
+        filled += n
+
+
+def read_socket_body(sock: Any, view: memoryview, timeout: float, before: int, length: int,
+                     chunk: int = READ_CHUNK, between: Callable[[], None] | None = None) -> None:
+    """Receive ``view``, a body's bytes after its first ``before`` (``length``: its
+    Content-Length), from ``sock`` (a gevent socket) within ``timeout`` seconds, ``chunk`` bytes
+    at a time with ``between()`` before each (a session worker lets small requests run first).
+
+    Raises :class:`BodyTimeout` past the deadline, :class:`MalformedBody` if the body ends short.
+    """
+    deadline = time.monotonic() + timeout
+    for start in range(0, len(view), chunk):
+        if between is not None:
+            between()
+        _recv_exactly(sock, view[start:start + chunk], deadline, timeout, before + start, length)
+
+
+@dataclass
+class SocketBody:
+    """A request body of known length still in the client's connection, for another process to
+    receive (a router hands a large chat body to its session worker: ``webapp.body_handoff``).
+
+    ``ahead``: the body's first bytes, which the HTTP server read with the request head; the
+    other ``length - len(ahead)`` bytes are still the socket's. Whoever takes it calls
+    :meth:`consumed` once the other process received the whole body, else :meth:`abandon`.
+    """
+
+    sock: Any  # the connection's gevent socket
+    ahead: bytes
+    length: int
+    _body: Any
+    _reader: Any
+    ended: bool = False
+
+    def fileno(self) -> int:
+        fd: int = self.sock.fileno()
+        return fd
+
+    def consumed(self) -> None:
+        """The whole body was read elsewhere: the connection's next request follows it."""
+        self.ended = True
+        self._reader.length = 0
+
+    def abandon(self) -> None:
+        """The body's fate is unknown (the other process may still be reading it): the connection
+        is not reused, and its read side is shut down, so a reader elsewhere stops at once."""
+        self.ended = True
+        self._body.failed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
+
+    def close(self) -> None:
+        """:meth:`abandon` unless it ended already (the taker failed before handing it on: its
+        first bytes are gone from gunicorn's buffer, so gunicorn must not read on)."""
+        if not self.ended:
+            self.abandon()
+
+
+def take_request_socket(wsgi_input: Any, length: int | None, max_ahead: int) -> SocketBody | None:
+    """The request's body as a :class:`SocketBody`, when :func:`iter_request_body` would read it
+    straight from the socket, the connection is a plain (not TLS) socket and the server read at
+    most ``max_ahead`` bytes of it ahead; else None (read it with :func:`iter_request_body`)."""
+    reader: Any = getattr(wsgi_input, "reader", None)
+    if not _direct(wsgi_input, reader, length):
+        return None
+    unreader = reader.unreader
+    sock = unreader.sock
+    plain = getattr(sock, "wrapped", sock)  # (webapp.gunicorn_worker.HeadWithBody wraps it)
+    if not isinstance(plain, gevent.socket.socket) or isinstance(plain, gevent.ssl.SSLSocket):
+        return None
+    ahead = unreader.buf.getvalue()
+    if len(ahead) > max_ahead or len(ahead) >= reader.length:  # (a pipelined request behind it: read here)
+        return None
+    unreader.buf = io.BytesIO()
+    return SocketBody(sock, ahead, reader.length, wsgi_input, reader)
 
 
 def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> bytes:

@@ -26,9 +26,13 @@ from typing import Any, Protocol
 import gevent
 import gevent.event
 import gevent.queue
+import gevent.socket
 from gevent.socket import wait_read, wait_write
 
+from webapp import body_handoff
+from webapp.body_handoff import HandedBody
 from webapp.bulk import bulk_turn
+from webapp.http_limits import BodyError, read_socket_body
 from webapp.ipc import (
     INLINE_BODY_MAX,
     MAX_BODY_CHUNK,
@@ -53,6 +57,7 @@ from webapp.ipc import (
     encode_envelope_frame,
     encode_error_frame,
     encode_frame,
+    iter_frames,
     split_body,
 )
 
@@ -391,8 +396,11 @@ class IpcClient:
         sock: _socket.socket,
         name: str = "ipc-client",
         on_close: Callable[[IpcChannelClosed], None] | None = None,
+        handoff: _socket.socket | None = None,
     ) -> None:
         self._ids = itertools.count(1)
+        # The router's end of the worker's handoff channel (webapp.body_handoff), if it has one.
+        self._handoff = handoff
         self._pending: dict[int, _Pending] = {}
         self._streams: dict[int, BodyStream] = {}
         self._user_on_close = on_close
@@ -405,6 +413,11 @@ class IpcClient:
     def close(self, reason: str = "closed locally") -> None:
         self._transport.close(reason)
 
+    @property
+    def takes_body_sockets(self) -> bool:
+        """Whether :meth:`request` takes ``body_socket`` (the worker has a handoff channel)."""
+        return self._handoff is not None
+
     def request(
         self,
         meta: dict[str, Any],
@@ -414,6 +427,8 @@ class IpcClient:
         chunk_timeout: float = 60.0,
         body_stream: Iterable[Buffer] | None = None,
         body_length: int | None = None,
+        body_socket: HandedBody | None = None,
+        body_timeout: float = 60.0,
     ) -> IpcReply:
         """Send one REQUEST and wait up to ``timeout`` s for its REPLY (head).
 
@@ -422,6 +437,11 @@ class IpcClient:
         bytes queued at a time, so the caller never holds the whole body; ``body_length``
         (if known) lets the worker receive it into one buffer of that size. An exception from
         the iterator cancels the request and propagates. ``timeout`` starts once the body is sent.
+
+        With ``body_socket`` (instead of both; :attr:`takes_body_sockets`) the worker receives
+        the body from the client's connection itself, within ``body_timeout`` seconds
+        (``webapp.body_handoff``); ``timeout`` then counts from the hand-off, plus
+        ``body_timeout``. The body is marked consumed when a REPLY arrives, else abandoned.
 
         A streamed reply's :attr:`IpcReply.stream` must be iterated or closed by the caller.
 
@@ -435,12 +455,20 @@ class IpcClient:
         request_id = next(self._ids)
         if body_stream is not None:
             meta = {**meta, "body": "streamed", "length": body_length}
+        elif body_socket is not None:
+            if self._handoff is None:
+                raise ValueError(f"{self._transport.name}: no handoff channel for a body_socket")
+            meta = {**meta, "body": "socket", "length": body_socket.length, "body_timeout": body_timeout}
+            body, timeout = body_socket.ahead, timeout + body_timeout
         frame = encode_envelope_frame(request_id, FrameType.REQUEST, meta, body)
         pending = _Pending(chunk_timeout=chunk_timeout)
         self._pending[request_id] = pending
-        answered = False
+        answered = replied = False
         try:
-            self._transport.send(frame)
+            if body_socket is not None:
+                self._hand_off(frame, body_socket, chunk_timeout)
+            else:
+                self._transport.send(frame)
             if body_stream is not None:
                 self._send_body(request_id, pending, body_stream, chunk_timeout)
             try:
@@ -450,12 +478,26 @@ class IpcClient:
             except IpcRemoteError:
                 answered = True  # the worker is done with it: nothing to cancel
                 raise
-            answered = True
+            answered = replied = True
             return reply
         finally:
             self._pending.pop(request_id, None)
             if not answered:
                 self._cancel(request_id, pending)
+            if body_socket is not None and replied:
+                body_socket.consumed()
+            elif body_socket is not None:
+                body_socket.abandon()
+
+    def _hand_off(self, frame: list[Buffer], body: HandedBody, stall: float) -> None:
+        assert self._handoff is not None  # request() checked
+        closed = self.closed
+        if closed is not None:
+            raise IpcChannelClosed(closed.reason) from closed
+        try:
+            body_handoff.send(self._handoff, frame, body.fileno(), stall)
+        except OSError as exc:  # the worker's end is gone: so is the worker
+            raise IpcChannelClosed(f"{self._transport.name}: handoff failed: {exc!r}") from exc
 
     def _send_body(self, request_id: int, pending: _Pending, pieces: Iterable[Buffer], stall: float) -> None:
         for piece in pieces:
@@ -534,6 +576,8 @@ class IpcClient:
         return reply
 
     def _on_close(self, exc: IpcChannelClosed) -> None:
+        if self._handoff is not None:
+            self._handoff.close()  # descriptors still in it are closed by the kernel
         pending, self._pending = self._pending, {}
         streams, self._streams = self._streams, {}
         for item in pending.values():
@@ -625,6 +669,7 @@ class IpcServer:
         handler: Callable[[dict[str, Any], memoryview], ReplyLike],
         name: str = "ipc",
         receive_pool: ReceiveBufferPool | None = None,
+        handoff: _socket.socket | None = None,
     ) -> None:
         self._handler = handler
         self._inflight: dict[int, _OutStream] = {}
@@ -633,6 +678,10 @@ class IpcServer:
         self.receive_pool = receive_pool if receive_pool is not None else ReceiveBufferPool()
         self._transport = FrameTransport(sock, self._on_frame, self._on_close, name, self.receive_pool.acquire,
                                          self._body_view)
+        # The worker's end of the handoff channel (webapp.body_handoff): requests whose body
+        # this process receives from the client's connection.
+        self._handoff = handoff
+        self._handoff_reader = gevent.spawn(self._receive_handoffs) if handoff is not None else None
 
     @property
     def closed(self) -> IpcChannelClosed | None:
@@ -694,6 +743,62 @@ class IpcServer:
                 out.changed.set()
         else:
             raise IpcProtocolError(f"unexpected {frame.type.name} frame from the router")
+
+    def _receive_handoffs(self) -> None:
+        assert self._handoff is not None
+        try:
+            body_handoff.receive_loop(self._handoff, self._on_handoff)
+            self.close("the router closed the handoff channel")
+        except IpcProtocolError as exc:
+            self._transport.close(f"handoff protocol error: {exc}", exc)
+        except OSError as exc:
+            self._transport.close(f"handoff read failed: {exc!r}", exc)
+
+    def _on_handoff(self, data: bytes, fd: int) -> None:
+        """One handed-off REQUEST: checked here, its body received in its own greenlet."""
+        try:
+            frames = list(iter_frames(FrameDecoder(), [data]))
+            if len(frames) != 1 or frames[0].type is not FrameType.REQUEST:
+                raise IpcProtocolError(f"a handoff message holds {len(frames)} frames, not one REQUEST")
+            rid = frames[0].request_id
+            meta, inline = decode_envelope(frames[0].payload)
+            length, timeout = meta.get("length"), meta.get("body_timeout")
+            if not (isinstance(length, int) and len(inline) <= length <= MAX_FRAME_BYTES
+                    and isinstance(timeout, (int, float)) and timeout > 0):
+                raise IpcProtocolError(f"handed-off request {rid}: bad length {length!r} or body_timeout {timeout!r}")
+        except BaseException:
+            os.close(fd)
+            raise
+        if len(self._inflight) >= MAX_INFLIGHT_REQUESTS:
+            os.close(fd)
+            self._transport.send(
+                encode_error_frame(rid, IpcRemoteError(WORKER_BUSY, f"{len(self._inflight)} requests running")))
+            return
+        self._inflight[rid] = _OutStream()
+        gevent.spawn(self._receive_handed_body, rid, meta, bytes(inline), fd, length, float(timeout))
+
+    def _receive_handed_body(self, rid: int, meta: dict[str, Any], ahead: bytes, fd: int, length: int,
+                             timeout: float) -> None:
+        buffer = self.receive_pool.acquire(length) if length else bytearray()
+        payload = memoryview(buffer)[:length]
+        payload[:len(ahead)] = ahead
+        try:
+            with gevent.socket.socket(fileno=fd) as conn:  # this process's copy of the client's connection
+                read_socket_body(conn, payload[len(ahead):], timeout, len(ahead), length, between=bulk_turn)
+        except BodyError as exc:  # the router answers it as its own read would have (408, 400)
+            self._inflight.pop(rid, None)
+            self.receive_pool.release(payload)
+            self._transport.send(encode_error_frame(rid, IpcRemoteError.from_exception(exc)))
+            return
+        except BaseException:
+            self._inflight.pop(rid, None)
+            self.receive_pool.release(payload)
+            raise
+        if self._inflight[rid].cancelled:  # the router gave up meanwhile
+            self._inflight.pop(rid, None)
+            self.receive_pool.release(payload)
+            return
+        self._serve(rid, meta, payload, memoryview(payload))
 
     def _drop_incoming(self, rid: int) -> None:
         incoming = self._incoming.pop(rid, None)
@@ -757,6 +862,10 @@ class IpcServer:
             self._transport.send(encode_frame(rid, FrameType.BODY, [chunk]), bulk=True)
 
     def _on_close(self, exc: IpcChannelClosed) -> None:
+        if self._handoff is not None:
+            if self._handoff_reader is not None and self._handoff_reader is not gevent.getcurrent():
+                self._handoff_reader.kill(block=True, timeout=1.0)
+            self._handoff.close()
         incoming, self._incoming = self._incoming, {}
         for body in incoming.values():
             self.receive_pool.release(body.payload())

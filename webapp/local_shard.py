@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from webapp.body_handoff import HandedBody
 from webapp.core import CoreConfig, SessionCore, build_session_core
 from webapp.ipc import Buffer, IpcRemoteError
 from webapp.ipc_channel import IpcReply
@@ -62,13 +63,21 @@ class LocalShard:
         return [{"shard": 0, "state": state.value, "reason": None, "restarts": 0, "pid": os.getpid(),
                  "config": None}]
 
+    @property
+    def takes_body_sockets(self) -> bool:
+        """No: this process reads every body itself (``webapp.body_handoff`` is for workers)."""
+        return False
+
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
-                body_length: int | None = None) -> IpcReply:
+                body_length: int | None = None, body_socket: HandedBody | None = None,
+                body_timeout: float = 60.0) -> IpcReply:
         """The op in ``meta`` on this shard's core (``timeout``, ``chunk_timeout``: the channel's,
         unused here). Raises :class:`IpcRemoteError` when the handler raises, as a worker's would."""
         if shard != 0:
             raise ValueError(f"a local shard is shard 0 of 1, not {shard}")
+        if body_socket is not None:
+            raise ValueError("a local shard takes no body_socket (takes_body_sockets is False)")
         data: Buffer
         if body_stream is not None:  # the core parses a whole body: gather the pieces once
             data = b"".join(body_stream)

@@ -14,6 +14,7 @@ gunicorn). See ``docs/session-server-ops.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,12 +31,13 @@ from werkzeug.wrappers import Response as WerkzeugResponse  # a file reply's (we
 
 from webapp.auth import require_api_key
 from webapp.backend_liveness import probe_backend
+from webapp.body_handoff import MAX_AHEAD_BYTES, HandedBody, handed_body_error
 from webapp.bulk import bulk_turn
 from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
-from webapp.http_limits import HttpLimits, discard_body, iter_request_body
+from webapp.http_limits import HttpLimits, discard_body, iter_request_body, take_request_socket
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, Buffer, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply
@@ -227,9 +229,13 @@ class Shards(Protocol):
     @property
     def workers(self) -> int: ...
 
+    @property
+    def takes_body_sockets(self) -> bool: ...
+
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
-                body_length: int | None = None) -> IpcReply: ...
+                body_length: int | None = None, body_socket: HandedBody | None = None,
+                body_timeout: float = 60.0) -> IpcReply: ...
 
     def status(self) -> list[dict[str, Any]]: ...
 
@@ -266,16 +272,21 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     inflight = InflightBudget(config.core["max_inflight_bytes"])
 
     def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[Buffer] | None = None,
-             body_length: int | None = None, timeout: float | None = None, **meta: object) -> WerkzeugResponse:
+             body_length: int | None = None, timeout: float | None = None, body_socket: HandedBody | None = None,
+             **meta: object) -> WerkzeugResponse:
         shard = shard_for(session_id, supervisor.workers)
         try:
             reply = supervisor.request(shard, {"op": op, "session_id": session_id, **meta}, body,
                                        timeout=timeout or config.control_timeout,
                                        chunk_timeout=config.chunk_timeout, body_stream=body_stream,
-                                       body_length=body_length)
+                                       body_length=body_length, body_socket=body_socket,
+                                       body_timeout=http_limits.body_timeout)
         except FrameTooLarge as exc:  # the request itself was refused: no shard to blame
             return _error(exc.status, str(exc))
-        except WebappError as exc:  # one rule for every layer's error: its own status (webapp.errors)
+        except WebappError as exc:
+            body_error = handed_body_error(exc) if body_socket is not None else None
+            if body_error is not None:  # the worker's read of a handed-off body: answered as ours
+                return _error(body_error.status, str(body_error))  # one rule for every layer's error: its own status (webapp.errors)
             text = str(exc) if isinstance(exc, ShardUnavailable) else f"session worker for shard {shard}: {exc}"
             return _error(exc.status, text, shard=shard)
         return _relay(reply)
@@ -346,7 +357,14 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         length = request.content_length
         try:  # the server's bodies in flight, across its shards (webapp.inflight)
             with inflight.admit(length) as grant:
-                pieces = grant.metered(iter_request_body(request.stream, request.environ.get("wsgi.input"),
+                stream = request.stream  # werkzeug's size check first: over MAX_CONTENT_LENGTH is 413 unread
+                if length is not None and length > INLINE_BODY_MAX and supervisor.takes_body_sockets:
+                    # The worker receives it from the connection itself (webapp.body_handoff).
+                    handed = take_request_socket(request.environ.get("wsgi.input"), length, MAX_AHEAD_BYTES)
+                    if handed is not None:
+                        with contextlib.closing(handed):  # ended by the channel, else abandoned here
+                            return call(session_id, op, body_socket=handed, timeout=timeout, **meta)
+                pieces = grant.metered(iter_request_body(stream, request.environ.get("wsgi.input"),
                                                          http_limits.body_timeout, length))
                 if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
                     return call(session_id, op, b"".join(pieces), timeout=timeout, **meta)

@@ -26,6 +26,7 @@ import enum
 import json
 import logging
 import multiprocessing
+import multiprocessing.reduction
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -38,7 +39,8 @@ import gevent.os
 from gevent import monkey
 from gevent.socket import wait_read
 
-from webapp import worker
+from webapp import body_handoff, worker
+from webapp.body_handoff import HandedBody
 from webapp.errors import WebappError
 from webapp.ipc import WORKER_BOOT_ERROR, Buffer, IpcChannelClosed, IpcError, IpcRemoteError, IpcTimeout, Op
 from webapp.ipc_channel import IpcClient, IpcReply, open_socket
@@ -140,11 +142,18 @@ class Supervisor:
         return [{"shard": s.shard, "state": s.state.value, "reason": s.reason, "restarts": s.restarts,
                  "pid": s.pid, "config": s.config} for s in self._slots]
 
+    @property
+    def takes_body_sockets(self) -> bool:
+        """:meth:`request` takes ``body_socket``: every worker has a handoff channel."""
+        return True
+
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
-                body_length: int | None = None) -> IpcReply:
+                body_length: int | None = None, body_socket: HandedBody | None = None,
+                body_timeout: float = 60.0) -> IpcReply:
         """One request to the worker owning ``shard`` (``body_stream``, ``body_length``: a
-        streamed body, see :meth:`IpcClient.request`).
+        streamed body; ``body_socket``, ``body_timeout``: a body the worker receives from the
+        client's connection; see :meth:`IpcClient.request`).
 
         Raises:
             ShardUnavailable: the worker is not serving (at once, without waiting), or died
@@ -158,7 +167,8 @@ class Supervisor:
             raise ShardUnavailable(shard, slot.reason)
         try:
             return client.request(meta, body, timeout=timeout, chunk_timeout=chunk_timeout,
-                                  body_stream=body_stream, body_length=body_length)
+                                  body_stream=body_stream, body_length=body_length, body_socket=body_socket,
+                                  body_timeout=body_timeout)
         except IpcChannelClosed as exc:
             raise ShardUnavailable(shard, f"worker lost mid-request ({exc.reason})") from exc
 
@@ -217,10 +227,19 @@ class Supervisor:
         _watch_child(process.pid)
         child_conn.close()  # only the worker may hold its end, or its death would not be EOF here
         slot.process, slot.pid = process, process.pid
+        # The worker's end of its handoff channel (webapp.body_handoff) goes first on the pipe,
+        # before any frame: the worker takes it before it starts reading frames.
+        handoff, worker_handoff = body_handoff.open_pair()
+        with worker_handoff:
+            try:
+                multiprocessing.reduction.send_handle(parent_conn, worker_handoff.fileno(), process.pid)
+            except OSError:  # the worker died at once: its channel's EOF below says so
+                pass
         sock = open_socket(os.dup(parent_conn.fileno()))
         parent_conn.close()
         client = IpcClient(sock, name=f"shard {slot.shard}",
-                           on_close=lambda exc: self._mark_down(slot, lost, f"channel closed ({exc.reason})"))
+                           on_close=lambda exc: self._mark_down(slot, lost, f"channel closed ({exc.reason})"),
+                           handoff=open_socket(handoff.detach()))
         slot.client = client
         watcher = gevent.spawn(self._watch_sentinel, slot, process, lost)
         try:

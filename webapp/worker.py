@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing.reduction
 import os
 import signal
 import sys
@@ -66,9 +67,11 @@ def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_
     setproctitle.setproctitle(title)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s [{title}] %(levelname)s %(name)s: %(message)s")
+    # The supervisor sends the handoff channel's end (webapp.body_handoff) before any frame.
+    handoff = multiprocessing.reduction.recv_handle(conn)
     fd = os.dup(conn.fileno())
     conn.close()
-    sys.exit(_serve(fd, shard, shards, core_config, parent_pid))
+    sys.exit(_serve(fd, shard, shards, core_config, parent_pid, handoff))
 
 
 class WorkerBootError(WebappError):
@@ -78,10 +81,12 @@ class WorkerBootError(WebappError):
 assert WorkerBootError.__name__ == WORKER_BOOT_ERROR  # the remote_type the supervisor branches on
 
 
-def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent_pid: int) -> int:
+def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent_pid: int,
+           handoff_fd: int | None = None) -> int:
     from webapp.ipc_channel import IpcServer, open_socket
 
     sock = open_socket(fd)
+    handoff = open_socket(handoff_fd) if handoff_fd is not None else None
     try:
         from webapp.core import CoreConfig, build_session_core
 
@@ -90,10 +95,10 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
     except Exception as exc:  # a bad setting (tokenizer path...): report it, do not loop
         log.exception("cannot boot the session core for shard %d", shard)
         reason = f"{type(exc).__name__}: {exc}"
-        return _refuse_until_closed(IpcServer(sock, _BootFailed(reason), name=f"worker[{shard}/{shards}]"),
-                                    parent_pid)
+        return _refuse_until_closed(IpcServer(sock, _BootFailed(reason), name=f"worker[{shard}/{shards}]",
+                                              handoff=handoff), parent_pid)
     ops = SessionOps(core, shard, shards, config, restoring=True)
-    server = IpcServer(sock, ops, name=f"worker[{shard}/{shards}]")
+    server = IpcServer(sock, ops, name=f"worker[{shard}/{shards}]", handoff=handoff)
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
     # Its sessions load while the worker answers heartbeats (the read yields after every
     # chunk), so GiBs of journals never look like a hang; session ops wait for the load.

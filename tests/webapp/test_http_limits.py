@@ -81,15 +81,19 @@ def test_a_normal_client_is_served_during_2000_slow_body_clients(server) -> None
 
 
 def test_a_body_not_sent_within_body_timeout_is_408(backend, session_server_factory) -> None:
+    """A small body (one frame), and a large one (the router's worker reads it from the
+    connection itself: webapp.body_handoff): the same 408, and the connection is closed."""
     for workers in MODES.values():
         url = session_server_factory.launch(workers, backend.url, "--body-timeout", "1").url
         sid = requests.post(f"{url}/sessions", timeout=30).json()["session_id"]
-        head = f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{{"
-        with socket.create_connection(_address(url), timeout=30) as sock:
-            sock.sendall(head.encode())
-            reply = http.client.HTTPResponse(sock)
-            reply.begin()
-            assert reply.status == 408 and b"body_timeout" in reply.read(), workers
+        for length, sent in ((50, 1), (2_000_000, 100_000)):
+            head = f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
+            with socket.create_connection(_address(url), timeout=30) as sock:
+                sock.sendall(head.encode() + b"{" + b" " * (sent - 1))
+                reply = http.client.HTTPResponse(sock)
+                reply.begin()
+                assert reply.status == 408 and b"body_timeout" in reply.read(), (workers, length)
+                assert sock.recv(1) == b"", (workers, length)  # not reused: where the next request starts is unknown
 
 
 def test_connections_past_max_client_connections_are_429_and_others_are_served(server) -> None:
