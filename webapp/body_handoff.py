@@ -90,10 +90,12 @@ def send(sock: _socket.socket, message: Sequence[Buffer], fd: int, timeout: floa
                 f"the worker took no handed-off request for {timeout} s"))
 
 
-def receive_loop(sock: _socket.socket, on_message: Callable[[bytes, int], None]) -> None:
+def receive_loop(sock: _socket.socket, on_message: Callable[[bytes, int | None], None]) -> None:
     """Receive messages on the worker's end until it closes; ``on_message(data, fd)`` owns
-    ``fd`` from then on. A malformed message (no descriptor, several, or truncated) has its
-    descriptors closed and raises :class:`IpcProtocolError`: the router sends nothing else."""
+    ``fd`` from then on. ``fd`` is None when the kernel could not pass the descriptor (this
+    process is at its descriptor limit): that request fails, the channel goes on. Any other
+    malformed message (truncated, no descriptor, several) has its descriptors closed and
+    raises :class:`IpcProtocolError`: the router sends nothing else."""
     fileno = sock.fileno()
     while True:
         try:
@@ -104,6 +106,9 @@ def receive_loop(sock: _socket.socket, on_message: Callable[[bytes, int], None])
         fds = _descriptors(ancillary)
         if not data and not fds:
             return  # the router closed its end
+        if flags & socket.MSG_CTRUNC and not fds and not flags & socket.MSG_TRUNC:
+            on_message(data, None)
+            continue
         if len(fds) != 1 or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             for fd in fds:
                 os.close(fd)

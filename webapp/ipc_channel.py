@@ -754,8 +754,10 @@ class IpcServer:
         except OSError as exc:
             self._transport.close(f"handoff read failed: {exc!r}", exc)
 
-    def _on_handoff(self, data: bytes, fd: int) -> None:
-        """One handed-off REQUEST: checked here, its body received in its own greenlet."""
+    def _on_handoff(self, data: bytes, fd: int | None) -> None:
+        """One handed-off REQUEST: checked here, its body received in its own greenlet. ``fd``
+        None: the kernel could not pass the connection (this process is at its descriptor
+        limit), so the request is refused unrun, as a busy worker refuses one (retryable)."""
         try:
             frames = list(iter_frames(FrameDecoder(), [data]))
             if len(frames) != 1 or frames[0].type is not FrameType.REQUEST:
@@ -767,13 +769,17 @@ class IpcServer:
                     and isinstance(timeout, (int, float)) and timeout > 0):
                 raise IpcProtocolError(f"handed-off request {rid}: bad length {length!r} or body_timeout {timeout!r}")
         except BaseException:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             raise
-        if len(self._inflight) >= MAX_INFLIGHT_REQUESTS:
-            os.close(fd)
-            self._transport.send(
-                encode_error_frame(rid, IpcRemoteError(WORKER_BUSY, f"{len(self._inflight)} requests running")))
+        busy = (f"{len(self._inflight)} requests running" if len(self._inflight) >= MAX_INFLIGHT_REQUESTS
+                else "no descriptor left to take the client's connection" if fd is None else None)
+        if busy is not None:
+            if fd is not None:
+                os.close(fd)
+            self._transport.send(encode_error_frame(rid, IpcRemoteError(WORKER_BUSY, busy)))
             return
+        assert fd is not None  # (busy otherwise)
         self._inflight[rid] = _OutStream()
         gevent.spawn(self._receive_handed_body, rid, meta, bytes(inline), fd, length, float(timeout))
 

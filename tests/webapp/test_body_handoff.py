@@ -12,8 +12,10 @@ connection and nothing else.
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import os
+import resource
 import socket
 import time
 
@@ -167,6 +169,37 @@ def test_a_busy_worker_refuses_and_closes_its_copy(channel, connection, monkeypa
     with gevent.Timeout(5):
         while _open_fds() != fds:
             gevent.sleep(0.01)
+
+
+def test_a_worker_at_its_descriptor_limit_refuses_that_request_only(channel, connection) -> None:
+    """The kernel cannot give the worker the connection (no descriptor left): that request is
+    refused unrun, retryable, and the channel serves the next one."""
+    client, _ = channel
+    ours, theirs = connection
+    theirs.sendall(BODY[:1000])
+    handed = _handed(ours, b"", len(BODY))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+    filler = []
+    try:
+        with contextlib.suppress(OSError):  # every free number below the limit taken
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        with pytest.raises(IpcRemoteError) as caught:
+            client.request({"op": "echo"}, body_socket=handed, timeout=30, body_timeout=30)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert caught.value.worker_busy and "descriptor" in caught.value.message
+    assert handed._body.failed
+    other, peer = _fresh_connection()
+    sender = gevent.spawn(peer.sendall, BODY)
+    again = client.request({"op": "echo"}, body_socket=_handed(other, b"", len(BODY)), timeout=30, body_timeout=30)
+    sender.join()
+    assert again.body == _received(BODY)
+    other.close()
+    peer.close()
 
 
 def test_a_malformed_handoff_message_tears_the_channel_down_and_closes_its_descriptors() -> None:
