@@ -6,16 +6,27 @@ Bulk work -- a multi-MiB body's chunks, an image turn's image work and its engin
 (its engine reply arrived, its frame came in) runs before it instead of queueing behind it,
 while the bulk work still progresses at least every :data:`BULK_MAX_DEFER` seconds.
 
+On a worker saturated by image turns the hub is never idle, so that wait alone gives a small
+request no precedence: it became ready behind every image turn already queued. So a large
+request's CPU work also runs in the process's one :func:`bulk_lane` (a handed-off body's whole
+handler in a worker, an image turn's image work anywhere), which it leaves at its engine send
+(:func:`yield_to_chats`): image turns queue for the lane, not on the hub's run queue, and a
+small request waits for at most the one section running (docs/benchmarks.md section 42).
+
 Imports nothing of the session server: the IPC channel, the router, the engine client and the
 image checks all use it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import gevent
+import gevent.lock
 from gevent import monkey
 
-__all__ = ["BULK_MAX_DEFER", "bulk_turn", "yield_to_chats"]
+__all__ = ["BULK_MAX_DEFER", "bulk_lane", "bulk_turn", "yield_to_chats"]
 
 # Bulk work waits at most this long for the hub to go idle, so small requests sharing the
 # process run first but bulk always progresses.
@@ -43,4 +54,57 @@ def yield_to_chats() -> None:
     those two steps moved that chat's p50 x0.59-0.87 (docs/benchmarks.md, screenshot turns).
     """
     if monkey.is_module_patched("socket"):
+        _lane().leave(gevent.getcurrent())  # this request's CPU section (bulk_lane) ends here
         bulk_turn()
+
+
+# A bulk section waits at most this long for the lane, so a section that hangs (or a bug that
+# never leaves) costs the others this much, never a deadlock.
+LANE_MAX_WAIT = 0.05
+
+
+class _Lane:
+    """The process's one bulk section (per hub): a FIFO semaphore and the greenlet holding it."""
+
+    def __init__(self) -> None:
+        self.semaphore = gevent.lock.Semaphore(1)
+        self.owner: object | None = None
+
+    def leave(self, greenlet: object) -> None:
+        if self.owner is greenlet:
+            self.owner = None
+            self.semaphore.release()
+
+
+_lanes: dict[object, _Lane] = {}
+
+
+def _lane() -> _Lane:
+    hub = gevent.get_hub()
+    lane = _lanes.get(hub)
+    if lane is None:
+        lane = _lanes[hub] = _Lane()
+    return lane
+
+
+@contextlib.contextmanager
+def bulk_lane() -> Iterator[None]:
+    """A large request's CPU work, one request's at a time in this process: from here until the
+    section ends or the request calls :func:`yield_to_chats` (before its multi-MiB engine send:
+    the rest is I/O). With several image turns ready at once, at most one of them is queued on
+    the hub ahead of a small request that becomes ready; the others wait for the lane off the
+    hub's run queue. Re-entrant; outside a gevent-patched process, nothing."""
+    if not monkey.is_module_patched("socket"):
+        yield
+        return
+    lane, me = _lane(), gevent.getcurrent()
+    if lane.owner is me:
+        yield
+        return
+    if lane.semaphore.acquire(timeout=LANE_MAX_WAIT):
+        lane.owner = me
+    try:
+        bulk_turn()
+        yield
+    finally:
+        lane.leave(me)

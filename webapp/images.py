@@ -35,6 +35,7 @@ height) -> int`` serves (a model with another processor brings its own).
 from __future__ import annotations
 
 import binascii
+import contextlib
 import hashlib
 import io
 import math
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 import pybase64
 from blake3 import blake3
 
-from webapp.bulk import yield_to_chats
+from webapp.bulk import bulk_lane
 from webapp.limits import require_positive
 from webapp.session_errors import (
     ImageNotBase64,
@@ -218,6 +219,12 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
     """
     if not isinstance(raw_messages, list):
         return RequestImages(raw_messages, [], {})
+    with contextlib.ExitStack() as lane:  # the image work: one request's at a time (webapp.bulk)
+        return _extract(raw_messages, limits, known, known_urls, lane)
+
+
+def _extract(raw_messages: list[Any], limits: ImageLimits, known: Mapping[str, SessionImage],
+             known_urls: Mapping[bytes, str] | None, lane: contextlib.ExitStack) -> RequestImages:
     messages: list[Any] = []
     images: list[tuple[SessionImage, bytes]] = []
     new: dict[str, DecodedImage] = {}
@@ -240,7 +247,7 @@ def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, S
             raise InvalidField(f"messages[{i}].content", "images are accepted in user and tool messages only")
         if not parts_seen:  # the turn's image work starts: the process's small requests first
             parts_seen = True
-            yield_to_chats()
+            lane.enter_context(bulk_lane())
         parts = []
         for j, part in enumerate(content):
             if not _is_image_part(part):

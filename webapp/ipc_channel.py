@@ -31,7 +31,7 @@ from gevent.socket import wait_read, wait_write
 
 from webapp import body_handoff
 from webapp.body_handoff import HandedBody
-from webapp.bulk import bulk_turn
+from webapp.bulk import bulk_lane, bulk_turn
 from webapp.http_limits import BodyError, read_socket_body
 from webapp.ipc import (
     INLINE_BODY_MAX,
@@ -804,7 +804,8 @@ class IpcServer:
             self._inflight.pop(rid, None)
             self.receive_pool.release(payload)
             return
-        self._serve(rid, meta, payload, memoryview(payload))
+        with bulk_lane():  # a large request's CPU work: one at a time, small requests first
+            self._serve(rid, meta, payload, memoryview(payload))
 
     def _drop_incoming(self, rid: int) -> None:
         incoming = self._incoming.pop(rid, None)
