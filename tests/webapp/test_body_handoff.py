@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import contextlib
 import hashlib
+import http.client
 import os
 import resource
 import socket
@@ -314,6 +315,14 @@ def test_the_worker_reads_a_large_body_from_the_connection_itself(backend, sessi
         assert reply.count(b"HTTP/1.1 200") == 2 and b'"status": "ok"' in reply, reply[-300:]
     assert _wait(lambda: not any(c.raddr for c in worker.net_connections("tcp")
                                  if c.raddr and c.raddr[1] != int(backend.url.rsplit(":", 1)[1])))
+    with _connect(server) as sock:  # a client that waits for "100 Continue" (curl does, over 1 MiB)
+        head = _chat_head(sid, len(body)).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1)
+        sock.sendall(head)
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(body)
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        assert reply.status == 200, reply.read()[:300]
 
 
 @pytest.mark.integration
