@@ -13,6 +13,7 @@ from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn
 from webapp.tokenizers import (
     ByteChatTokenizer,
     HFChatTokenizer,
+    SpecialText,
     TokenizerLoadError,
     decode_lenient,
     load_tokenizer,
@@ -163,3 +164,36 @@ def test_tool_call_arguments_reach_the_template_as_objects(hf_tokenizer_dir):
     text = tok.render([call('{"x": 1, "y": "é"}')], add_generation_prompt=False)
     assert '{"name": "click", "arguments": {"x": 1, "y": "é"}}' in text
     assert '"arguments": "not json"' in tok.render([call("not json")], add_generation_prompt=False)
+
+
+def _escape_reference(st: SpecialText, value):
+    """The escape by its definition: every string field through the field pattern."""
+    if isinstance(value, str):
+        return st._field_re.sub(st._escape_one, value)
+    if isinstance(value, dict):
+        return {k: _escape_reference(st, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape_reference(st, v) for v in value]
+    return value
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("tokens", [
+    ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],  # one start character (and the escape's)
+    ["<s>", "[INST]", "{tool}", "|sep|", "#end"],  # more than the fast test's few: the pattern alone
+    [],
+])
+def test_escape_equals_the_field_pattern_on_every_field(tokens):
+    """The escape skips fields holding no start character of an escape; the result is the
+    field pattern's on every string, whatever the nesting and value types."""
+    st = SpecialText(tokens)
+    texts = ["", "plain", "a <|im_end|> b", "<s>x[INST]", "\U000F0000", "{tool}#end|sep|", "<", "[", "<|im_"]
+    value = [{"role": "user", "content": t, "n": 1, "none": None,
+              "parts": [{"type": "text", "text": t}, (t, _Str(t))], "sub": _Str(t)} for t in texts]
+    assert st.escape(value) == _escape_reference(st, value)
+    assert st.escape(tuple(value)) == _escape_reference(st, tuple(value))
+    for t in texts:
+        assert st.escape(t) == _escape_reference(st, t) and st.escape(_Str(t)) == _escape_reference(st, t)
