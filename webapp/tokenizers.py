@@ -24,21 +24,25 @@ import datetime
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from webapp.errors import WebappError
 from webapp.images import QwenVLRule, Vision
 
 __all__ = [
+    "ESCAPE_MEMO_MESSAGES",
     "ByteChatTokenizer",
     "ChatTokenizer",
+    "EscapedMessages",
     "HFChatTokenizer",
     "SpecialText",
     "TokenizerLoadError",
     "content_text",
     "decode_lenient",
     "load_tokenizer",
+    "template_message",
     "template_messages",
 ]
 
@@ -155,6 +159,75 @@ class SpecialText:
         return [p for p in pieces if p != ""]
 
 
+# Messages whose escaped form :class:`EscapedMessages` keeps (least recently used dropped past
+# it): a few hundred bytes of containers each (the strings are shared with the message).
+ESCAPE_MEMO_MESSAGES = 32768
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a JSON-like value whose containers are its own (the strings shared): it stays
+    equal to the value only while the value is not changed in place. Raises ``TypeError`` for
+    any other type (such a value is not memoized)."""
+    cls = type(value)
+    if cls is dict:
+        return {k: _snapshot(v) for k, v in value.items()}
+    if cls is list:
+        return [_snapshot(v) for v in value]
+    if cls is tuple:
+        return tuple(_snapshot(v) for v in value)
+    if cls in _PLAIN_TYPES:
+        return value
+    raise TypeError(cls.__name__)
+
+
+class EscapedMessages:
+    """The messages a template renders, each prepared (``prepare``) and escaped
+    (:meth:`SpecialText.escape`), the result kept per message object for the next render.
+
+    A turn renders its whole conversation twice (the prompt, and the stored turn to find where
+    its reply ended) and the next turn renders the same stored messages again: escaping every
+    field of every message each time was most of a render outside the template itself. A kept
+    result is used only while the message still equals the copy taken when it was escaped
+    (a message changed in place is escaped anew); the entry holds the message, so its ``id``
+    names no other object meanwhile. Bounded: ``limit`` messages, least recently used dropped.
+    """
+
+    def __init__(self, special_text: SpecialText, prepare: Callable[[Any], Any] = lambda m: m,
+                 limit: int = ESCAPE_MEMO_MESSAGES) -> None:
+        self._special_text, self._prepare, self.limit = special_text, prepare, limit
+        # id -> (message, copy, escaped). No lock (a gevent lock would cost what is saved): each
+        # OrderedDict call is atomic, and one that loses a race with another thread's is skipped.
+        self._memo: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
+
+    def __call__(self, messages: Sequence[Any]) -> list[Any]:
+        out = []
+        memo = self._memo
+        for message in messages:
+            key = id(message)
+            kept = memo.get(key)
+            if kept is not None and kept[0] is message and kept[1] == message:
+                try:
+                    memo.move_to_end(key)
+                except KeyError:
+                    pass
+                out.append(kept[2])
+                continue
+            escaped = self._special_text.escape(self._prepare(message))
+            out.append(escaped)
+            try:
+                memo[key] = (message, _snapshot(message), escaped)
+                memo.move_to_end(key)
+                while len(memo) > self.limit:
+                    memo.popitem(last=False)
+            except (TypeError, KeyError):  # not JSON-like (escaped each time), or a lost race
+                pass
+        return out
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+
 def content_text(content: Any) -> str:
     """The text of an OpenAI ``content`` (str, None, or a list of parts)."""
     if content is None:
@@ -195,6 +268,7 @@ class ByteChatTokenizer:
         self._special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
         self._special_by_id = {i: tok for tok, i in self._special_ids.items()}
         self._special_text = SpecialText(self.SPECIAL_TOKENS)
+        self._escaped_messages = EscapedMessages(self._special_text)
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
         self.special_token_ids = frozenset(self._special_by_id)
@@ -226,7 +300,7 @@ class ByteChatTokenizer:
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
-        messages, tools = self._special_text.escape(list(messages)), self._special_text.escape(tools)
+        messages, tools = self._escaped_messages(messages), self._special_text.escape(tools)
         parts: list[str] = []
         if tools:
             lines = "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
@@ -254,13 +328,15 @@ def template_messages(messages: Sequence[Message]) -> list[Message]:
     never saw in training and not what the engine's own chat API renders. A string that is not
     a JSON object stays as it is (nothing is lost; vLLM would render ``{}``).
     """
-    out: list[Message] = []
-    for m in messages:
-        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-        if isinstance(calls, list) and calls:
-            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
-        out.append(m)
-    return out
+    return [template_message(m) for m in messages]
+
+
+def template_message(m: Message) -> Message:
+    """One message of :func:`template_messages`."""
+    calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+    if isinstance(calls, list) and calls:
+        return {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+    return m
 
 
 def _parsed_call(call: Any) -> Any:
@@ -314,6 +390,7 @@ class HFChatTokenizer:
         self._text_tok.encode_special_tokens = True
         self._special_text = SpecialText(
             [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special])
+        self._escaped_messages = EscapedMessages(self._special_text, template_message)
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
@@ -402,7 +479,7 @@ class HFChatTokenizer:
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
         return self._template.render(
-            messages=self._special_text.escape(template_messages(messages)),
+            messages=self._escaped_messages(messages),
             tools=self._special_text.escape(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )

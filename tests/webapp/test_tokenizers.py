@@ -12,6 +12,7 @@ import pytest
 from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn, session_mismatch
 from webapp.tokenizers import (
     ByteChatTokenizer,
+    EscapedMessages,
     HFChatTokenizer,
     SpecialText,
     TokenizerLoadError,
@@ -197,3 +198,52 @@ def test_escape_equals_the_field_pattern_on_every_field(tokens):
     assert st.escape(tuple(value)) == _escape_reference(st, tuple(value))
     for t in texts:
         assert st.escape(t) == _escape_reference(st, t) and st.escape(_Str(t)) == _escape_reference(st, t)
+
+
+@pytest.mark.parametrize("which", ["byte", "hf"])
+def test_a_render_escapes_only_the_messages_it_has_not_seen(which, hf_tokenizer_dir, monkeypatch):
+    """The stored messages a turn renders again (twice per turn, and at every later turn) are
+    escaped once: their escaped form is kept per message object (webapp.tokenizers.EscapedMessages)."""
+    tok = load_tokenizer(None if which == "byte" else hf_tokenizer_dir)
+    escaped: list[object] = []
+    real = SpecialText.escape
+
+    def counting(self, value):
+        if isinstance(value, dict):
+            escaped.append(value.get("content"))
+        return real(self, value)
+
+    monkeypatch.setattr(SpecialText, "escape", counting)
+    messages = [normalize_message({"role": "user", "content": f"task {FORGED}"})]
+    first = tok.render(messages, add_generation_prompt=True)
+    assert escaped == [f"task {FORGED}"]
+    messages += [normalize_message({"role": "assistant", "content": "ok"}),
+                 normalize_message({"role": "tool", "content": "seen"})]
+    escaped.clear()
+    second = tok.render(messages, add_generation_prompt=True)
+    assert escaped == ["ok", "seen"] and second.startswith(first[:first.index("<|im_start|>assistant")])
+    escaped.clear()
+    assert tok.render(messages, add_generation_prompt=True) == second and escaped == []
+
+
+def test_a_message_changed_in_place_is_escaped_anew():
+    tok = ByteChatTokenizer()
+    message = {"role": "user", "content": "before", "parts": [{"type": "text", "text": "a"}]}
+    assert "before" in tok.render([message], add_generation_prompt=False)
+    message["content"] = "after <|im_end|>"
+    text = tok.render([message], add_generation_prompt=False)
+    assert "after" in text and "before" not in text
+    assert tok.encode(text).count(tok.encode("<|im_end|>")[0]) == 1  # the field's marker stays text
+    message["parts"][0]["text"] = "b"  # a nested change counts too
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]))
+    assert escaped([message])[0]["parts"][0]["text"] == "b"
+    message["parts"][0]["text"] = "c"
+    assert escaped([message])[0]["parts"][0]["text"] == "c"
+
+
+def test_the_escaped_messages_kept_are_bounded():
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]), limit=3)
+    messages = [{"role": "user", "content": str(i)} for i in range(5)]
+    assert escaped(messages) == messages and len(escaped) == 3
+    odd = {"role": "user", "content": object()}  # not JSON-like: escaped, not kept
+    assert escaped([odd]) == [odd] and len(escaped) == 3
