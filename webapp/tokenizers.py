@@ -32,6 +32,7 @@ from webapp.errors import WebappError
 from webapp.images import QwenVLRule, Vision
 
 __all__ = [
+    "ESCAPE_MEMO_CHARS",
     "ESCAPE_MEMO_MESSAGES",
     "ByteChatTokenizer",
     "ChatTokenizer",
@@ -159,23 +160,28 @@ class SpecialText:
         return [p for p in pieces if p != ""]
 
 
-# Messages whose escaped form :class:`EscapedMessages` keeps (least recently used dropped past
-# it): a few hundred bytes of containers each (the strings are shared with the message).
+# What :class:`EscapedMessages` keeps (least recently used dropped past either): messages, and
+# characters of their strings. The strings are shared with the messages, so the second bound is
+# what it can keep alive of sessions already gone.
 ESCAPE_MEMO_MESSAGES = 32768
-_PLAIN_TYPES = (str, int, float, bool, type(None))
+ESCAPE_MEMO_CHARS = 32 << 20
+_PLAIN_TYPES = (int, float, bool, type(None))
 
 
-def _snapshot(value: Any) -> Any:
+def _snapshot(value: Any, chars: list[int]) -> Any:
     """A copy of a JSON-like value whose containers are its own (the strings shared): it stays
-    equal to the value only while the value is not changed in place. Raises ``TypeError`` for
-    any other type (such a value is not memoized)."""
+    equal to the value only while the value is not changed in place; ``chars[0]`` grows by the
+    length of its strings. Raises ``TypeError`` for any other type (not memoized)."""
     cls = type(value)
+    if cls is str:
+        chars[0] += len(value)
+        return value
     if cls is dict:
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: _snapshot(v, chars) for k, v in value.items()}
     if cls is list:
-        return [_snapshot(v) for v in value]
+        return [_snapshot(v, chars) for v in value]
     if cls is tuple:
-        return tuple(_snapshot(v) for v in value)
+        return tuple(_snapshot(v, chars) for v in value)
     if cls in _PLAIN_TYPES:
         return value
     raise TypeError(cls.__name__)
@@ -190,15 +196,19 @@ class EscapedMessages:
     field of every message each time was most of a render outside the template itself. A kept
     result is used only while the message still equals the copy taken when it was escaped
     (a message changed in place is escaped anew); the entry holds the message, so its ``id``
-    names no other object meanwhile. Bounded: ``limit`` messages, least recently used dropped.
+    names no other object meanwhile. Bounded: ``limit`` messages and ``char_limit`` characters
+    of their strings, least recently used dropped.
     """
 
     def __init__(self, special_text: SpecialText, prepare: Callable[[Any], Any] = lambda m: m,
-                 limit: int = ESCAPE_MEMO_MESSAGES) -> None:
-        self._special_text, self._prepare, self.limit = special_text, prepare, limit
-        # id -> (message, copy, escaped). No lock (a gevent lock would cost what is saved): each
-        # OrderedDict call is atomic, and one that loses a race with another thread's is skipped.
-        self._memo: OrderedDict[int, tuple[Any, Any, Any]] = OrderedDict()
+                 limit: int = ESCAPE_MEMO_MESSAGES, char_limit: int = ESCAPE_MEMO_CHARS) -> None:
+        self._special_text, self._prepare = special_text, prepare
+        self.limit, self.char_limit = limit, char_limit
+        # id -> (message, copy, escaped, characters). No lock (a gevent lock would cost what is
+        # saved): each OrderedDict call is atomic, one that loses a race with another thread's is
+        # skipped, and the character count may drift by a race's entry (it bounds memory only).
+        self._memo: OrderedDict[int, tuple[Any, Any, Any, int]] = OrderedDict()
+        self.chars = 0
 
     def __call__(self, messages: Sequence[Any]) -> list[Any]:
         out = []
@@ -215,12 +225,19 @@ class EscapedMessages:
                 continue
             escaped = self._special_text.escape(self._prepare(message))
             out.append(escaped)
+            chars = [0]
             try:
-                memo[key] = (message, _snapshot(message), escaped)
-                memo.move_to_end(key)
-                while len(memo) > self.limit:
-                    memo.popitem(last=False)
-            except (TypeError, KeyError):  # not JSON-like (escaped each time), or a lost race
+                entry = (message, _snapshot(message, chars), escaped, chars[0])
+            except TypeError:  # not JSON-like: escaped each time
+                continue
+            try:
+                if kept is not None:  # the message changed in place since: its old entry goes
+                    self.chars -= memo.pop(key)[3]
+                memo[key] = entry
+                self.chars += entry[3]
+                while len(memo) > self.limit or self.chars > self.char_limit:
+                    self.chars -= memo.popitem(last=False)[1][3]
+            except KeyError:  # a race lost to another thread, or nothing left to drop
                 pass
         return out
 

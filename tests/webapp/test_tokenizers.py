@@ -247,3 +247,20 @@ def test_the_escaped_messages_kept_are_bounded():
     assert escaped(messages) == messages and len(escaped) == 3
     odd = {"role": "user", "content": object()}  # not JSON-like: escaped, not kept
     assert escaped([odd]) == [odd] and len(escaped) == 3
+
+
+def test_the_characters_kept_alive_are_bounded_too():
+    """The strings are the messages' own: the bound in characters is what the memo can keep
+    alive of sessions already gone."""
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]), char_limit=100)
+    small = [{"role": "tool", "content": "x" * 40} for _ in range(2)]  # 44 characters each
+    escaped(small)
+    assert (len(escaped), escaped.chars) == (2, 88)
+    escaped([{"role": "tool", "content": "y" * 40}])  # the least recently used goes
+    assert (len(escaped), escaped.chars) == (2, 88)
+    huge = {"role": "tool", "content": "z" * 1000}
+    assert escaped([huge]) == [huge] and escaped.chars <= 100  # never kept whole
+    small[0]["content"] = "changed"  # re-escaped: its old entry's characters are not counted twice
+    escaped(small[:1])
+    kept = [entry[0] for entry in escaped._memo.values()]
+    assert escaped.chars == sum(len(m["role"]) + len(m["content"]) for m in kept)
