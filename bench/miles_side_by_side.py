@@ -12,6 +12,8 @@ trained here that every server and the engine load:
   (journal on, in a temporary state directory);
 - ``old-w0``: our tree at ``--ours-old`` (default 37e6388), extracted with ``git archive`` into
   the scratch directory, ``--workers 0`` (empty: skipped);
+- ``base-w0``: our tree at ``--ours-base`` (a second commit, e.g. the one a change started from,
+  measured in the same run: its CPU per chat against ``ours-w0``'s), as ``old-w0``;
 - ``miles-main``: miles' single-process session server (``miles.rollout.session.server``, its
   own ``run_session_server`` entry point) at ``--miles-ref`` (default: the repository's HEAD);
 - ``miles-pr-w2``: miles' multi-process data plane (router + 2 workers over UNIX-socket IPC) at
@@ -74,7 +76,8 @@ MILES_VENV_PACKAGES = ("transformers==5.12.1", "fastapi", "uvicorn", "httpx", "p
                        "safetensors>=0.8.0", "numpy", "pydantic", "jinja2")
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-ALL_SERVERS = ("ours-w0", "ours-w2", "old-w0", "miles-main", "miles-pr-w2")
+ALL_SERVERS = ("ours-w0", "ours-w2", "old-w0", "base-w0", "miles-main", "miles-pr-w2")
+DEFAULT_SERVERS = ("ours-w0", "ours-w2", "old-w0", "miles-main", "miles-pr-w2")
 TARGETS = "ours-w0 >= 3x miles-main chats/s, p99 <= 0.15x; ours-w2 >= 2x miles-pr-w2 chats/s, p50 <= 1x; " \
           "CPU/chat ours-w0 <= 0.9x old-w0"
 
@@ -97,7 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ours-old", default=OURS_OLD, help="our commit for old-w0 ('' to skip; default %(default)s)")
     ap.add_argument("--scratch", type=Path, default=default_scratch(),
                     help="scratch directory for the venv and the extracted trees (reused; default %(default)s)")
-    ap.add_argument("--only", default=",".join(ALL_SERVERS), help=f"servers to run (default: {','.join(ALL_SERVERS)})")
+    ap.add_argument("--ours-base", default="",
+                    help="our commit for base-w0, a second old tree in the same run (with --only ...,base-w0)")
+    ap.add_argument("--only", default=",".join(DEFAULT_SERVERS),
+                    help=f"servers to run, of {','.join(ALL_SERVERS)} (default: {','.join(DEFAULT_SERVERS)})")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients (default %(default)s)")
     ap.add_argument("--chats", type=int, default=100, help="chats per client (default %(default)s)")
     ap.add_argument("--turns", type=int, default=10, help="turns per conversation (session) (default %(default)s)")
@@ -115,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.only.split(",")) - set(ALL_SERVERS)
     if unknown:
         ap.error(f"--only: unknown servers {sorted(unknown)}")
+    if "base-w0" in args.only.split(",") and not args.ours_base:
+        ap.error("--only base-w0 needs --ours-base COMMIT")
     if min(args.clients, args.chats, args.turns, args.load_procs, args.rounds) < 1:
         ap.error("--clients, --chats, --turns, --load-procs and --rounds must be >= 1")
     return args
@@ -432,6 +440,10 @@ def report(results: dict[str, Result]) -> list[tuple[str, float | None, str, str
     add("CPU/chat ours-w0 / miles-main", v, "(info)", None)
     v = ratio(field("ours-w0", "cpu_ms_per_chat"), field("old-w0", "cpu_ms_per_chat"))
     add("CPU/chat ours-w0 / old-w0", v, "<= 0.9", None if v is None else v <= 0.9)
+    v = ratio(field("ours-w0", "cpu_ms_per_chat"), field("base-w0", "cpu_ms_per_chat"))
+    add("CPU/chat ours-w0 / base-w0", v, "(info)", None)
+    v = ratio(field("base-w0", "cpu_ms_per_chat"), field("old-w0", "cpu_ms_per_chat"))
+    add("CPU/chat base-w0 / old-w0", v, "(info)", None)
     v = ratio(field("ours-w0", "get_mib_s"), field("miles-main", "get_mib_s"))
     add("records GET MiB/s ours-w0 / miles-main", v, "(info)", None)
     v = ratio(field("ours-w2", "get_mib_s"), field("miles-pr-w2", "get_mib_s"))
@@ -476,11 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                 trees["miles-pr-w2"] = extract(git_dir, commits["miles-pr-w2"],
                                                args.scratch / f"miles-{commits['miles-pr-w2']}")
         python = miles_venv(args.scratch)
-    if "old-w0" in wanted and args.ours_old:
-        git_common = Path(subprocess.run(["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
-                                          "--git-common-dir"], check=True, capture_output=True, text=True).stdout.strip())
-        commits["old-w0"] = resolve(git_common, args.ours_old)
-        trees["old-w0"] = extract(git_common, commits["old-w0"], args.scratch / f"ours-{commits['old-w0']}")
+    for name, ref in (("old-w0", args.ours_old), ("base-w0", args.ours_base)):
+        if name in wanted and ref:
+            git_common = Path(subprocess.run(["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
+                                              "--git-common-dir"], check=True, capture_output=True,
+                                             text=True).stdout.strip())
+            commits[name] = resolve(git_common, ref)
+            trees[name] = extract(git_common, commits[name], args.scratch / f"ours-{commits[name]}")
     tokenizer = make_tokenizer(tmp / "tokenizer")
     from tokenizers import Tokenizer
 
@@ -496,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(start_ours(name, REPO, 0, backend.url, tokenizer, logs, args.r3_layers))
             elif name == "ours-w2":
                 servers.append(start_ours(name, REPO, 2, backend.url, tokenizer, logs, args.r3_layers))
-            elif name == "old-w0" and args.ours_old:
+            elif name in ("old-w0", "base-w0") and name in trees:
                 servers.append(start_ours(name, trees[name], 0, backend.url, tokenizer, logs, args.r3_layers))
             elif name == "miles-main":
                 servers.append(start_miles(name, python, trees[name], 0, backend.url, tokenizer, logs))

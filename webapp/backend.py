@@ -34,6 +34,7 @@ from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 from webapp.bulk import yield_to_chats
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
+from webapp.sockets import readable_now, send_small
 
 __all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
            "ProxyReply", "parse_backend_reply", "replay_spans"]
@@ -126,7 +127,9 @@ _BULK_BODY_BYTES = 1 << 20
 
 
 class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
-    """urllib3's connection, except that a small bytes body is sent joined to the head."""
+    """urllib3's connection, except that a small bytes body is sent joined to the head (one
+    ``send`` when the socket takes it whole), and the check of a kept-alive connection before
+    its reuse is one real ``poll`` (:mod:`webapp.sockets`)."""
 
     _join: bytes | None = None
     _held: bytes | None = None
@@ -150,9 +153,15 @@ class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
                 return
             if data is self._join:  # urllib3's send of the body: head and body in one
                 head, self._held, self._join = self._held, None, None
-                super().send(head + data)
+                if self.sock is None:  # a new connection: opened here, as http.client's send does
+                    self.connect()
+                send_small(self.sock, head + data)
                 return
         super().send(data)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.sock is not None and not readable_now(self.sock)
 
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)

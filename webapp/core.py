@@ -813,9 +813,8 @@ class SessionCore:
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
-                                           tuple(image.sha256 for image, _url in images.images))
-            if held:
-                record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
+                                           tuple(image.sha256 for image, _url in images.images),
+                                           replay_prefix=self._replay_prefix(turn, held, plan))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids,
                                     self.tokenizer.eos_token_id)
             # A session deleted during the turn: the reply still goes out, nothing is stored.
@@ -865,9 +864,8 @@ class SessionCore:
             reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
-                                           tuple(image.sha256 for image, _url in images.images), tree=True)
-            if held:
-                record = replace(record, replay_prefix=self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)))
+                                           tuple(image.sha256 for image, _url in images.images), tree=True,
+                                           replay_prefix=self._replay_prefix(turn, held, plan))
             new_state = commit_turn(plan, turn.assistant_message, turn.output_ids, self.tokenizer.eos_token_id)
             response_id = turn.completion.get("id")
             generation = session.commit_node(parent, new_state, plan, summary, record,
@@ -909,18 +907,26 @@ class SessionCore:
             return None  # a first-format record or a payload of another shape: ask for every row
         return rows, held.length // rows
 
+    def _replay_prefix(self, turn: EngineTurn, held: tuple[int, int] | None, plan: TurnPlan) -> dict[str, int]:
+        """The record's ``replay_prefix`` after a request that asked only for the rows past
+        ``held`` (:meth:`_rows_held`); empty after a full request."""
+        return self.dialect.replay_prefix(turn, held, len(plan.prompt_ids)) if held else {}
+
     @staticmethod
     def _record(payload: bytes, plan: TurnPlan, turn: EngineTurn, request_timestamp: float,
-                images: tuple[str, ...] = (), tree: bool = False) -> tuple[TurnRecord, RecordParts]:
+                images: tuple[str, ...] = (), tree: bool = False,
+                replay_prefix: dict[str, int] | None = None) -> tuple[TurnRecord, RecordParts]:
         """The record's summary and its parts (the reply is not copied). ``tree``: a tree
-        node's, miles' v2 ``SessionRecord`` (no ``rollback``: a tree never rolls back)."""
+        node's, miles' v2 ``SessionRecord`` (no ``rollback``: a tree never rolls back);
+        ``replay_prefix``: see :class:`webapp.records.RecordParts`."""
         timestamp = time.time()
         fields: dict[str, Any] = {"timestamp": timestamp, "request_timestamp": request_timestamp, "method": "POST",
                                   "path": CHAT_PATH, "status_code": 200}
         if not tree:
             fields["rollback"] = plan.rollback
         head = json.dumps(fields, separators=(",", ":"))
-        parts = RecordParts(head[:-1].encode() + b',"request":', payload, turn.record_response, turn.replay_spans)
+        parts = RecordParts(head[:-1].encode() + b',"request":', payload, turn.record_response, turn.replay_spans,
+                            replay_prefix or {})
         summary = TurnRecord(prompt_len=len(plan.prompt_ids), output_ids=tuple(turn.output_ids),
                              logprobs=tuple(turn.logprobs), finish_reason=turn.finish_reason, meta=turn.meta,
                              timestamp=timestamp, request_timestamp=request_timestamp,

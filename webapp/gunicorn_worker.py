@@ -10,7 +10,8 @@ reading anything, so the pool keeps room for other clients.
 gunicorn writes a response's status line and headers with one ``sendall`` and its body with
 another; its sockets have ``TCP_NODELAY``, so a small reply (every chat) left as two segments
 and woke its client twice. :class:`HeadWithBody` holds the head back until the body's first
-write and sends both in one call (one send and one wake-up fewer per reply).
+write and sends both in one call (one send and one wake-up fewer per reply), a single ``send``
+when the socket takes it whole (:func:`webapp.sockets.send_small`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from gunicorn.workers.ggevent import GeventWorker
 
 from webapp.http_limits import HttpLimits
+from webapp.sockets import send_small
 
 __all__ = ["HeadWithBody", "SessionServerWorker"]
 
@@ -90,7 +92,7 @@ class HeadWithBody:
             return
         self._held = None
         if len(data) <= JOIN_MAX:
-            self._sock.sendall(held + bytes(data))
+            send_small(self._sock, held + bytes(data))
         else:
             self._sock.sendall(held)
             self._sock.sendall(data)

@@ -153,6 +153,21 @@ _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread und
 OPEN_JOURNALS = 256  # journal descriptors a process keeps open between appends (least recently used closed)
 
 
+class _Process:
+    """This process's id, kept up to date across ``os.fork`` (a ``getpid`` syscall per use was
+    two of every turn's)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self.pid = os.getpid()
+
+
+_process = _Process()
+
+
 class _OpenJournals:
     """Journal descriptors kept open between a session's appends, by path, per process, at most
     ``limit`` (the least recently used closed past it): opening the file per turn was an
@@ -166,13 +181,13 @@ class _OpenJournals:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._pid = os.getpid()
+        self._pid = _process.pid
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def _mine(self) -> None:
-        if self._pid != os.getpid():  # a forked child: the inherited copies are not its to use
-            fds, self._fds, self._pid = self._fds, OrderedDict(), os.getpid()
+        if self._pid != _process.pid:  # a forked child: the inherited copies are not its to use
+            fds, self._fds, self._pid = self._fds, OrderedDict(), _process.pid
             for fd in fds.values():
                 os.close(fd)
 

@@ -24,21 +24,26 @@ import datetime
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from webapp.errors import WebappError
 from webapp.images import QwenVLRule, Vision
 
 __all__ = [
+    "ESCAPE_MEMO_CHARS",
+    "ESCAPE_MEMO_MESSAGES",
     "ByteChatTokenizer",
     "ChatTokenizer",
+    "EscapedMessages",
     "HFChatTokenizer",
     "SpecialText",
     "TokenizerLoadError",
     "content_text",
     "decode_lenient",
     "load_tokenizer",
+    "template_message",
     "template_messages",
 ]
 
@@ -74,6 +79,7 @@ class ChatTokenizer(Protocol):
 # (plane 15), doubled when it occurs in a field itself, so escaping is reversible for every str.
 _ESC = "\U000F0000"
 _MARKER_BASE = 0xF0001  # ESC + chr(_MARKER_BASE + k): the text of special token k
+_MAX_STARTS = 4
 
 
 class SpecialText:
@@ -88,16 +94,40 @@ class SpecialText:
         self._field_re = re.compile(re.escape(_ESC) + (f"|{alternatives}" if alternatives else ""))
         self._rendered_re = re.compile(f"{re.escape(_ESC)}(.)" + (f"|({alternatives})" if alternatives else ""),
                                        re.DOTALL)
+        # A field holding none of the characters an escape starts with is returned as it is:
+        # a substring test per character is a tenth of a regex call, and a turn escapes every
+        # field of the conversation twice (two renders). Past a few characters the regex is cheaper.
+        starts = sorted({t[0] for t in self.tokens if t} | {_ESC})
+        self._starts = starts if len(starts) <= _MAX_STARTS else None
 
     def escape(self, value: Any) -> Any:
         """``value`` (str, or dicts/lists of them) with every special token's text escaped."""
+        cls = type(value)
+        if cls is str:
+            return self._escape_str(value)
+        if cls is dict:  # (a message: its fields inline, without a call each)
+            escape_str, escape = self._escape_str, self.escape
+            return {k: escape_str(v) if type(v) is str else escape(v) for k, v in value.items()}
+        if cls is list or cls is tuple:
+            escape_str, escape = self._escape_str, self.escape
+            return [escape_str(v) if type(v) is str else escape(v) for v in value]
         if isinstance(value, str):
-            return self._field_re.sub(self._escape_one, value)
+            return self._escape_str(value)
         if isinstance(value, dict):
             return {k: self.escape(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.escape(v) for v in value]
         return value
+
+    def _escape_str(self, value: str) -> str:
+        starts = self._starts
+        if starts is not None:
+            for c in starts:
+                if c in value:
+                    break
+            else:
+                return value
+        return self._field_re.sub(self._escape_one, value)
 
     def _escape_one(self, match: re.Match[str]) -> str:
         found = match.group(0)
@@ -128,6 +158,91 @@ class SpecialText:
         run.append(text[at:])
         pieces.append("".join(run))
         return [p for p in pieces if p != ""]
+
+
+# What :class:`EscapedMessages` keeps (least recently used dropped past either): messages, and
+# characters of their strings. The strings are shared with the messages, so the second bound is
+# what it can keep alive of sessions already gone.
+ESCAPE_MEMO_MESSAGES = 32768
+ESCAPE_MEMO_CHARS = 32 << 20
+_PLAIN_TYPES = (int, float, bool, type(None))
+
+
+def _snapshot(value: Any, chars: list[int]) -> Any:
+    """A copy of a JSON-like value whose containers are its own (the strings shared): it stays
+    equal to the value only while the value is not changed in place; ``chars[0]`` grows by the
+    length of its strings. Raises ``TypeError`` for any other type (not memoized)."""
+    cls = type(value)
+    if cls is str:
+        chars[0] += len(value)
+        return value
+    if cls is dict:
+        return {k: _snapshot(v, chars) for k, v in value.items()}
+    if cls is list:
+        return [_snapshot(v, chars) for v in value]
+    if cls is tuple:
+        return tuple(_snapshot(v, chars) for v in value)
+    if cls in _PLAIN_TYPES:
+        return value
+    raise TypeError(cls.__name__)
+
+
+class EscapedMessages:
+    """The messages a template renders, each prepared (``prepare``) and escaped
+    (:meth:`SpecialText.escape`), the result kept per message object for the next render.
+
+    A turn renders its whole conversation twice (the prompt, and the stored turn to find where
+    its reply ended) and the next turn renders the same stored messages again: escaping every
+    field of every message each time was most of a render outside the template itself. A kept
+    result is used only while the message still equals the copy taken when it was escaped
+    (a message changed in place is escaped anew); the entry holds the message, so its ``id``
+    names no other object meanwhile. Bounded: ``limit`` messages and ``char_limit`` characters
+    of their strings, least recently used dropped.
+    """
+
+    def __init__(self, special_text: SpecialText, prepare: Callable[[Any], Any] = lambda m: m,
+                 limit: int = ESCAPE_MEMO_MESSAGES, char_limit: int = ESCAPE_MEMO_CHARS) -> None:
+        self._special_text, self._prepare = special_text, prepare
+        self.limit, self.char_limit = limit, char_limit
+        # id -> (message, copy, escaped, characters). No lock (a gevent lock would cost what is
+        # saved): each OrderedDict call is atomic, one that loses a race with another thread's is
+        # skipped, and the character count may drift by a race's entry (it bounds memory only).
+        self._memo: OrderedDict[int, tuple[Any, Any, Any, int]] = OrderedDict()
+        self.chars = 0
+
+    def __call__(self, messages: Sequence[Any]) -> list[Any]:
+        out = []
+        memo = self._memo
+        for message in messages:
+            key = id(message)
+            kept = memo.get(key)
+            if kept is not None and kept[0] is message and kept[1] == message:
+                try:
+                    memo.move_to_end(key)
+                except KeyError:
+                    pass
+                out.append(kept[2])
+                continue
+            escaped = self._special_text.escape(self._prepare(message))
+            out.append(escaped)
+            chars = [0]
+            try:
+                entry = (message, _snapshot(message, chars), escaped, chars[0])
+            except TypeError:  # not JSON-like: escaped each time
+                continue
+            try:
+                if kept is not None:  # the message changed in place since: its old entry goes
+                    self.chars -= memo.pop(key)[3]
+                memo[key] = entry
+                self.chars += entry[3]
+                while len(memo) > self.limit or self.chars > self.char_limit:
+                    self.chars -= memo.popitem(last=False)[1][3]
+            except KeyError:  # a race lost to another thread, or nothing left to drop
+                pass
+        return out
+
+    def __len__(self) -> int:
+        return len(self._memo)
 
 
 def content_text(content: Any) -> str:
@@ -170,6 +285,7 @@ class ByteChatTokenizer:
         self._special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
         self._special_by_id = {i: tok for tok, i in self._special_ids.items()}
         self._special_text = SpecialText(self.SPECIAL_TOKENS)
+        self._escaped_messages = EscapedMessages(self._special_text)
         self.eos_token_id = self._special_ids[self.eos_token]
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
         self.special_token_ids = frozenset(self._special_by_id)
@@ -201,7 +317,7 @@ class ByteChatTokenizer:
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
-        messages, tools = self._special_text.escape(list(messages)), self._special_text.escape(tools)
+        messages, tools = self._escaped_messages(messages), self._special_text.escape(tools)
         parts: list[str] = []
         if tools:
             lines = "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
@@ -229,13 +345,15 @@ def template_messages(messages: Sequence[Message]) -> list[Message]:
     never saw in training and not what the engine's own chat API renders. A string that is not
     a JSON object stays as it is (nothing is lost; vLLM would render ``{}``).
     """
-    out: list[Message] = []
-    for m in messages:
-        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-        if isinstance(calls, list) and calls:
-            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
-        out.append(m)
-    return out
+    return [template_message(m) for m in messages]
+
+
+def template_message(m: Message) -> Message:
+    """One message of :func:`template_messages`."""
+    calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+    if isinstance(calls, list) and calls:
+        return {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+    return m
 
 
 def _parsed_call(call: Any) -> Any:
@@ -289,6 +407,7 @@ class HFChatTokenizer:
         self._text_tok.encode_special_tokens = True
         self._special_text = SpecialText(
             [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special])
+        self._escaped_messages = EscapedMessages(self._special_text, template_message)
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
@@ -377,7 +496,7 @@ class HFChatTokenizer:
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> str:
         return self._template.render(
-            messages=self._special_text.escape(template_messages(messages)),
+            messages=self._escaped_messages(messages),
             tools=self._special_text.escape(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt, **self._special
         )

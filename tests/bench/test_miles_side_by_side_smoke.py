@@ -26,11 +26,12 @@ import miles_side_by_side as sbs
 def test_defaults_are_the_issue_shape():
     args = sbs.parse_args([])
     assert (args.clients, args.chats, args.records_mib, args.ours_old) == (64, 100, 250.0, "37e6388")
-    assert args.only.split(",") == list(sbs.ALL_SERVERS)
+    assert args.only.split(",") == list(sbs.DEFAULT_SERVERS) == [s for s in sbs.ALL_SERVERS if s != "base-w0"]
     assert args.miles_repo.startswith("https://github.com/radixark/miles")
 
 
-@pytest.mark.parametrize("argv", [["--only", "ours-w0,nginx"], ["--clients", "0"], ["--turns", "0"], ["--rounds", "0"]])
+@pytest.mark.parametrize("argv", [["--only", "ours-w0,nginx"], ["--clients", "0"], ["--turns", "0"], ["--rounds", "0"],
+                                  ["--only", "ours-w0,base-w0"]])  # base-w0 without --ours-base
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as exc:
         sbs.parse_args(argv)
@@ -40,7 +41,7 @@ def test_bad_arguments_are_refused(argv):
 def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, str(BENCH / "miles_side_by_side.py"), "--help"], capture_output=True,
                          text=True, check=True, env=dict(os.environ, PYTHONPATH=str(BENCH.parent))).stdout
-    for flag in ("--miles-repo", "--miles-tree", "--miles-pr-tree", "--miles-pr-ref", "--ours-old", "--clients",
+    for flag in ("--miles-repo", "--miles-tree", "--miles-pr-tree", "--miles-pr-ref", "--ours-old", "--ours-base", "--clients",
                  "--chats", "--turns", "--records-mib", "--scratch", "--only"):
         assert flag in out
     assert "--load-worker" not in out
@@ -75,13 +76,14 @@ def test_ratios_against_the_targets():
 
     results = {r.server: r for r in (res("ours-w0", 300, 10, 20, 1.0), res("miles-main", 100, 20, 200, 5.0),
                                      res("ours-w2", 150, 30, 40, 2.0), res("miles-pr-w2", 100, 20, 90, 3.0),
-                                     res("old-w0", 100, 10, 20, 1.05))}
+                                     res("old-w0", 100, 10, 20, 1.05), res("base-w0", 100, 10, 20, 1.25))}
     checks = {name: (value, verdict) for name, value, _, verdict in sbs.report(results)}
     assert checks["chats/s ours-w0 / miles-main"] == (3.0, "met")
     assert checks["p99 ours-w0 / miles-main"] == (0.1, "met")
     assert checks["chats/s ours-w2 / miles-pr-w2"] == (1.5, "NOT met")
     assert checks["p50 ours-w2 / miles-pr-w2"] == (1.5, "NOT met")
     assert checks["CPU/chat ours-w0 / old-w0"][1] == "NOT met"
+    assert checks["CPU/chat ours-w0 / base-w0"] == (0.8, "n/a")  # a second old tree: reported, no target
     assert sbs.report({})[0][1:] == (None, ">= 3", "n/a")
 
 

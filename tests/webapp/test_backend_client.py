@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import pytest
 
@@ -158,26 +159,63 @@ def test_a_body_past_the_read_timeout_is_a_timeout() -> None:
 
 
 def test_a_small_request_goes_out_in_one_send(monkeypatch) -> None:
+    """Head and body joined, and in one ``send`` (gevent's ``sendall`` costs a ``getsockopt``
+    and its chunking loop per call); a large body follows the head by ``sendall``, uncopied."""
     engine = _RawEngine(_http("200 OK", REPLY))
     client = BackendClient(engine.url)
-    sent: list[bytes] = []
-    real_sendall = socket.socket.sendall
+    sent: list[tuple[str, bytes]] = []
+    real_send, real_sendall = socket.socket.send, socket.socket.sendall
+
+    def record(name: str, data: bytes) -> None:
+        if bytes(data[:5]) != b"HTTP/":  # the engine's replies are not counted
+            sent.append((name, bytes(data)))
+
+    def send(sock: socket.socket, data: bytes, *args: object) -> int:
+        record("send", data)
+        return real_send(sock, data, *args)
 
     def sendall(sock: socket.socket, data: bytes, *args: object) -> None:
-        if bytes(data[:5]) != b"HTTP/":  # the engine's replies are not counted
-            sent.append(bytes(data))
+        record("sendall", data)
         real_sendall(sock, data, *args)
 
+    monkeypatch.setattr(socket.socket, "send", send)
     monkeypatch.setattr(socket.socket, "sendall", sendall)
     try:
         assert client.send("/v1/chat/completions", b'{"a":1}').raw == REPLY
-        assert len(sent) == 1 and sent[0].startswith(b"POST /v1/chat/completions ") and sent[0].endswith(b'\r\n\r\n{"a":1}')
+        assert [name for name, _ in sent] == ["send"]
+        assert sent[0][1].startswith(b"POST /v1/chat/completions ") and sent[0][1].endswith(b'\r\n\r\n{"a":1}')
         big = b'{"a":"' + b"x" * (1 << 20) + b'"}'  # a large body is not copied into the head's buffer
         assert client.send("/v1/chat/completions", big).raw == REPLY
-        assert len(sent) == 3 and sent[2] == big
+        assert [name for name, _ in sent] == ["send", "sendall", "sendall"] and sent[2][1] == big
     finally:
         client.close()
         engine.close()
+
+
+def test_a_connection_the_engine_closed_is_not_reused(monkeypatch) -> None:
+    """The check before reusing a kept-alive connection is one real zero-timeout poll of its
+    socket (never urllib3's, which under gevent is the hub's poll): a connection the engine
+    closed after its reply is replaced, an open one is reused."""
+    import urllib3.connection
+
+    def hub_poll(*args: object, **kwargs: object) -> bool:
+        raise AssertionError("urllib3's wait_for_read was used")
+
+    monkeypatch.setattr(urllib3.connection, "wait_for_read", hub_poll)
+    closing = _RawEngine(_http("200 OK", REPLY), close_after=True)
+    keeping = _RawEngine(_http("200 OK", REPLY))
+    clients = [BackendClient(closing.url), BackendClient(keeping.url)]
+    try:
+        for client in clients:
+            for _ in range(3):
+                assert client.send("/v1/chat/completions", b"{}").raw == REPLY
+                time.sleep(0.05)  # (the closing engine's FIN arrives before the next call)
+        assert (closing.connections, keeping.connections) == (3, 1)
+    finally:
+        for client in clients:
+            client.close()
+        closing.close()
+        keeping.close()
 
 
 def test_a_large_body_lets_the_process_small_requests_go_first(monkeypatch) -> None:

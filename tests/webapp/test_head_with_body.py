@@ -14,19 +14,27 @@ from typing import Any
 import pytest
 
 from webapp.gunicorn_worker import JOIN_MAX, HeadWithBody
+from webapp.sockets import send_small
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
 
 
 class Recorder:
-    """A real socket whose ``sendall`` calls are counted."""
+    """A real socket whose ``send`` and ``sendall`` calls are counted."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.sends: list[bytes] = []
+        self.calls: list[str] = []
+
+    def send(self, data: Any) -> int:
+        self.sends.append(bytes(data))
+        self.calls.append("send")
+        return self.sock.send(data)
 
     def sendall(self, data: Any) -> None:
         self.sends.append(bytes(data))
+        self.calls.append("sendall")
         self.sock.sendall(data)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,7 +66,32 @@ def test_head_and_small_body_go_in_one_send(pair: tuple[HeadWithBody, Recorder, 
     assert recorder.sends == []  # held
     sock.sendall(b'{"ok":true}')
     assert recorder.sends == [HEAD + b'{"ok":true}']
+    assert recorder.calls == ["send"]  # one send: not gevent's sendall (a getsockopt and a loop per call)
     assert read_exactly(peer, len(HEAD) + 11) == HEAD + b'{"ok":true}'
+
+
+class PartialSocket:
+    """A socket whose ``send`` takes at most ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls: list[tuple[str, bytes]] = []
+
+    def send(self, data: Any) -> int:
+        self.calls.append(("send", bytes(data[:self.limit])))
+        return min(len(data), self.limit)
+
+    def sendall(self, data: Any) -> None:
+        self.calls.append(("sendall", bytes(data)))
+
+
+def test_what_one_send_leaves_goes_by_sendall() -> None:
+    sock = PartialSocket(limit=10)
+    send_small(sock, b"0123456789abcdef")
+    assert sock.calls == [("send", b"0123456789"), ("sendall", b"abcdef")]
+    whole = PartialSocket(limit=100)
+    send_small(whole, b"0123456789abcdef")
+    assert whole.calls == [("send", b"0123456789abcdef")]
 
 
 def test_a_large_body_follows_the_head_in_its_own_send(pair: tuple[HeadWithBody, Recorder, socket.socket]) -> None:

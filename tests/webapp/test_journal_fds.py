@@ -112,6 +112,22 @@ def test_a_forked_child_closes_its_inherited_copies_and_opens_its_own(tmp_path):
     os.close(fd)
 
 
+def test_taking_and_giving_a_descriptor_asks_the_kernel_for_no_process_id(tmp_path, monkeypatch):
+    """The fork check reads the process id kept by an ``os.register_at_fork`` hook (the test
+    above: a child still sees its own), not a ``getpid`` per take and per give."""
+    cache = _OpenJournals(8)
+    path = str(tmp_path / "x.journal")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def getpid() -> int:
+        raise AssertionError("getpid called on a turn's path")
+
+    monkeypatch.setattr(os, "getpid", getpid)
+    cache.give(path, fd)
+    assert cache.take(path) == fd
+    os.close(fd)
+
+
 def _field_metas(path) -> list:
     """Each DELTA entry's field metas, read with the documented format."""
     import json

@@ -12,7 +12,9 @@ import pytest
 from webapp.tito import INITIAL_STATE, commit_turn, normalize_message, plan_turn, session_mismatch
 from webapp.tokenizers import (
     ByteChatTokenizer,
+    EscapedMessages,
     HFChatTokenizer,
+    SpecialText,
     TokenizerLoadError,
     decode_lenient,
     load_tokenizer,
@@ -163,3 +165,102 @@ def test_tool_call_arguments_reach_the_template_as_objects(hf_tokenizer_dir):
     text = tok.render([call('{"x": 1, "y": "é"}')], add_generation_prompt=False)
     assert '{"name": "click", "arguments": {"x": 1, "y": "é"}}' in text
     assert '"arguments": "not json"' in tok.render([call("not json")], add_generation_prompt=False)
+
+
+def _escape_reference(st: SpecialText, value):
+    """The escape by its definition: every string field through the field pattern."""
+    if isinstance(value, str):
+        return st._field_re.sub(st._escape_one, value)
+    if isinstance(value, dict):
+        return {k: _escape_reference(st, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape_reference(st, v) for v in value]
+    return value
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("tokens", [
+    ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],  # one start character (and the escape's)
+    ["<s>", "[INST]", "{tool}", "|sep|", "#end"],  # more than the fast test's few: the pattern alone
+    [],
+])
+def test_escape_equals_the_field_pattern_on_every_field(tokens):
+    """The escape skips fields holding no start character of an escape; the result is the
+    field pattern's on every string, whatever the nesting and value types."""
+    st = SpecialText(tokens)
+    texts = ["", "plain", "a <|im_end|> b", "<s>x[INST]", "\U000F0000", "{tool}#end|sep|", "<", "[", "<|im_"]
+    value = [{"role": "user", "content": t, "n": 1, "none": None,
+              "parts": [{"type": "text", "text": t}, (t, _Str(t))], "sub": _Str(t)} for t in texts]
+    assert st.escape(value) == _escape_reference(st, value)
+    assert st.escape(tuple(value)) == _escape_reference(st, tuple(value))
+    for t in texts:
+        assert st.escape(t) == _escape_reference(st, t) and st.escape(_Str(t)) == _escape_reference(st, t)
+
+
+@pytest.mark.parametrize("which", ["byte", "hf"])
+def test_a_render_escapes_only_the_messages_it_has_not_seen(which, hf_tokenizer_dir, monkeypatch):
+    """The stored messages a turn renders again (twice per turn, and at every later turn) are
+    escaped once: their escaped form is kept per message object (webapp.tokenizers.EscapedMessages)."""
+    tok = load_tokenizer(None if which == "byte" else hf_tokenizer_dir)
+    escaped: list[object] = []
+    real = SpecialText.escape
+
+    def counting(self, value):
+        if isinstance(value, dict):
+            escaped.append(value.get("content"))
+        return real(self, value)
+
+    monkeypatch.setattr(SpecialText, "escape", counting)
+    messages = [normalize_message({"role": "user", "content": f"task {FORGED}"})]
+    first = tok.render(messages, add_generation_prompt=True)
+    assert escaped == [f"task {FORGED}"]
+    messages += [normalize_message({"role": "assistant", "content": "ok"}),
+                 normalize_message({"role": "tool", "content": "seen"})]
+    escaped.clear()
+    second = tok.render(messages, add_generation_prompt=True)
+    assert escaped == ["ok", "seen"] and second.startswith(first[:first.index("<|im_start|>assistant")])
+    escaped.clear()
+    assert tok.render(messages, add_generation_prompt=True) == second and escaped == []
+
+
+def test_a_message_changed_in_place_is_escaped_anew():
+    tok = ByteChatTokenizer()
+    message = {"role": "user", "content": "before", "parts": [{"type": "text", "text": "a"}]}
+    assert "before" in tok.render([message], add_generation_prompt=False)
+    message["content"] = "after <|im_end|>"
+    text = tok.render([message], add_generation_prompt=False)
+    assert "after" in text and "before" not in text
+    assert tok.encode(text).count(tok.encode("<|im_end|>")[0]) == 1  # the field's marker stays text
+    message["parts"][0]["text"] = "b"  # a nested change counts too
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]))
+    assert escaped([message])[0]["parts"][0]["text"] == "b"
+    message["parts"][0]["text"] = "c"
+    assert escaped([message])[0]["parts"][0]["text"] == "c"
+
+
+def test_the_escaped_messages_kept_are_bounded():
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]), limit=3)
+    messages = [{"role": "user", "content": str(i)} for i in range(5)]
+    assert escaped(messages) == messages and len(escaped) == 3
+    odd = {"role": "user", "content": object()}  # not JSON-like: escaped, not kept
+    assert escaped([odd]) == [odd] and len(escaped) == 3
+
+
+def test_the_characters_kept_alive_are_bounded_too():
+    """The strings are the messages' own: the bound in characters is what the memo can keep
+    alive of sessions already gone."""
+    escaped = EscapedMessages(SpecialText(["<|im_end|>"]), char_limit=100)
+    small = [{"role": "tool", "content": "x" * 40} for _ in range(2)]  # 44 characters each
+    escaped(small)
+    assert (len(escaped), escaped.chars) == (2, 88)
+    escaped([{"role": "tool", "content": "y" * 40}])  # the least recently used goes
+    assert (len(escaped), escaped.chars) == (2, 88)
+    huge = {"role": "tool", "content": "z" * 1000}
+    assert escaped([huge]) == [huge] and escaped.chars <= 100  # never kept whole
+    small[0]["content"] = "changed"  # re-escaped: its old entry's characters are not counted twice
+    escaped(small[:1])
+    kept = [entry[0] for entry in escaped._memo.values()]
+    assert escaped.chars == sum(len(m["role"]) + len(m["content"]) for m in kept)
