@@ -19,6 +19,7 @@ plain base64 and parses the rest; the raw bytes, R3 included, go into the record
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import certifi
 import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
-from webapp.bulk import yield_to_chats
+from webapp.bulk import bulk_io
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 from webapp.sockets import readable_now, send_small
@@ -233,12 +234,14 @@ class BackendClient:
             if left <= 0:
                 raise BackendTimeout(f"{self.name} timed out: the turn's time budget ran out before the call")
             connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
-        if len(payload) > _BULK_BODY_BYTES:  # an image turn's body: the process's small requests first
-            yield_to_chats()
+        # An image turn's body: the process's small requests first, and its bulk lane left while
+        # the engine works (webapp.bulk).
+        waiting = bulk_io() if len(payload) > _BULK_BODY_BYTES else contextlib.nullcontext()
         try:
-            resp = self._open("POST", path, payload, _JSON_HEADERS,
-                              urllib3.Timeout(connect=connect_timeout, read=read_timeout))
-            raw = self._read_body(resp, read_timeout)
+            with waiting:
+                resp = self._open("POST", path, payload, _JSON_HEADERS,
+                                  urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+                raw = self._read_body(resp, read_timeout)
         except _TRANSPORT_ERRORS as exc:
             raise _translated(exc, f"{self.name} at {self.base_url}") from exc
         if resp.status != 200:

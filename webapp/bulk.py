@@ -1,17 +1,18 @@
 """Bulk work goes last in its process: small requests sharing a gevent hub run first.
 
 A session worker (and the single-process server) runs every request as a greenlet on one hub.
-Bulk work -- a multi-MiB body's chunks, an image turn's image work and its engine body -- calls
-:func:`bulk_turn` (or :func:`yield_to_chats`) before each heavy step, so a chat woken meanwhile
-(its engine reply arrived, its frame came in) runs before it instead of queueing behind it,
-while the bulk work still progresses at least every :data:`BULK_MAX_DEFER` seconds.
+Bulk work -- a multi-MiB body's chunks, an image turn's image work and its engine call -- calls
+:func:`bulk_turn` before each heavy step, so a chat woken meanwhile (its engine reply arrived,
+its frame came in) runs before it instead of queueing behind it, while the bulk work still
+progresses at least every :data:`BULK_MAX_DEFER` seconds.
 
 On a worker saturated by image turns the hub is never idle, so that wait alone gives a small
 request no precedence: it became ready behind every image turn already queued. So a large
 request's CPU work also runs in the process's one :func:`bulk_lane` (a handed-off body's whole
-handler in a worker, an image turn's image work anywhere), which it leaves at its engine send
-(:func:`yield_to_chats`): image turns queue for the lane, not on the hub's run queue, and a
-small request waits for at most the one section running (docs/benchmarks.md section 42).
+handler in a worker, an image turn's image work anywhere), which it leaves while it waits for
+the engine (:func:`bulk_io`) and takes again for the answer's work: image turns queue for the
+lane, not on the hub's run queue, and a small request waits for at most the one section
+running (docs/benchmarks.md section 42).
 
 Imports nothing of the session server: the IPC channel, the router, the engine client and the
 image checks all use it.
@@ -26,7 +27,7 @@ import gevent
 import gevent.lock
 from gevent import monkey
 
-__all__ = ["BULK_MAX_DEFER", "bulk_lane", "bulk_turn", "yield_to_chats"]
+__all__ = ["BULK_MAX_DEFER", "bulk_io", "bulk_lane", "bulk_turn"]
 
 # Bulk work waits at most this long for the hub to go idle, so small requests sharing the
 # process run first but bulk always progresses.
@@ -41,21 +42,6 @@ def bulk_turn(max_defer: float = BULK_MAX_DEFER) -> None:
     """
     with gevent.Timeout(max_defer, False):
         gevent.idle()
-
-
-def yield_to_chats() -> None:
-    """:func:`bulk_turn` before a large request's heavy step (an image turn's image work, its
-    multi-MiB engine body), in a gevent-patched process (a session worker, the single-process
-    server); elsewhere (a bare test client, plain threads) nothing.
-
-    A small chat on a worker busy with image turns waited mostly while its engine call was in
-    flight: woken by the engine's reply, it ran only after the image turns' CPU steps already
-    queued on the hub. An image turn that lets the hub's pending work run first before each of
-    those two steps moved that chat's p50 x0.59-0.87 (docs/benchmarks.md, screenshot turns).
-    """
-    if monkey.is_module_patched("socket"):
-        _lane().leave(gevent.getcurrent())  # this request's CPU section (bulk_lane) ends here
-        bulk_turn()
 
 
 # A bulk section waits at most this long for the lane, so a section that hangs (or a bug that
@@ -74,6 +60,11 @@ class _Lane:
         if self.owner is greenlet:
             self.owner = None
             self.semaphore.release()
+
+    def join(self, greenlet: object) -> None:
+        """Take the lane for ``greenlet``, waiting at most :data:`LANE_MAX_WAIT` (then go on without)."""
+        if self.semaphore.acquire(timeout=LANE_MAX_WAIT):
+            self.owner = greenlet
 
 
 _lanes: dict[object, _Lane] = {}
@@ -101,10 +92,28 @@ def bulk_lane() -> Iterator[None]:
     if lane.owner is me:
         yield
         return
-    if lane.semaphore.acquire(timeout=LANE_MAX_WAIT):
-        lane.owner = me
+    lane.join(me)
     try:
         bulk_turn()
         yield
     finally:
         lane.leave(me)
+
+
+@contextlib.contextmanager
+def bulk_io() -> Iterator[None]:
+    """A large request's wait on I/O (its multi-MiB engine send and the engine's answer): the
+    process's small requests first (:func:`bulk_turn`), and the request's :func:`bulk_lane`, if
+    it holds it, left meanwhile and taken again after. Outside a gevent-patched process, nothing."""
+    if not monkey.is_module_patched("socket"):
+        yield
+        return
+    lane, me = _lane(), gevent.getcurrent()
+    held = lane.owner is me
+    lane.leave(me)
+    bulk_turn()
+    try:
+        yield
+    finally:
+        if held:
+            lane.join(me)

@@ -1,6 +1,6 @@
 """Bulk work goes last in its process (``webapp.bulk``): large requests' CPU sections run one at
-a time, a section ends early at the request's engine send, and a section that never ends costs
-the others a bounded wait. In a fresh gevent-patched interpreter, as a session worker runs."""
+a time, a request leaves its section while it waits on its engine and takes it again after, and
+a section that never ends costs the others a bounded wait. In a fresh gevent-patched interpreter, as a session worker runs."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ SCRIPT = """
                 while time.monotonic() < end:  # CPU work: the hub does not switch meanwhile
                     pass
             if early_end:
-                bulk.yield_to_chats()  # the engine send: the section ends here
-                events.append(("sent", name))
-                gevent.sleep(0.2)  # the engine's answer, lane left
+                with bulk.bulk_io():  # the engine send and its answer: the lane left meanwhile
+                    events.append(("sent", name))
+                    gevent.sleep(bulk.LANE_MAX_WAIT / 2)  # (shorter: D would still wait for C otherwise)
+                events.append(("back", name))  # the lane taken again for the answer's work
             events.append(("out", name))
 
     def small():
@@ -60,7 +61,7 @@ SCRIPT = """
 """
 
 
-def test_sections_run_one_at_a_time_end_at_the_engine_send_and_never_wait_long() -> None:
+def test_sections_run_one_at_a_time_leave_the_lane_for_io_and_never_wait_long() -> None:
     result = run_script(SCRIPT)
     assert result.returncode == 0, result.stderr
     got = json.loads(clean_stdout(result).splitlines()[-1])
@@ -71,6 +72,6 @@ def test_sections_run_one_at_a_time_end_at_the_engine_send_and_never_wait_long()
     assert order.index(("small", None)) < order.index(("in", "B"))
     early = [tuple(e) for e in got["early"]]
     # D ran its whole section while C waited for its engine, not after C's whole request
-    assert early.index(("in", "C")) < early.index(("in", "D")) < early.index(("out", "D")) < early.index(("out", "C"))
+    assert early.index(("in", "C")) < early.index(("in", "D")) < early.index(("out", "D")) < early.index(("back", "C"))
     # a section that never ends holds the others for LANE_MAX_WAIT, not for its length
     assert got["max_wait"] * 0.5 <= got["waited"] < 0.5
