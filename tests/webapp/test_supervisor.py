@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,14 @@ def test_refuses_zero_workers_and_an_unpatched_process() -> None:
 @pytest.mark.integration
 def test_process_titles_name_their_shard(server) -> None:
     assert sorted(worker_procs(server)) == list(range(WORKERS))
+
+
+@pytest.mark.integration
+def test_each_worker_freezes_its_boot_objects_before_serving(server) -> None:
+    """(webapp.gcboot: a full collection no longer walks the modules and the tokenizer.)"""
+    for shard in range(WORKERS):
+        line = re.search(rf"worker\[{shard}/{WORKERS}\]: (\d+) boot objects frozen", server.output())
+        assert line is not None and int(line.group(1)) > 10_000, server.output()[-2000:]
 
 
 @pytest.mark.integration
