@@ -283,10 +283,10 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                                        body_timeout=http_limits.body_timeout)
         except FrameTooLarge as exc:  # the request itself was refused: no shard to blame
             return _error(exc.status, str(exc))
-        except WebappError as exc:
+        except WebappError as exc:  # one rule for every layer's error: its own status (webapp.errors)
             body_error = handed_body_error(exc) if body_socket is not None else None
             if body_error is not None:  # the worker's read of a handed-off body: answered as ours
-                return _error(body_error.status, str(body_error))  # one rule for every layer's error: its own status (webapp.errors)
+                return _error(body_error.status, str(body_error))
             text = str(exc) if isinstance(exc, ShardUnavailable) else f"session worker for shard {shard}: {exc}"
             return _error(exc.status, text, shard=shard)
         return _relay(reply)

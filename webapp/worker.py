@@ -51,8 +51,9 @@ log = logging.getLogger("webapp.worker")
 def run(conn: Any, shard: int, shards: int, core_config: dict[str, Any], parent_pid: int) -> None:
     """Process target: serve the session core for ``shard`` of ``shards`` over ``conn``.
 
-    ``conn`` is this end of a multiprocessing duplex ``Pipe`` (a socketpair on Linux);
-    only its file descriptor is used, with :mod:`webapp.ipc` framing. ``core_config`` holds
+    ``conn`` is this end of a multiprocessing duplex ``Pipe`` (a socketpair on Linux): its
+    first message is the handoff channel's end (``webapp.body_handoff``), then only its file
+    descriptor is used, with :mod:`webapp.ipc` framing. ``core_config`` holds
     the keyword arguments of :class:`webapp.core.CoreConfig`.
     """
     from gevent import monkey
