@@ -80,11 +80,11 @@ def _lane() -> _Lane:
 
 @contextlib.contextmanager
 def bulk_lane() -> Iterator[None]:
-    """A large request's CPU work, one request's at a time in this process: from here until the
-    section ends or the request calls :func:`yield_to_chats` (before its multi-MiB engine send:
-    the rest is I/O). With several image turns ready at once, at most one of them is queued on
-    the hub ahead of a small request that becomes ready; the others wait for the lane off the
-    hub's run queue. Re-entrant; outside a gevent-patched process, nothing."""
+    """A large request's CPU work, one request's at a time in this process, from here until the
+    section ends, except while the request waits on I/O (:func:`bulk_io`: its multi-MiB engine
+    call). With several image turns ready at once, at most one of them is queued on the hub
+    ahead of a small request that becomes ready; the others wait for the lane off the hub's run
+    queue (at most :data:`LANE_MAX_WAIT`). Re-entrant; outside a gevent-patched process, nothing."""
     if not monkey.is_module_patched("socket"):
         yield
         return
