@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import _socket
 import array
-import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -42,8 +41,6 @@ from webapp.http_limits import BodyError, BodyTimeout, MalformedBody
 from webapp.ipc import Buffer, IpcProtocolError, IpcRemoteError, IpcTimeout
 
 __all__ = ["MAX_AHEAD_BYTES", "MAX_MESSAGE_BYTES", "HandedBody", "handed_body_error", "open_pair", "receive_loop", "send"]
-
-log = logging.getLogger(__name__)
 
 # A handoff message is a REQUEST frame whose inline body is at most what an HTTP server reads
 # ahead with a request head (the router hands off nothing with more ahead than this).

@@ -788,24 +788,20 @@ class IpcServer:
         buffer = self.receive_pool.acquire(length) if length else bytearray()
         payload = memoryview(buffer)[:length]
         payload[:len(ahead)] = ahead
+        served = False
         try:
             with gevent.socket.socket(fileno=fd) as conn:  # this process's copy of the client's connection
                 read_socket_body(conn, payload[len(ahead):], timeout, len(ahead), length, between=bulk_turn)
+            if not self._inflight[rid].cancelled:  # (the router gave up meanwhile)
+                served = True
+                with bulk_lane():  # a large request's CPU work: one at a time, small requests first
+                    self._serve(rid, meta, payload, memoryview(payload))
         except BodyError as exc:  # the router answers it as its own read would have (408, 400)
-            self._inflight.pop(rid, None)
-            self.receive_pool.release(payload)
             self._transport.send(encode_error_frame(rid, IpcRemoteError.from_exception(exc)))
-            return
-        except BaseException:
-            self._inflight.pop(rid, None)
-            self.receive_pool.release(payload)
-            raise
-        if self._inflight[rid].cancelled:  # the router gave up meanwhile
-            self._inflight.pop(rid, None)
-            self.receive_pool.release(payload)
-            return
-        with bulk_lane():  # a large request's CPU work: one at a time, small requests first
-            self._serve(rid, meta, payload, memoryview(payload))
+        finally:
+            if not served:  # (_serve forgets a request it ran and gives its buffer back itself)
+                self._inflight.pop(rid, None)
+                self.receive_pool.release(payload)
 
     def _drop_incoming(self, rid: int) -> None:
         incoming = self._incoming.pop(rid, None)

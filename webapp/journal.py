@@ -869,7 +869,7 @@ class Usage:
         self._fds: tuple[int, int, int] | None = None
 
     def _open(self, what: str) -> tuple[int, int]:
-        if self._fds is not None and self._fds[0] == os.getpid():
+        if self._fds is not None and self._fds[0] == _process.pid:
             return self._fds[1], self._fds[2]
         try:
             lock = open_private(self.lock_path, os.O_RDWR | os.O_CREAT)
@@ -880,13 +880,13 @@ class Usage:
         except (DataDirUnsafe, OSError) as exc:
             os.close(lock)
             raise InsufficientStorage(f"{what} was not stored: {exc}") from exc
-        self._fds = (os.getpid(), lock, fd)
+        self._fds = (_process.pid, lock, fd)
         return lock, fd
 
     def close(self) -> None:
         """Close the kept descriptors (this process's); the next :meth:`add` opens them again."""
         fds, self._fds = self._fds, None
-        if fds is not None and fds[0] == os.getpid():
+        if fds is not None and fds[0] == _process.pid:
             os.close(fds[1])
             os.close(fds[2])
 
