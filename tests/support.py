@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -37,6 +38,16 @@ def start_hub_ticker(period: float) -> tuple[list[int], Any]:
             gevent.sleep(period)
 
     return ticks, gevent.spawn(tick)
+
+
+def wait_for(probe: Callable[[], bool], timeout: float, period: float = 0.05) -> bool:
+    """Poll ``probe`` every ``period`` seconds until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(period)
+    return True
 
 
 def native_thread_count(settle_to: int | None = None) -> int:

@@ -32,6 +32,7 @@ from shinken_sync.providers import LocalProvider
 from shinken_sync.providers.errors import IsolationUnavailable
 from shinken_sync.providers.isolated import IsolatedProvider
 from shinken_sync.sync import Sandbox
+from tests.support import wait_for
 
 MISSING = sorted(p for p in {*DESKTOPS["full"].programs, "Xvfb", "xdotool"} if shutil.which(p) is None)
 pytestmark = [
@@ -292,15 +293,8 @@ def test_a_killed_window_manager_is_restarted(desk: Desk) -> None:
 
     for _ in range(10):  # the new openbox may still be grabbing its keys: press until it acts
         sb.key("alt+F4")
-        if _wait_for_quietly(closed, 1.0):
+        if wait_for(closed, 1.0, period=0.1):
             return
     raise AssertionError("alt+F4 did not close the terminal after the window manager restarted")
 
 
-def _wait_for_quietly(probe: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True

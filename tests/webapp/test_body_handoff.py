@@ -28,6 +28,7 @@ import requests
 from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import SocketUnreader
 
+from tests.support import wait_for
 from webapp import body_handoff, ipc_channel
 from webapp.body_handoff import handed_body_error
 from webapp.core import Reply
@@ -286,13 +287,6 @@ def _connect(server) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=60)
 
 
-def _wait(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.integration
@@ -305,7 +299,7 @@ def test_the_worker_reads_a_large_body_from_the_connection_itself(backend, sessi
     body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}' + b" " * (3 << 20)
     with _connect(server) as sock:
         sock.sendall(_chat_head(sid, len(body)) + body[:1 << 20])
-        assert _wait(lambda: _holds(worker, sock)), "the worker never held the client's connection"
+        assert wait_for(lambda: _holds(worker, sock), 30), "the worker never held the client's connection"
         assert _holds(router, sock)  # the router keeps its own: it writes the reply
         sock.sendall(body[1 << 20:] + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         reply = b""
@@ -313,8 +307,8 @@ def test_the_worker_reads_a_large_body_from_the_connection_itself(backend, sessi
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
         assert reply.count(b"HTTP/1.1 200") == 2 and b'"status": "ok"' in reply, reply[-300:]
-    assert _wait(lambda: not any(c.raddr for c in worker.net_connections("tcp")
-                                 if c.raddr and c.raddr[1] != int(backend.url.rsplit(":", 1)[1])))
+    assert wait_for(lambda: not any(c.raddr for c in worker.net_connections("tcp")
+                                    if c.raddr and c.raddr[1] != int(backend.url.rsplit(":", 1)[1])), 30)
     with _connect(server) as sock:  # a client that waits for "100 Continue" (curl does, over 1 MiB)
         head = _chat_head(sid, len(body)).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1)
         sock.sendall(head)
@@ -333,7 +327,7 @@ def test_a_worker_killed_mid_body_costs_that_connection_only(backend, session_se
     _, worker = _processes(server)
     with _connect(server) as sock:
         sock.sendall(_chat_head(sid, 4 << 20) + b"{" + b" " * (1 << 20))  # a quarter of it, then a stall
-        assert _wait(lambda: _holds(worker, sock))  # the worker is reading it
+        assert wait_for(lambda: _holds(worker, sock), 30)  # the worker is reading it
         worker.kill()
         reply = b""
         while chunk := sock.recv(65536):  # the answer, then the router closes the connection
