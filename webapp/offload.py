@@ -14,6 +14,7 @@ the CPU the turns leave over instead of an equal share of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -59,8 +60,25 @@ def run_blocking(lane: str, fn: Callable[..., T], *args: Any) -> T:
 
         pool = _pools[lane] = ThreadPool(LANES[lane].threads)
     nice = LANES[lane].nice
-    result: T = pool.apply(_in_lane_thread, (nice, fn, args)) if nice else pool.apply(fn, args)  # gevent: Any
+    call = pool.spawn(_in_lane_thread, nice, fn, args) if nice else pool.spawn(fn, *args)
+    try:
+        result: T = call.get()  # gevent: Any
+    except BaseException:
+        # The caller was interrupted (killed, a gevent.Timeout) while ``fn`` may still run in
+        # the thread with the caller's descriptors: the caller's cleanup would close them under
+        # it, and a closed descriptor's number goes to the next open, so the thread would read or
+        # write another file or socket. The caller leaves only once the thread is done; every
+        # lane's call is bounded (a send slice, one append).
+        _join_uninterrupted(call)
+        raise
     return result
+
+
+def _join_uninterrupted(call: Any) -> None:
+    """Wait for ``call`` (a thread pool's result) to finish, whatever is raised into the waiter."""
+    while not call.ready():
+        with contextlib.suppress(BaseException):  # a second interruption: the caller re-raises the first
+            call.wait()
 
 
 def _in_lane_thread(nice: int, fn: Callable[..., T], args: tuple[Any, ...]) -> T:

@@ -46,3 +46,40 @@ def test_without_gevent_it_is_a_plain_call_at_the_callers_priority() -> None:
     me = threading.get_native_id()
     assert run_blocking("send", lambda: (threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0))) == (
         me, os.getpriority(os.PRIO_PROCESS, 0))
+
+
+KILL_SCRIPT = """
+    from gevent import monkey; monkey.patch_all()
+    import json
+    import gevent
+    from webapp.offload import run_blocking
+
+    real_sleep = monkey.get_original("time", "sleep")
+    events = []
+
+    def slow_copy():
+        events.append("thread started")
+        real_sleep(0.3)
+        events.append("thread done")
+
+    def caller():
+        try:
+            run_blocking("send", slow_copy)
+        finally:
+            events.append("caller cleanup")  # where a GET closes the descriptors the thread uses
+
+    g = gevent.spawn(caller)
+    while "thread started" not in events:
+        gevent.sleep(0.005)
+    g.kill(block=False)
+    gevent.sleep(0.01)
+    g.kill(block=False)  # a second interruption while it waits the thread out
+    g.join()
+    print(json.dumps({"events": events, "killed": isinstance(g.value, gevent.GreenletExit)}))
+"""
+
+
+def test_a_killed_caller_leaves_only_after_the_thread_is_done_with_its_descriptors() -> None:
+    out = json.loads(clean_stdout(run_script(KILL_SCRIPT)))
+    assert out["events"] == ["thread started", "thread done", "caller cleanup"]
+    assert out["killed"]  # the kill still ends the caller
