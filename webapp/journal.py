@@ -81,6 +81,7 @@ without one takes no lock; creates and deletes always move both counts.
 from __future__ import annotations
 
 import binascii
+import contextlib
 import errno
 import fcntl
 import json
@@ -794,6 +795,15 @@ class SessionJournal:
                 log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
             raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
                                       f"{exc.strerror or exc}") from exc
+        except BaseException:
+            # Interrupted (the greenlet killed, a gevent.Timeout) with the write done or never
+            # made (run_blocking waits its thread out): the turn is not committed, so its bytes go
+            # too; the next append, written at the committed end, would leave a longer one's tail.
+            if usage is not None:
+                usage.add(0, -grow)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self.size)
+            raise
         self.mtime_ns = st.st_mtime_ns
         self.size = pos
         self.last_crc = ENTRY_HEADER.unpack(entries[-1][0])[2]

@@ -224,6 +224,35 @@ def test_a_write_error_is_507_and_commits_nothing(tmp_path, monkeypatch):
     assert len(body_of(core.get_session(sid))["records"]) == 2
 
 
+class _Interrupted(BaseException):
+    """What a kill or a gevent.Timeout raises into the greenlet making a turn."""
+
+
+def test_a_turn_interrupted_after_its_write_leaves_no_bytes_behind(tmp_path, monkeypatch):
+    core = core_on(tmp_path)
+    sid = new_session(core)
+    msgs = play(core, sid, 2)
+    path = tmp_path / "sessions" / f"{sid}.journal"
+    size, before = path.stat().st_size, core.get_session(sid).read()
+
+    real = os.pwritev
+
+    def written_then_interrupted(fd, buffers, offset):  # the whole turn lands, then the kill
+        real(fd, buffers, offset)
+        raise _Interrupted
+
+    monkeypatch.setattr(os, "pwritev", written_then_interrupted)
+    longer = [*msgs, {"role": "user", "content": "a long next message " * 50}]
+    with pytest.raises(_Interrupted):
+        chat(core, sid, longer)
+    assert path.stat().st_size == size  # not committed: not on disk either
+    assert core.get_session(sid).read() == before
+    monkeypatch.setattr(os, "pwritev", real)
+    msgs.append({"role": "user", "content": "short"})
+    assert chat(core, sid, msgs).status == 200  # shorter than the one cut: no tail of it left
+    assert len(body_of(core_on(tmp_path).get_session(sid))["records"]) == 3  # a restart reads it whole
+
+
 def test_create_on_a_full_disk_is_507_and_leaves_no_file(tmp_path, monkeypatch):
     core = core_on(tmp_path)
     monkeypatch.setattr(os, "pwritev", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
