@@ -55,7 +55,6 @@ import concurrent.futures.thread  # see _register_exit_hook
 import contextlib
 import encodings.idna  # noqa: F401  -- see _prepare_caller
 import functools
-import importlib
 import math
 import os
 import select
@@ -70,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .errors import ShinkenError
 from .framebudget import USE_GLOBAL, BudgetSetting, budget_for_loop
+from .native import native
 
 if TYPE_CHECKING:
     import _thread
@@ -124,17 +124,9 @@ class AsyncClosable(Protocol):
     async def close(self) -> Any: ...
 
 
-def _native(module: str, name: str) -> Any:
-    """``module.name`` as it was before any gevent monkey-patching."""
-    monkey = sys.modules.get("gevent.monkey")
-    if monkey is not None:
-        return monkey.get_original(module, name)
-    return getattr(importlib.import_module(module), name)
-
-
-# _native gives Any; these are _thread's own functions (gevent's originals are those).
-_native_allocate_lock: Callable[[], _thread.LockType] = _native("_thread", "allocate_lock")
-_native_get_ident: Callable[[], int] = _native("_thread", "get_ident")
+# native() gives Any; these are _thread's own functions (gevent's originals are those).
+_native_allocate_lock: Callable[[], _thread.LockType] = native("_thread", "allocate_lock")
+_native_get_ident: Callable[[], int] = native("_thread", "get_ident")
 
 
 class _Gevent:
@@ -458,7 +450,7 @@ class _LoopThread:
         self.dead: BaseException | None = None  # why the thread stopped serving, once it has
 
     def start(self) -> None:
-        _native("_thread", "start_new_thread")(self._main, ())
+        native("_thread", "start_new_thread")(self._main, ())
 
     def check_alive(self) -> None:
         if self.pid != os.getpid():

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shinken_sync.lifetime import die_with_parent
+from shinken_sync.native import close_now
 from shinken_sync.protocol import split_unix_url, unix_url
 
 from .base import Liveness
@@ -276,7 +277,7 @@ class IsolatedDaemon(DaemonProcess):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                close_now(fd)
                 continue
             self._slot_fd = fd
             base = iso.host_uid_base + 2 * slot
@@ -346,7 +347,7 @@ class IsolatedDaemon(DaemonProcess):
             for path, text in users.items():
                 read_end, write_end = os.pipe()
                 os.write(write_end, text.encode())
-                os.close(write_end)
+                close_now(write_end)
                 self._child_fds.append(read_end)
                 self._data[path] = read_end
 
@@ -418,7 +419,7 @@ class IsolatedDaemon(DaemonProcess):
     def _spawned(self) -> None:
         self._forget_token()
         for fd in self._child_fds:
-            os.close(fd)
+            close_now(fd)
         self._child_fds.clear()
         self._init_pid = pid = self._read_init_pid()
         iso = self.isolation
@@ -470,7 +471,7 @@ class IsolatedDaemon(DaemonProcess):
     def _close_fds(self) -> None:
         for fd in list(self._fds.values()) + self._child_fds:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                close_now(fd)
         self._fds.clear()
         self._child_fds.clear()
 
@@ -535,7 +536,7 @@ class IsolatedDaemon(DaemonProcess):
             if self.host_dir:
                 shutil.rmtree(self.host_dir, ignore_errors=True)
             if self._slot_fd is not None:  # the uids are free again once nothing runs as them
-                os.close(self._slot_fd)
+                close_now(self._slot_fd)
                 self._slot_fd = None
 
 

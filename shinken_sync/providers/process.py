@@ -43,6 +43,7 @@ from typing import IO, Any
 
 from shinken_sync.childproc import ReadyLineBuffer, ReadyLineTooLong, StdoutClosed, parse_ready_line
 from shinken_sync.lifetime import parent_death_preexec
+from shinken_sync.native import close_now
 
 from .base import Liveness
 from .errors import DaemonStartError
@@ -137,7 +138,9 @@ class DaemonProcess:
         try:
             os.write(write_end, self.token.encode())  # 43 bytes: far below a pipe's buffer, never blocks
         finally:
-            os.close(write_end)
+            # The child reads the token to EOF: under gevent, os.close would leave this end open
+            # until the hub next wakes, and the start would wait on the ready line meanwhile.
+            close_now(write_end)
 
     def _command(self, argv: list[str]) -> list[str]:
         return [sys.executable, "-m", "shinken_sync.daemon.server", "--token-fd", str(self._token_fd), *argv]
@@ -288,7 +291,7 @@ class DaemonProcess:
     def _forget_token(self) -> None:
         if self._token_fd is not None:
             with contextlib.suppress(OSError):
-                os.close(self._token_fd)
+                close_now(self._token_fd)
             self._token_fd = None
 
 
