@@ -160,7 +160,10 @@ def test_resume_across_a_dropped_connection_reports_the_gap(run, daemon):
         seen = (await stream.next_frame(timeout=5)).seq
         transport.abort(first._ws)  # the network drops this connection
         with pytest.raises(StreamLost) as info:
-            await stream.next_frame(timeout=5)
+            # The loss reaches the client one loop turn after the abort: a frame that arrived
+            # before it may still be read first (on picows one sometimes is).
+            for _ in range(100):
+                seen = max(seen, (await stream.next_frame(timeout=5)).seq)
         lost = info.value
         assert lost.stream_id == stream.stream_id and lost.last_seq >= seen
         for x in range(2, 12):  # the stream keeps counting while nobody is attached
