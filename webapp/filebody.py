@@ -116,7 +116,7 @@ class B64Span:
         return _read_span(self, start, end)
 
 
-Piece = bytes | FileSpan | B64Span
+Piece = bytes | memoryview | FileSpan | B64Span  # a memoryview: a slice of bytes shared by several pieces
 _SPANS = (FileSpan, B64Span)
 
 
@@ -159,7 +159,7 @@ def read_pieces(pieces: Iterable[Piece], open_fds: Mapping[str, int] | None = No
     ``open_fds``: files the caller has open (readable), by path: read through those, not opened.
     """
     fds: dict[str, int] = {}
-    out: list[bytes] = []
+    out: list[bytes | memoryview] = []
     try:
         for piece in pieces:
             if isinstance(piece, _SPANS):
@@ -211,7 +211,7 @@ def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
     if len(paths) != 1:
         raise ValueError(f"a file body names exactly one file, got {sorted(paths)}")
     layout: list[Any] = []
-    inline: list[bytes] = []
+    inline: list[bytes | memoryview] = []
     for piece in pieces:
         if isinstance(piece, FileSpan):
             layout.append([piece.offset, piece.length])
@@ -230,12 +230,13 @@ def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
     if not isinstance(path, str) or not isinstance(entries, list):
         raise TypeError(f"malformed file layout {layout!r}")
     pieces: list[Piece] = []
+    view = memoryview(inline)  # inline pieces are slices of it, not copies (a GET's ids text is most of it)
     pos = 0
     for entry in entries:  # a records GET's layout is tens of thousands of entries: checks inline
         kind = type(entry)
         if kind is int:
             if entry >= 0:
-                pieces.append(inline[pos:pos + entry])
+                pieces.append(view[pos:pos + entry])
                 pos += entry
                 continue
         elif kind is list:
