@@ -429,6 +429,7 @@ class _FileBody:
 
     def close(self) -> None:
         self._whole = {}
+        self._scratch = _Scratch()  # its buffer goes now, not with the response object
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
