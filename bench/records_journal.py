@@ -11,7 +11,9 @@ Prints, against its targets (speed targets live here, never in tests):
    floor: a raw ``os.sendfile`` of the GET's byte count (the journal file, repeated: it is
    smaller than the records, which repeat each turn's R3) over a loopback TCP socket to the
    same reader. The first GET of the fresh session (which computes the session metadata) is
-   printed on its own. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs.
+   printed on its own. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs;
+   the server's CPU seconds and minor page faults per GET (a heap given back and faulted in again
+   shows there, not in the RSS).
 2. ``load``: the same GET while 64 clients chat on other sessions of the same server, half of
    them on the big session's shard (``webapp.sharding.shard_for``), each pausing ``--think-ms``
    between chats: GET MiB/s vs the idle floor (target >= 0.5x; the floor under the same chats
