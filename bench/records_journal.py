@@ -11,7 +11,9 @@ Prints, against its targets (speed targets live here, never in tests):
    floor: a raw ``os.sendfile`` of the GET's byte count (the journal file, repeated: it is
    smaller than the records, which repeat each turn's R3) over a loopback TCP socket to the
    same reader. The first GET of the fresh session (which computes the session metadata) is
-   printed on its own. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs.
+   printed on its own. MiB/s and the ratio -> target >= 0.8x. Worker and router RSS during the GETs;
+   the server's CPU seconds and minor page faults per GET (a heap given back and faulted in again
+   shows there, not in the RSS).
 2. ``load``: the same GET while 64 clients chat on other sessions of the same server, half of
    them on the big session's shard (``webapp.sharding.shard_for``), each pausing ``--think-ms``
    between chats: GET MiB/s vs the idle floor (target >= 0.5x; the floor under the same chats
@@ -237,6 +239,12 @@ def vm_rss(pid: int) -> int | None:
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` (0 if it is gone)."""
     return procfs.cpu_seconds(pid, gone=0.0)
+
+
+def server_cost(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds and minor page faults of the server's processes so far (the GET's own cost:
+    a page faulted in is a page the server's allocator gave back and took again)."""
+    return sum(cpu_seconds(pid) for pid in pids), sum(procfs.minor_faults(pid) for pid in pids)
 
 
 def machine_busy_seconds() -> float:
@@ -599,9 +607,14 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
             floor.get(buf)
             gets, floors = [], []
             sampler.set_phase("get")
+            server_pids = procfs.tree_pids(server.pid)
+            cost: list[tuple[float, int]] = []  # the server's CPU seconds and minor page faults per GET
             for _ in range(args.reps):
                 floors.append(floor.get(buf))
+                cpu0, faults0 = server_cost(server_pids)
                 gets.append(read_get(url_addr(server.url), f"/sessions/{sid}", buf))
+                cpu1, faults1 = server_cost(server_pids)
+                cost.append((cpu1 - cpu0, faults1 - faults0))
             bad = [g for g in gets if not g.complete]
             if bad:
                 out["incomplete_gets"] = [(g.status, g.got, g.length) for g in bad]
@@ -611,6 +624,7 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
                        get_mib_s_median=statistics.median(get_rates),
                        floor_mib_s_median=statistics.median(floor_rates),
                        get_ratio=statistics.median(get_rates) / statistics.median(floor_rates),
+                       get_server_cpu_s=[c for c, _ in cost], get_server_minor_faults=[f for _, f in cost],
                        get_worker_rss_max=sampler.worker_max("get"), get_router_rss_max=sampler.router_max("get"),
                        load_get=loadavg())
             if do_get:
@@ -619,6 +633,8 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
                       f"{out['floor_mib_s_median']:.0f} MiB/s ({', '.join(f'{r:.0f}' for r in floor_rates)}): "
                       f"x{out['get_ratio']:.2f}; the first GET {out['first_get_mib_s']:.0f} MiB/s; worker RSS max {out['get_worker_rss_max'] / MiB:.0f} MiB, "
                       f"router {out['get_router_rss_max'] / MiB:.0f} MiB", flush=True)
+                print(f"  server CPU per GET {', '.join(f'{c:.2f}' for c, _ in cost)} s, minor page faults per GET "
+                      f"{', '.join(str(f) for _, f in cost)}", flush=True)
             if do_load:
                 out["load"] = under_load(args, tmp, server, sid, big_shard, floor, buf, sampler)
         finally:

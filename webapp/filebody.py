@@ -116,7 +116,7 @@ class B64Span:
         return _read_span(self, start, end)
 
 
-Piece = bytes | FileSpan | B64Span
+Piece = bytes | memoryview | FileSpan | B64Span  # a memoryview: a slice of bytes shared by several pieces
 _SPANS = (FileSpan, B64Span)
 
 
@@ -159,7 +159,7 @@ def read_pieces(pieces: Iterable[Piece], open_fds: Mapping[str, int] | None = No
     ``open_fds``: files the caller has open (readable), by path: read through those, not opened.
     """
     fds: dict[str, int] = {}
-    out: list[bytes] = []
+    out: list[bytes | memoryview] = []
     try:
         for piece in pieces:
             if isinstance(piece, _SPANS):
@@ -211,7 +211,7 @@ def encode_layout(pieces: Sequence[Piece]) -> tuple[bytes, dict[str, Any]]:
     if len(paths) != 1:
         raise ValueError(f"a file body names exactly one file, got {sorted(paths)}")
     layout: list[Any] = []
-    inline: list[bytes] = []
+    inline: list[bytes | memoryview] = []
     for piece in pieces:
         if isinstance(piece, FileSpan):
             layout.append([piece.offset, piece.length])
@@ -230,12 +230,13 @@ def decode_layout(inline: bytes, layout: Mapping[str, Any]) -> list[Piece]:
     if not isinstance(path, str) or not isinstance(entries, list):
         raise TypeError(f"malformed file layout {layout!r}")
     pieces: list[Piece] = []
+    view = memoryview(inline)  # inline pieces are slices of it, not copies (a GET's ids text is most of it)
     pos = 0
     for entry in entries:  # a records GET's layout is tens of thousands of entries: checks inline
         kind = type(entry)
         if kind is int:
             if entry >= 0:
-                pieces.append(inline[pos:pos + entry])
+                pieces.append(view[pos:pos + entry])
                 pos += entry
                 continue
         elif kind is list:
@@ -344,6 +345,7 @@ class _FileBody:
         self.read_whole = frozenset(self._whole)  # the files this body read whole (kept after close)
         # sendfile only after something went through the server: its headers are on the wire.
         self._headers_out = False
+        self._scratch = _Scratch()
 
     def _by_sendfile(self, span: FileSpan) -> bool:
         """Whether ``span`` goes to the client by ``sendfile`` (long enough, a raw socket)."""
@@ -384,10 +386,10 @@ class _FileBody:
             encoded()
             if batch:
                 if sock is not None and self._headers_out:  # straight to the socket: no joined copy
-                    _send_batch(sock.fileno(), tuple(batch))
+                    _send_batch(sock.fileno(), tuple(batch), self._scratch)
                 else:
                     self._headers_out = True
-                    yield b"".join(_materialize(batch))
+                    yield b"".join(_materialize(batch, self._scratch))
                 batch.clear()
             size = 0
 
@@ -427,6 +429,7 @@ class _FileBody:
 
     def close(self) -> None:
         self._whole = {}
+        self._scratch = _Scratch()  # its buffer goes now, not with the response object
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
@@ -450,33 +453,61 @@ class _B64Run(NamedTuple):
 _Part = bytes | memoryview | _Read | _B64Run  # one buffer of a batch, as gathered in the hub
 
 
-def _make(part: _Part) -> bytes | memoryview:
-    """A part's buffer: its read made, a base64 run read and encoded."""
+class _Scratch:
+    """The one buffer a body reads its base64 runs' packed bytes into, reused run after run.
+
+    A fresh ``bytes`` per read (and a joined copy per run) made the send thread's malloc arena
+    grow and shrink by ~11 MiB per hand-off: glibc gave the pages back (``madvise``) and the
+    next hand-off faulted them in again, ~0.4 million page faults and a third of the worker's
+    CPU for a 4 GiB GET (docs/benchmarks.md section 44). A body is made by one thread at a time
+    (its greenlet waits for each hand-off), so one buffer per body serves every thread."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def view(self, size: int) -> memoryview:
+        if len(self._buf) < size:
+            self._buf = bytearray(-(-size // READ_CHUNK) * READ_CHUNK)  # whole MiBs: few regrowths
+        return memoryview(self._buf)[:size]
+
+
+def _make(part: _Part, scratch: _Scratch) -> bytes | memoryview:
+    """A part's buffer: its read made, a base64 run read (into ``scratch``) and encoded."""
     if isinstance(part, _Read):
         return _pread_all(part.fd, part.length, part.offset)
     if isinstance(part, _B64Run):
-        packed = [_pread_all(p.fd, p.length, p.offset) if isinstance(p, _Read) else p for p in part.parts]
-        return pybase64.b64encode(packed[0] if len(packed) == 1 else b"".join(packed))
+        if len(part.parts) == 1 and isinstance(part.parts[0], memoryview):
+            return pybase64.b64encode(part.parts[0])  # a slice of the file read whole: no copy
+        packed = scratch.view(sum(p.length if isinstance(p, _Read) else len(p) for p in part.parts))
+        pos = 0
+        for p in part.parts:
+            size = p.length if isinstance(p, _Read) else len(p)
+            if isinstance(p, _Read):
+                _preadv_all(p.fd, packed[pos:pos + size], p.offset)
+            else:
+                packed[pos:pos + size] = p
+            pos += size
+        return pybase64.b64encode(packed)
     return part
 
 
-def _materialize(batch: Sequence[_Part]) -> list[bytes | memoryview]:
-    return [_make(part) for part in batch]
+def _materialize(batch: Sequence[_Part], scratch: _Scratch) -> list[bytes | memoryview]:
+    return [_make(part, scratch) for part in batch]
 
 
-def _gather(parts: Sequence[_Part], i: int, have: int) -> tuple[list[bytes | memoryview], int]:
+def _gather(parts: Sequence[_Part], i: int, have: int, scratch: _Scratch) -> tuple[list[bytes | memoryview], int]:
     """Buffers made from ``parts[i:]`` until ``have`` plus theirs reach :data:`_BATCH` bytes;
     and the index of the first part not made."""
     out: list[bytes | memoryview] = []
     while i < len(parts) and have < _BATCH:
-        buf = _make(parts[i])
+        buf = _make(parts[i], scratch)
         out.append(buf)
         have += len(buf)
         i += 1
     return out, i
 
 
-def _send_batch(sock_fd: int, batch: Sequence[_Part]) -> None:
+def _send_batch(sock_fd: int, batch: Sequence[_Part], scratch: _Scratch) -> None:
     """Every byte of the batch to the client, in order, made :data:`_BATCH` bytes at a time.
     Under gevent the reads, the base64 and the ``writev`` run in a thread of the ``send`` lane
     (all three release the GIL), so the hub runs the process's chats meanwhile and the copy runs
@@ -485,31 +516,36 @@ def _send_batch(sock_fd: int, batch: Sequence[_Part]) -> None:
     if not gevent_active():
         i = 0
         while i < len(batch):
-            buffers, i = _gather(batch, i, 0)
+            buffers, i = _gather(batch, i, 0, scratch)
             _writev_all(sock_fd, buffers)
         return
     from gevent.socket import wait_write
 
-    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0)
+    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0, scratch)
     while left is not None:
         wait_write(sock_fd, timeout=_STALL_TIMEOUT,
                    timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
-        left = run_blocking("send", _write_parts, sock_fd, *left)
+        left = run_blocking("send", _write_parts, sock_fd, *left, scratch)
 
 
 _Left = tuple[list[memoryview], Sequence[_Part], int]  # a send slice's unsent buffers, parts, next part
 
 
-def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], i: int) -> _Left | None:
+def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], i: int,
+                 scratch: _Scratch) -> _Left | None:
     """In a thread of the ``send`` lane: ``views``, then ``parts[i:]`` made about
     :data:`_BATCH` bytes at a time, written with ``writev`` (a blocking socket) until all are
-    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left)."""
+    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left).
+
+    The buffers made here are freed here (``views`` is never added to in place: the caller's
+    list would keep them for the hub to free, and a free from another thread trims this
+    thread's malloc arena, whose pages the next hand-off then faults in again)."""
     with _blocking_slice(sock_fd):
         while True:
             pending = sum(len(v) for v in views)
             if pending < _BATCH and i < len(parts):
-                more, i = _gather(parts, i, pending)
-                views += [memoryview(b) for b in more if len(b)]
+                more, i = _gather(parts, i, pending, scratch)
+                views = views + [memoryview(b) for b in more if len(b)]
             if not views:
                 return None
             want = sum(len(v) for v in views[:_IOV_MAX])
@@ -535,6 +571,13 @@ def _b64_slice(fd: int, span: B64Span, start: int, end: int) -> bytes:
     lo, hi = first * 3, min(span.length, last * 3)
     text = pybase64.b64encode(_pread_all(fd, hi - lo, span.offset + lo))
     return text[start - first * 4:end - first * 4]
+
+
+def _preadv_all(fd: int, into: memoryview, offset: int) -> None:
+    """``len(into)`` bytes of ``fd`` at ``offset`` into ``into`` (short: the file shrank)."""
+    got = os.preadv(fd, [into], offset)
+    if got != len(into):
+        raise OSError(f"short read: {got} of {len(into)} bytes at {offset}")
 
 
 def _pread_all(fd: int, size: int, offset: int) -> bytes:

@@ -75,7 +75,7 @@ class RecordBody:
     fields: tuple[Field, ...]
     v1_replay: dict[str, tuple[int, int]] = field(default_factory=dict)  # first format: base64 spans
 
-    def pieces(self, ids_text: Callable[[int], bytes]) -> list[Piece]:
+    def pieces(self, ids_text: Callable[[int], bytes | memoryview]) -> list[Piece]:
         """The record's bytes as pieces; ``ids_text(n)``: the text of the session's first ``n`` ids."""
         out: list[Piece] = []
         for f in self.fields:
@@ -132,5 +132,7 @@ class IdsText:
         # summed by C iterators: a per-id generator cost a long session's first GET ~40 ms.
         self.ends = [0, *map(add, accumulate(map(len, strs)), range(len(strs)))]
 
-    def prefix(self, n: int) -> bytes:
-        return self.text[:self.ends[n]]
+    def prefix(self, n: int) -> memoryview:
+        """The text of the first ``n`` ids: a view of :attr:`text`, not a copy (a records GET
+        serves one per record: a copy each made a long session's GET copy the ids per record)."""
+        return memoryview(self.text)[:self.ends[n]]

@@ -323,6 +323,9 @@ def test_file_layout_round_trip_and_ranges(tmp_path):
     whole = read_pieces(pieces)
     inline, layout = encode_layout(pieces)
     assert inline == b"head,tail" and read_pieces(decode_layout(inline, layout)) == whole
+    # the inline pieces are views of the one inline buffer, not copies (a long GET's ids text)
+    decoded = decode_layout(inline, layout)
+    assert [p.obj for p in decoded if isinstance(p, memoryview)] == [inline] * 3
     for start, stop in [(0, 4), (2, 50), (3, 110), (104, 105), (0, len(whole)), (110, len(whole))]:
         assert read_pieces(slice_pieces(pieces, start, stop)) == whole[start:stop]
     with pytest.raises(ValueError):

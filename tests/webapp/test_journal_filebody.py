@@ -19,7 +19,11 @@ from webapp.filebody import (
     B64Span,
     FileSpan,
     Piece,
+    _B64Run,
     _FileBody,
+    _Read,
+    _Scratch,
+    _write_parts,
     read_pieces,
     span_bytes,
 )
@@ -153,9 +157,9 @@ GEVENT_BODY_SCRIPT = """
     pybase64.b64encode = spying_encode
     slices = []  # each call of a send thread: where it began
     real_write_parts = filebody._write_parts
-    def spying_write_parts(sock_fd, views, parts, i):
+    def spying_write_parts(sock_fd, views, parts, i, *rest):
         slices.append(i)
-        return real_write_parts(sock_fd, views, parts, i)
+        return real_write_parts(sock_fd, views, parts, i, *rest)
     filebody._write_parts = spying_write_parts
 
     path = os.path.join(sys.argv[1], "s.journal")
@@ -213,3 +217,62 @@ def test_under_gevent_base64_batches_are_read_encoded_and_written_off_the_hub(tm
     assert any(tid != out["hub"] for tid in out["encoders"]), out
     assert out["ticks"] >= 10  # ~120 ticks of 5 ms while the reader paused; fewer if the hub was held
     assert len(out["slices"]) >= 2  # the thread gave the paused reader's wait back to the hub, then went on
+
+
+def test_base64_runs_are_read_into_one_reused_buffer_per_body(tmp_path, monkeypatch):
+    """The packed bytes of every base64 run of a body go into one buffer, reused run after run
+    (no ``bytes`` per read, no joined copy per run): a fresh buffer each time made the send
+    thread's heap shrink and grow per hand-off, the pages faulted in again each time."""
+    size = _WHOLE_MAX + (3 << 20)  # larger than a file read whole: every span is read
+    path = _journal(tmp_path, size)
+    pieces: list[Piece] = [b'{"a":"']
+    for offset in range(0, size - (1 << 20), 1 << 20):  # a record's rows: one span per turn
+        pieces.append(B64Span(path, offset, 3 * 100_000))
+    pieces += [b'","b":"', B64Span(path, 5, 7 << 20), b'"}']
+    reads: list[object] = []
+    real_preadv = os.preadv
+
+    def spying_preadv(fd, buffers, offset):
+        reads.extend(b.obj for b in buffers)
+        return real_preadv(fd, buffers, offset)
+
+    def no_pread(*args):
+        raise AssertionError("a base64 run read into a fresh bytes")
+
+    monkeypatch.setattr(os, "preadv", spying_preadv)
+    monkeypatch.setattr(os, "pread", no_pread)
+    sent, _body = _served(pieces, raw_socket=True)
+    monkeypatch.undo()
+    assert sent == read_pieces(pieces)
+    assert len(reads) > len(pieces) - 4  # every span read (the long one in 3 MiB parts)
+    assert len({id(buffer) for buffer in reads}) == 1
+
+
+def test_a_send_slice_leaves_the_callers_buffer_list_alone(tmp_path):
+    """What a send slice makes, it frees: the list it was handed (the hub's) is not added to,
+    or the hub would free the slice's last buffers, and a free from another thread trims the
+    send thread's heap (its pages faulted in again on the next hand-off)."""
+    path = _journal(tmp_path, 3 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    server, client = socket.socketpair()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := client.recv(1 << 20):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    views: list[memoryview] = []
+    try:
+        parts = (b"[", _B64Run((_Read(fd, 0, 3 << 20),)), b"]")
+        left = _write_parts(server.fileno(), views, parts, 0, _Scratch())
+    finally:
+        server.shutdown(socket.SHUT_WR)
+        reader.join()
+        server.close()
+        client.close()
+        os.close(fd)
+    assert left is None
+    assert b"".join(got) == b"[" + B64Span(path, 0, 3 << 20).read() + b"]"
+    assert views == []

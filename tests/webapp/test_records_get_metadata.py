@@ -82,3 +82,4 @@ def test_every_prefix_of_the_ids_text_is_the_json_of_that_prefix():
         assert text.text == ids_json(ids)
         for n in range(len(ids) + 1):
             assert text.prefix(n) == ids_json(ids[:n])
+            assert text.prefix(n).obj is text.text  # a view: a GET's records share the one text
