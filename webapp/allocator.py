@@ -5,8 +5,8 @@ next turn: the body's text, the data URLs cut out of it, their bytes for hashing
 request joined from them (~3.6 MB each at a 20-screenshot history). glibc's ``malloc`` serves
 an allocation that large with a fresh ``mmap`` (or grows the heap and gives the top back on
 ``free`` once more than a trim threshold is free), so every turn's buffers start as untouched
-pages: the kernel zero-fills and maps each 4 KiB page on its first write, ~1 ms of a
-20-screenshot turn's ~5 ms of session-core CPU, in page faults alone (docs/benchmarks.md
+pages: the kernel zero-fills and maps each 4 KiB page on its first write, 0.4-0.9 ms of a
+20-screenshot turn's ~5-6 ms of session-core CPU in page faults alone (docs/benchmarks.md
 section 45).
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``) once at boot: allocations up to
@@ -14,7 +14,7 @@ section 45).
 past :data:`TRIM_THRESHOLD`, so the next turn's buffers reuse pages that are already mapped.
 The price is memory: a process that served large turns keeps up to ``TRIM_THRESHOLD`` of freed
 heap (plus what fragmentation holds anyway) instead of unmapping it. Larger allocations (a
-records GET's pieces are bounded far below; a 100 MiB body) are mapped and unmapped as before.
+100 MiB body) are mapped and unmapped as before.
 
 glibc only (``mallopt`` is its interface); elsewhere (musl, macOS) nothing changes.
 """
@@ -22,7 +22,6 @@ glibc only (``mallopt`` is its interface); elsewhere (musl, macOS) nothing chang
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
@@ -53,9 +52,8 @@ def keep_freed_memory(who: str) -> bool:
 
 
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library's among them
         libc.gnu_get_libc_version  # noqa: B018 (glibc's own symbol: musl has mallopt as a stub)
     except (OSError, AttributeError):
         return None
