@@ -457,7 +457,8 @@ class FrameDecoder:
 class ReceiveBufferPool:
     """Reusable receive buffers for large payloads, lent to one request at a time.
 
-    :meth:`acquire` lends the smallest idle buffer that fits (or maps a new one);
+    :meth:`acquire` lends the smallest idle buffer that fits (or grows the largest idle one, or
+    maps a new one);
     :meth:`release` takes it back once the request is over. A buffer is reused only when no
     view of it is left alive: :meth:`release` first releases the views it is given, then keeps
     the buffer only if nothing else still exports it (a handler that kept a slice of its body
@@ -491,14 +492,32 @@ class ReceiveBufferPool:
     def acquire(self, size: int) -> mmap.mmap:
         """A buffer of at least ``size`` bytes, for this caller alone until :meth:`release`."""
         self.trim()
+        rounded = _size_class(size)
+        length = rounded if rounded <= self.max_bytes else size
         for i, (buffer, _) in enumerate(self._idle):
             if len(buffer) >= size:
                 del self._idle[i]
                 break
         else:
-            rounded = _size_class(size)
-            buffer = mmap.mmap(-1, rounded if rounded <= self.max_bytes else size)
+            # Private: a shared anonymous mapping cannot grow (its pages past the first size fault).
+            buffer = (self._grown(length) if length <= self.max_bytes else None) or mmap.mmap(
+                -1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._lent.add(buffer)
+        return buffer
+
+    def _grown(self, length: int) -> mmap.mmap | None:
+        """The largest idle buffer (all are smaller than needed) grown to ``length`` bytes, or
+        None. An agent's body grows a little every turn (its history resent): growing keeps
+        the pages the last bodies already touched (``mremap``), so only the new tail is
+        mapped and faulted in, not the whole body again."""
+        if not self._idle:
+            return None
+        buffer = self._idle.pop()[0]
+        try:
+            buffer.resize(length)
+        except (OSError, SystemError, ValueError):  # no mremap here (not Linux): a new one
+            buffer.close()
+            return None
         return buffer
 
     def release(self, payload: Buffer, *views: memoryview) -> bool:

@@ -375,6 +375,23 @@ def test_pool_reuses_a_released_buffer_of_a_fitting_size_class() -> None:
     assert other is not first and pool.lent == 2
 
 
+def test_pool_grows_an_idle_buffer_for_a_larger_body_keeping_its_pages() -> None:
+    """An agent's body grows every turn: the last body's buffer is grown (its pages kept), not
+    replaced by a new mapping the whole next body faults in again."""
+    pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
+    first = pool.acquire(3 * MiB)
+    first[:5] = b"pages"
+    assert pool.release(memoryview(first)) is True
+    grown = pool.acquire(5 * MiB)  # over the idle buffer's size class
+    assert grown is first and len(grown) >= 5 * MiB and grown[:5] == b"pages"
+    grown[-5:] = b"grown"  # the new tail is memory like the rest
+    assert grown[-5:] == b"grown"
+    assert (pool.lent, pool.idle_bytes) == (1, 0)
+    assert pool.release(memoryview(grown)) is True
+    assert pool.acquire(65 * MiB) is not grown  # one the pool would not keep: mapped apart
+    assert pool.idle_bytes == len(grown)
+
+
 def test_pool_never_reuses_a_buffer_someone_still_sees() -> None:
     pool = ipc.ReceiveBufferPool(max_bytes=64 * MiB)
     buffer = pool.acquire(MiB)

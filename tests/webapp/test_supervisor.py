@@ -90,6 +90,13 @@ def test_each_worker_freezes_its_boot_objects_before_serving(server) -> None:
 
 
 @pytest.mark.integration
+def test_each_worker_keeps_freed_memory_for_the_next_turn(server) -> None:
+    """(webapp.allocator: a screenshot turn's multi-MiB buffers reuse mapped pages.)"""
+    for shard in range(WORKERS):
+        assert f"worker[{shard}/{WORKERS}]: malloc keeps freed memory" in server.output(), server.output()[-2000:]
+
+
+@pytest.mark.integration
 def test_killed_worker_fails_only_its_shard_and_is_restarted(server) -> None:
     base = server.url
     owned = sessions_by_shard(base)
