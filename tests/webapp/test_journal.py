@@ -197,13 +197,18 @@ def test_images_survive_a_restart_and_stay_out_of_memory(tmp_path):
     assert again.samples(sid, b"{}", include_images=True).status == 200
 
 
-def test_a_write_error_is_507_and_commits_nothing(tmp_path, monkeypatch):
+def _played(tmp_path, turns: int):
+    """``(core, session id, its messages, its journal, the journal's size, the session's GET)``
+    after ``turns`` turns."""
     core = core_on(tmp_path)
     sid = new_session(core)
-    msgs = play(core, sid, 1)
+    msgs = play(core, sid, turns)
     path = tmp_path / "sessions" / f"{sid}.journal"
-    size, before = path.stat().st_size, core.get_session(sid).read()
+    return core, sid, msgs, path, path.stat().st_size, core.get_session(sid).read()
 
+
+def test_a_write_error_is_507_and_commits_nothing(tmp_path, monkeypatch):
+    core, sid, msgs, path, size, before = _played(tmp_path, 1)
     real = os.pwritev
 
     def half_then_full(fd, buffers, offset):  # part of the turn lands, then the disk is full
@@ -229,12 +234,7 @@ class _Interrupted(BaseException):
 
 
 def test_a_turn_interrupted_after_its_write_leaves_no_bytes_behind(tmp_path, monkeypatch):
-    core = core_on(tmp_path)
-    sid = new_session(core)
-    msgs = play(core, sid, 2)
-    path = tmp_path / "sessions" / f"{sid}.journal"
-    size, before = path.stat().st_size, core.get_session(sid).read()
-
+    core, sid, msgs, path, size, before = _played(tmp_path, 2)
     real = os.pwritev
 
     def written_then_interrupted(fd, buffers, offset):  # the whole turn lands, then the kill

@@ -3,11 +3,13 @@ span reader, and the bytes served by every path (sendfile, pread, the file read 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pybase64
@@ -36,9 +38,10 @@ def _journal(tmp_path, size: int) -> str:
     return path
 
 
-def _served(pieces: list[Piece], *, raw_socket: bool) -> tuple[bytes, _FileBody]:
-    """What a client receives for ``pieces``: the body's yielded chunks and its sendfile spans,
-    in order, over a real socket pair (the server side given to the body when ``raw_socket``)."""
+@contextlib.contextmanager
+def _to_a_client() -> Iterator[tuple[socket.socket, list[bytes]]]:
+    """``(server side, what the client received)`` of a real socket pair whose client reads
+    everything in a thread; on exit the server side is shut down and the reader joined."""
     server, client = socket.socketpair()
     got: list[bytes] = []
 
@@ -48,16 +51,25 @@ def _served(pieces: list[Piece], *, raw_socket: bool) -> tuple[bytes, _FileBody]
 
     reader = threading.Thread(target=drain)
     reader.start()
-    body = _FileBody(pieces, server if raw_socket else None)
     try:
-        for chunk in body:
-            server.sendall(chunk)
+        yield server, got
     finally:
-        body.close()
         server.shutdown(socket.SHUT_WR)
         reader.join()
         server.close()
         client.close()
+
+
+def _served(pieces: list[Piece], *, raw_socket: bool) -> tuple[bytes, _FileBody]:
+    """What a client receives for ``pieces``: the body's yielded chunks and its sendfile spans,
+    in order, over a real socket pair (the server side given to the body when ``raw_socket``)."""
+    with _to_a_client() as (server, got):
+        body = _FileBody(pieces, server if raw_socket else None)
+        try:
+            for chunk in body:
+                server.sendall(chunk)
+        finally:
+            body.close()
     return b"".join(got), body
 
 
@@ -254,24 +266,12 @@ def test_a_send_slice_leaves_the_callers_buffer_list_alone(tmp_path):
     send thread's heap (its pages faulted in again on the next hand-off)."""
     path = _journal(tmp_path, 3 << 20)
     fd = os.open(path, os.O_RDONLY)
-    server, client = socket.socketpair()
-    got: list[bytes] = []
-
-    def drain() -> None:
-        while chunk := client.recv(1 << 20):
-            got.append(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
     views: list[memoryview] = []
     try:
-        parts = (b"[", _B64Run((_Read(fd, 0, 3 << 20),)), b"]")
-        left = _write_parts(server.fileno(), views, parts, 0, _Scratch())
+        with _to_a_client() as (server, got):
+            parts = (b"[", _B64Run((_Read(fd, 0, 3 << 20),)), b"]")
+            left = _write_parts(server.fileno(), views, parts, 0, _Scratch())
     finally:
-        server.shutdown(socket.SHUT_WR)
-        reader.join()
-        server.close()
-        client.close()
         os.close(fd)
     assert left is None
     assert b"".join(got) == b"[" + B64Span(path, 0, 3 << 20).read() + b"]"
