@@ -81,7 +81,6 @@ without one takes no lock; creates and deletes always move both counts.
 from __future__ import annotations
 
 import binascii
-import contextlib
 import errno
 import fcntl
 import json
@@ -784,7 +783,10 @@ class SessionJournal:
             st = os.fstat(fd)
             if not st.st_nlink:  # the file was deleted from outside since it was opened
                 raise FileNotFoundError(errno.ENOENT, "the session journal is gone", self.path)
-        except OSError as exc:
+        except BaseException as exc:
+            # Failed, or interrupted (the greenlet killed, a gevent.Timeout) with the write done
+            # or never made (run_blocking waits its thread out): the turn is not committed, so its
+            # bytes go too; the next append, written at the committed end, would leave a tail.
             if usage is not None:
                 usage.add(0, -grow)
             if isinstance(exc, FileNotFoundError):
@@ -793,16 +795,9 @@ class SessionJournal:
                 os.ftruncate(fd, self.size)
             except OSError:
                 log.exception("cannot cut %s back to %d bytes after a failed append", self.path, self.size)
-            raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
-                                      f"{exc.strerror or exc}") from exc
-        except BaseException:
-            # Interrupted (the greenlet killed, a gevent.Timeout) with the write done or never
-            # made (run_blocking waits its thread out): the turn is not committed, so its bytes go
-            # too; the next append, written at the committed end, would leave a longer one's tail.
-            if usage is not None:
-                usage.add(0, -grow)
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, self.size)
+            if isinstance(exc, OSError):
+                raise InsufficientStorage(f"{what} was not stored: writing the session journal failed: "
+                                          f"{exc.strerror or exc}") from exc
             raise
         self.mtime_ns = st.st_mtime_ns
         self.size = pos
