@@ -27,11 +27,14 @@ function of the input ids and the images (and the knobs), so records can be chec
 
 Images: ``image_data`` (SGLang's field) is a list of images in order of appearance, each a
 ``data:image/...;base64,`` URL or bare base64. The prompt must hold as many image pad runs
-(``<|vision_start|>`` then pads) as there are images, else 400; the sha256 of each image's
-bytes enters the digest, so one changed pixel changes the reply. Its cost per turn is what an
-engine's request handling is at least: the body's JSON (``webapp.limits.loads_strict``, which
-cuts the data URLs out before decoding), each image's base64 decoded (``pybase64``, validating)
-and its bytes hashed: ~1.5-2 ms for a body of 20 screenshots.
+(``<|vision_start|>`` then pads) as there are images, else 400; the BLAKE3 digest of each
+image's bytes enters the reply's digest, so one changed pixel changes the reply. Its cost per
+turn is what an engine's request handling is at least: the body's JSON
+(``webapp.limits.loads_strict``, which cuts the data URLs out before decoding), each image's
+base64 decoded (``pybase64``, validating) and its bytes hashed. The hash is BLAKE3, not
+sha256: sha256 of a 20-screenshot history (~2.7 MB) took ~5 ms here, more than the rest of
+the request, and made this stand-in the largest CPU cost of the screenshot benchmark beside
+the server it measures.
 
 When bound, it prints one JSON line on stdout: ``{"ready": true, "url": "http://HOST:PORT"}``.
 """
@@ -55,6 +58,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pybase64
+from blake3 import blake3
 
 from shinken_sync.childproc import ReadyLineError, ReadyLineTimeout, parse_ready_line, read_ready_line
 from shinken_sync.lifetime import watch_parent
@@ -99,7 +103,7 @@ class R3Shape:
 def _digest(input_ids: Sequence[int], images: Sequence[bytes] = ()) -> bytes:
     h = hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16)
     for image in images:
-        h.update(hashlib.sha256(image).digest())
+        h.update(blake3(image).digest())
     return h.digest()
 
 
