@@ -46,12 +46,16 @@ def cpu_seconds(pid: int | str = "self", gone: float | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def minor_faults(pid: int | str = "self") -> int:
-    """Minor page faults of a process so far, its threads included (0 once it is gone)."""
+def minor_faults(pid: int | str = "self", gone: int | None = None) -> int:
+    """Minor page faults of a process so far, its threads included; ``gone`` when it no longer
+    exists (None: raise FileNotFoundError), as :func:`cpu_seconds`."""
     try:
-        return int(_stat_fields(pid)[7])
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return 0
+        fields = _stat_fields(pid)
+    except FileNotFoundError:
+        if gone is None:
+            raise
+        return gone
+    return int(fields[7])
 
 
 def status(pid: int | str = "self") -> dict[str, str]:

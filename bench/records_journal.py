@@ -266,8 +266,11 @@ class CpuMeter:
         with contextlib.suppress(psutil.Error):
             backends = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
                         if "reference_backend" in " ".join(p.cmdline())]
-        self.roles = {"router": routers, "workers": workers, "backend": backends, "bench": [os.getpid()],
-                      **{k: [v] for k, v in extra.items()}}
+        roles = {"router": routers, "workers": workers, "backend": backends, "bench": [os.getpid()],
+                 **{k: [v] for k, v in extra.items()}}
+        # Only roles that have processes: at --workers 0 there are no session workers (the
+        # router serves every session itself), and a "workers 0.00" column read as idle workers.
+        self.roles = {role: pids for role, pids in roles.items() if pids}
         self.busy: dict[str, dict[str, float]] = {}
         self.seconds: dict[str, float] = {}
 

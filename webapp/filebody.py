@@ -478,10 +478,10 @@ def _make(part: _Part, scratch: _Scratch) -> bytes | memoryview:
     if isinstance(part, _B64Run):
         if len(part.parts) == 1 and isinstance(part.parts[0], memoryview):
             return pybase64.b64encode(part.parts[0])  # a slice of the file read whole: no copy
-        packed = scratch.view(sum(p.length if isinstance(p, _Read) else len(p) for p in part.parts))
+        sizes = [p.length if isinstance(p, _Read) else len(p) for p in part.parts]
+        packed = scratch.view(sum(sizes))
         pos = 0
-        for p in part.parts:
-            size = p.length if isinstance(p, _Read) else len(p)
+        for p, size in zip(part.parts, sizes):
             if isinstance(p, _Read):
                 _preadv_all(p.fd, packed[pos:pos + size], p.offset)
             else:
