@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Sequence
 
 MiB = 1024**2
 
@@ -25,12 +26,15 @@ class Http:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle/delayed-ACK stalls
         self.rfile = self.sock.makefile("rb", buffering=256 * 1024)
 
-    def request(self, method: str, path: str, body: bytes = b"", sink: bool = False) -> tuple[int, bytes | int]:
-        """(status, body); ``sink``: (status, body length), the body read and discarded in
-        4 MiB pieces (a records GET can be GiBs)."""
-        head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {len(body)}\r\n"
+    def request(self, method: str, path: str, body: bytes | Sequence[bytes] = b"",
+                sink: bool = False) -> tuple[int, bytes | int]:
+        """(status, body); ``body`` may be pieces, sent gathered (a multi-MiB screenshot body
+        joined into one buffer cost the load generator a copy per turn); ``sink``: (status,
+        body length), the body read and discarded in 4 MiB pieces (a records GET can be GiBs)."""
+        pieces = [body] if isinstance(body, bytes) else list(body)
+        head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {sum(map(len, pieces))}\r\n"
                 f"Content-Type: application/json\r\n\r\n").encode()
-        self.sock.sendall(head + body)
+        _send_gathered(self.sock, [head, *pieces])
         status_line = self.rfile.readline()
         if not status_line:
             raise ConnectionError(f"{method} {path}: connection closed before the reply")
@@ -53,3 +57,14 @@ class Http:
     def close(self) -> None:
         self.rfile.close()
         self.sock.close()
+
+
+def _send_gathered(sock: socket.socket, pieces: list[bytes]) -> None:
+    """Every byte of ``pieces`` in order, by ``sendmsg`` (no joined copy); cooperative under gevent."""
+    views = [memoryview(p) for p in pieces if p]
+    while views:
+        sent = sock.sendmsg(views[:1024])  # IOV_MAX
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
