@@ -1,7 +1,7 @@
 """The single-process session server: the router (:mod:`webapp.router`, the one HTTP
 surface) over one in-process shard (:class:`webapp.local_shard.LocalShard`).
 
-``gunicorn -k gevent --no-control-socket 'webapp.app:create_app()'`` serves it. Settings come
+``gunicorn -k gevent --no-control-socket 'webapp.app:create_app()'`` serves it (the flag: gunicorn 25.1+). Settings come
 from the arguments or, when ``config`` is None, from the environment: ``SHINKEN_<NAME>`` for
 every ``core``, ``router``, ``http`` and ``launcher`` setting of :data:`webapp.settings.SETTINGS`
 (the same variables ``shinken-session-server`` sets). Without ``SHINKEN_BACKEND_URL`` the app

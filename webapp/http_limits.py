@@ -142,7 +142,29 @@ def iter_request_body(stream: IO[bytes], wsgi_input: Any, timeout: float, length
     reader = getattr(wsgi_input, "reader", None)
     if _direct(wsgi_input, reader, length):
         return _socket_body(wsgi_input, reader, timeout, chunk)
-    return iter_body(stream, timeout, chunk, length)
+    return _not_reused_on_failure(iter_body(stream, timeout, chunk, length), wsgi_input)
+
+
+def _not_reused_on_failure(pieces: Iterator[bytes], wsgi_input: Any) -> Iterator[bytes]:
+    """``pieces``; if reading them fails under gunicorn, the connection is not read on
+    (:func:`_not_reused`). A consumer that stops early is no failure: gunicorn's own reader was
+    used, so it drains the rest by the body's length and finds the next request."""
+    try:
+        yield from pieces
+    except Exception:
+        sock = _server_socket(wsgi_input)
+        if sock is not None:
+            _not_reused(wsgi_input, sock)
+        raise
+
+
+def _server_socket(wsgi_input: Any) -> Any:
+    """The client's socket under gunicorn's body reader (None: not gunicorn's, or no socket)."""
+    if _GunicornBody is None or not isinstance(wsgi_input, _GunicornBody):
+        return None
+    reader = wsgi_input.reader  # LengthReader/EOFReader keep the unreader, ChunkedReader its request
+    unreader = getattr(reader, "unreader", None) or getattr(getattr(reader, "req", None), "unreader", None)
+    return getattr(unreader, "sock", None)
 
 
 def _direct(wsgi_input: Any, reader: Any, length: int | None) -> bool:
@@ -179,13 +201,24 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
                     _recv_exactly(unreader.sock, view[filled:], deadline, timeout, length - reader.length + filled,
                                   length)
                 except BaseException:
-                    body.failed = True  # where the next request starts is unknown now
+                    _not_reused(body, unreader.sock)  # where the next request starts is unknown now
                     raise
             reader.length -= size
             yield piece
     finally:
         if ahead:  # left unread (the consumer stopped early): gunicorn's to drain, in order
             unreader.unread(ahead)
+
+
+def _not_reused(body: Any, sock: Any) -> None:
+    """gunicorn must not read another request from this connection: where it would start is
+    unknown. ``Body.failed`` says so to gunicorn 27+ (it closes the connection after the
+    answer); older gunicorns, which drain the rest of the body by its length and parse on, find
+    the read side shut down instead: end of input, so they close it too. The answer still goes
+    out (only reading is shut)."""
+    body.failed = True
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
 
 
 def _recv_exactly(sock: Any, view: memoryview, deadline: float, timeout: float, before: int, length: int) -> None:
@@ -245,9 +278,7 @@ class SocketBody:
         """The body's fate is unknown (the other process may still be reading it): the connection
         is not reused, and its read side is shut down, so a reader elsewhere stops at once."""
         self.ended = True
-        self._body.failed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RD)
+        _not_reused(self._body, self.sock)
 
     def close(self) -> None:
         """:meth:`abandon` unless it ended already (the taker failed before handing it on: its
@@ -280,11 +311,12 @@ def read_body(stream: IO[bytes], timeout: float, length: int | None = None) -> b
     return b"".join(iter_body(stream, timeout, length=length))
 
 
-def discard_body(stream: IO[bytes], timeout: float, length: int | None = None) -> None:
+def discard_body(stream: IO[bytes], timeout: float, length: int | None = None, wsgi_input: Any = None) -> None:
     """Read and drop a refused request's body (in pieces: no memory kept), so the client that
-    is still sending it reads the refusal instead of a reset; errors end it quietly."""
+    is still sending it reads the refusal instead of a reset; errors end it quietly (and, with
+    gunicorn's ``wsgi_input``, the connection is not read on)."""
     try:
-        for _piece in iter_body(stream, timeout, length=length):
+        for _piece in _not_reused_on_failure(iter_body(stream, timeout, length=length), wsgi_input):
             pass
     except (BodyError, OSError, HTTPException):
         pass

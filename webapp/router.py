@@ -371,7 +371,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                 # Streamed on to the shard as it arrives: the router never holds a whole large body.
                 return call(session_id, op, body_stream=pieces, body_length=length, timeout=timeout, **meta)
         except InflightRefused as exc:
-            discard_body(request.stream, http_limits.body_timeout, length)
+            discard_body(request.stream, http_limits.body_timeout, length, request.environ.get("wsgi.input"))
             response = _error(exc.status, str(exc))
             response.headers.extend(refusal_headers(exc))
             return response

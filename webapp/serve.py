@@ -91,6 +91,19 @@ _ServerT = TypeVar("_ServerT", bound="SessionServerProcess")
 
 API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
+
+
+def gunicorn_version_flags() -> list[str]:
+    """Command-line settings the installed gunicorn knows of those only some versions have.
+
+    gunicorn 25.1 added a control socket (for ``gunicornc``), on by default; the launcher turns
+    it off (nothing here uses it, and it is one more listening endpoint). Older gunicorns, which
+    setup.py allows, have no such socket and refuse the flag: every start failed with
+    "unrecognized arguments: --no-control-socket"."""
+    from gunicorn.config import KNOWN_SETTINGS  # the master's settings table; imports no worker
+
+    known = {setting.name for setting in KNOWN_SETTINGS}
+    return ["--no-control-socket"] if "control_socket_disable" in known else []
 READY_TIMEOUT = 120.0
 # gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
 EXIT_NOT_READY = 3
@@ -434,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = launcher_env(values)
     app_uri = "webapp.router:create_app()" if workers else "webapp.app:create_app()"
     argv_gunicorn = [sys.executable, "-m", "gunicorn", "-c", str(CONF_PATH), "--bind", f"fd://{listener.fileno()}",
-                     "--no-control-socket", "--worker-class", "webapp.gunicorn_worker.SessionServerWorker",
+                     *gunicorn_version_flags(), "--worker-class", "webapp.gunicorn_worker.SessionServerWorker",
                      "--workers", "1", app_uri]
     # gunicorn dies with this process however it dies (SIGTERM: a graceful stop of its worker, which
     # stops the session workers); this process is single-threaded here, see shinken_sync.lifetime.

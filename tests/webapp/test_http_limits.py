@@ -82,18 +82,28 @@ def test_a_normal_client_is_served_during_2000_slow_body_clients(server) -> None
 
 def test_a_body_not_sent_within_body_timeout_is_408(backend, session_server_factory) -> None:
     """A small body (one frame), and a large one (the router's worker reads it from the
-    connection itself: webapp.body_handoff): the same 408, and the connection is closed."""
+    connection itself: webapp.body_handoff): the same 408, and the connection is closed:
+    where the next request starts is unknown, so what the client sends after the answer (the
+    rest of the body, then a request) is never read as a request. On every gunicorn setup.py
+    allows (tox env gunicorn23: before 27 gunicorn drained the body by its length and parsed
+    the request behind it)."""
     for workers in MODES.values():
         url = session_server_factory.launch(workers, backend.url, "--body-timeout", "1").url
         sid = requests.post(f"{url}/sessions", timeout=30).json()["session_id"]
         for length, sent in ((50, 1), (2_000_000, 100_000)):
             head = f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
-            with socket.create_connection(_address(url), timeout=30) as sock:
+            with socket.create_connection(_address(url), timeout=4) as sock:
                 sock.sendall(head.encode() + b"{" + b" " * (sent - 1))
                 reply = http.client.HTTPResponse(sock)
                 reply.begin()
                 assert reply.status == 408 and b"body_timeout" in reply.read(), (workers, length)
-                assert sock.recv(1) == b"", (workers, length)  # not reused: where the next request starts is unknown
+                with contextlib.suppress(OSError):  # the server may have closed already
+                    sock.sendall(b" " * (length - sent) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                after = b""
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := sock.recv(65536):  # a wait past the 4 s timeout fails the test
+                        after += chunk
+                assert after == b"", (workers, length, after[:200])
 
 
 def test_connections_past_max_client_connections_are_429_and_others_are_served(server) -> None:
