@@ -13,7 +13,7 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', open("shinken_sync/__init__.py"
 # Three tiers, each layer's own (docs/architecture.md, Layers; docs/dependencies.md says why each).
 # The SDK (shinken_sync without its demo) and the daemon shinkend:
 SDK = [
-    "websockets>=14,<18",
+    "websockets>=14.1,<18",  # 14.0's asyncio client has no close_code/close_reason (tox env oldest)
     "Pillow>=10.0",
     "requests>=2.31,<3",  # shinken_sync.fleet_view publishes a fleet's frames to the viewer
 ]

@@ -43,6 +43,7 @@ from shinken_sync.stats import percentile
 from webapp.backend import BackendReply, parse_backend_reply
 from webapp.core import SessionCore
 from webapp.reference_backend import R3Shape, reference_completion, start_reference_backend
+from webapp.serve import gunicorn_version_flags
 from webapp.tokenizers import ByteChatTokenizer
 
 READY_TIMEOUT = 60.0
@@ -52,7 +53,7 @@ SYSTEM_PROMPT = ("You operate a 1920x1080 desktop. Reply with one JSON action: "
 
 def start_server(backend_url: str, r3_layers: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "SHINKEN_BACKEND_URL": backend_url, "SHINKEN_ROUTING_REPLAY_LAYERS": str(r3_layers)}
-    argv = [sys.executable, "-m", "gunicorn", "-k", "gevent", "--no-control-socket", "-w", "1",
+    argv = [sys.executable, "-m", "gunicorn", "-k", "gevent", *gunicorn_version_flags(), "-w", "1",
             "-b", "127.0.0.1:0", "webapp.app:create_app()"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     found: list[str] = []

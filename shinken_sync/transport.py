@@ -28,8 +28,10 @@ asyncio loop). The async face runs on whatever loop the caller made.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -116,10 +118,21 @@ def _websockets() -> Transport:
 
     from .readpacing import pace
 
+    dial: Callable[..., Any] = connect
+    if "proxy" not in inspect.signature(connect.__init__).parameters:
+        # websockets 14 (setup.py allows it) has no proxy support, so nothing to turn off, and
+        # it hands options it does not know to loop.create_connection: ``proxy=None`` there
+        # was a TypeError on every TCP dial.
+        dial = functools.partial(_without_proxy, connect)
     return Transport(
-        WEBSOCKETS, connect, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI),
+        WEBSOCKETS, dial, (ConnectionClosed,), InvalidStatus, (InvalidHandshake, InvalidURI),
         _release_websockets_frame, pace, unix_connect,
     )  # fmt: skip
+
+
+def _without_proxy(connect: Callable[..., Any], uri: str, **options: Any) -> Any:
+    options.pop("proxy", None)
+    return connect(uri, **options)
 
 
 def _fast() -> Transport:

@@ -152,19 +152,9 @@ def _not_reused_on_failure(pieces: Iterator[bytes], wsgi_input: Any) -> Iterator
     try:
         yield from pieces
     except Exception:
-        sock = _server_socket(wsgi_input)
-        if sock is not None:
-            _not_reused(wsgi_input, sock)
+        if _GunicornBody is not None and isinstance(wsgi_input, _GunicornBody):
+            _not_reused(wsgi_input)
         raise
-
-
-def _server_socket(wsgi_input: Any) -> Any:
-    """The client's socket under gunicorn's body reader (None: not gunicorn's, or no socket)."""
-    if _GunicornBody is None or not isinstance(wsgi_input, _GunicornBody):
-        return None
-    reader = wsgi_input.reader  # LengthReader/EOFReader keep the unreader, ChunkedReader its request
-    unreader = getattr(reader, "unreader", None) or getattr(getattr(reader, "req", None), "unreader", None)
-    return getattr(unreader, "sock", None)
 
 
 def _direct(wsgi_input: Any, reader: Any, length: int | None) -> bool:
@@ -201,7 +191,8 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
                     _recv_exactly(unreader.sock, view[filled:], deadline, timeout, length - reader.length + filled,
                                   length)
                 except BaseException:
-                    _not_reused(body, unreader.sock)  # where the next request starts is unknown now
+                    ahead = b""  # (empty already: the socket is read once the read-ahead ran out)
+                    _not_reused(body)  # where the next request starts is unknown now
                     raise
             reader.length -= size
             yield piece
@@ -210,15 +201,23 @@ def _socket_body(body: Any, reader: Any, timeout: float, chunk: int) -> Iterator
             unreader.unread(ahead)
 
 
-def _not_reused(body: Any, sock: Any) -> None:
-    """gunicorn must not read another request from this connection: where it would start is
-    unknown. ``Body.failed`` says so to gunicorn 27+ (it closes the connection after the
-    answer); older gunicorns, which drain the rest of the body by its length and parse on, find
-    the read side shut down instead: end of input, so they close it too. The answer still goes
-    out (only reading is shut)."""
+def _not_reused(body: Any) -> None:
+    """gunicorn must not read another request from the connection of ``body`` (its ``Body``):
+    where it would start is unknown. ``Body.failed`` says so to gunicorn 27+, which closes the
+    connection after the answer. Older ones drain the rest of the body by its length and parse
+    what follows (a client's next bytes after a 408 were answered as a request), so their
+    reader, which the body's reader shares with the connection's parser, is left at the end of
+    its input: nothing buffered, nothing more received (the answer still goes out)."""
     body.failed = True
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RD)
+    reader = body.reader  # LengthReader/EOFReader keep the unreader, ChunkedReader its request
+    unreader = getattr(reader, "unreader", None) or getattr(getattr(reader, "req", None), "unreader", None)
+    if unreader is not None:
+        unreader.buf = io.BytesIO()
+        unreader.chunk = _end_of_input  # an instance attribute: this connection's reader only
+
+
+def _end_of_input(*_size_hint: object) -> bytes:
+    return b""
 
 
 def _recv_exactly(sock: Any, view: memoryview, deadline: float, timeout: float, before: int, length: int) -> None:
@@ -278,7 +277,9 @@ class SocketBody:
         """The body's fate is unknown (the other process may still be reading it): the connection
         is not reused, and its read side is shut down, so a reader elsewhere stops at once."""
         self.ended = True
-        _not_reused(self._body, self.sock)
+        _not_reused(self._body)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
 
     def close(self) -> None:
         """:meth:`abandon` unless it ended already (the taker failed before handing it on: its

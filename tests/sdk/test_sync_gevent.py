@@ -202,13 +202,15 @@ def test_inside_a_gunicorn_gevent_worker_with_preload(fleet, tmp_path):
 
     import requests
 
+    from webapp.serve import gunicorn_version_flags
+
     (tmp_path / "sbapp.py").write_text(GUNICORN_APP)
     port = free_port()
     env = {**os.environ, "SHINKEN_TEST_URLS": " ".join(fleet.urls[:32]), "SHINKEN_TEST_TOKEN": fleet.token}
     log = tmp_path / "gunicorn.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "--preload", "--no-control-socket",
+            [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "--preload", *gunicorn_version_flags(),
              "--bind", f"127.0.0.1:{port}", "--chdir", str(tmp_path), "sbapp:app"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip

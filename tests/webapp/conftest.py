@@ -36,7 +36,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.support import ServerProcess
 from webapp.reference_backend import ReferenceBackendProcess, start_reference_backend
-from webapp.serve import READY_URL_PATTERN, server_argv
+from webapp.serve import READY_URL_PATTERN, gunicorn_version_flags, server_argv
 
 SERVER_READY_TIMEOUT = 60.0
 GUNICORN_READY = r"Listening at: (http://\S+)"
@@ -123,7 +123,7 @@ def chatml_template() -> str:
 
 
 def gunicorn_argv(app: str = "webapp.app:create_app()", workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "-k", "gevent", "--no-control-socket", "-w", str(workers),
+    return [sys.executable, "-m", "gunicorn", "-k", "gevent", *gunicorn_version_flags(), "-w", str(workers),
             "-b", "127.0.0.1:0", "--graceful-timeout", "5", app]
 
 

@@ -10,7 +10,7 @@ import pytest
 from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import SocketUnreader
 
-from webapp.http_limits import MalformedBody, _socket_body
+from webapp.http_limits import BodyTimeout, MalformedBody, _socket_body
 
 NEXT = b"GET /health HTTP/1.1\r\n\r\n"
 
@@ -44,6 +44,21 @@ def test_a_body_cut_short_is_malformed_and_the_connection_not_reused() -> None:
     with pytest.raises(MalformedBody, match="request body of 43 bytes, Content-Length 100"):
         list(_socket_body(body, reader, timeout=10, chunk=64))
     assert body.failed
+
+
+def test_after_a_failed_read_gunicorn_reads_nothing_more_from_the_connection() -> None:
+    """Where the next request would start is unknown: whatever the client sends after the
+    answer, gunicorn's reader finds the end of input. (gunicorn 27+ also closes the connection
+    on ``Body.failed``; older ones drain the body by its length and parse what follows.)"""
+    body, reader, client = _body(b"", 100)
+    client.sendall(b"d" * 10)
+    with pytest.raises(BodyTimeout):
+        list(_socket_body(body, reader, timeout=0.3, chunk=64))
+    client.sendall(b"d" * 90 + NEXT)
+    gevent.sleep(0.1)  # the bytes are there to be read
+    assert body.failed
+    assert reader.unreader.read() == b""  # the drain's and the next request's reads alike
+    client.close()
 
 
 def test_a_body_left_unread_is_left_to_gunicorn_in_order() -> None:
