@@ -28,13 +28,11 @@ keepalive = 5
 
 
 def post_worker_init(worker: SessionServerWorker) -> None:
-    from webapp.allocator import keep_freed_memory
-    from webapp.gcboot import freeze_boot_objects
+    from webapp.boot import boot_done
     from webapp.router import start_supervisor
 
     start_supervisor(worker.wsgi)
-    freeze_boot_objects("http worker")
-    keep_freed_memory("http worker")
+    boot_done("http worker")
 
 
 def worker_exit(server: Arbiter, worker: SessionServerWorker) -> None:

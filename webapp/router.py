@@ -37,7 +37,7 @@ from webapp.datadir import default_data_dir, lock_data_dir
 from webapp.datadir import instance_id as data_dir_instance_id
 from webapp.errors import WebappError
 from webapp.filebody import decode_layout, file_response
-from webapp.http_limits import HttpLimits, discard_body, iter_request_body, take_request_socket
+from webapp.http_limits import READ_CHUNK, HttpLimits, discard_body, iter_request_body, take_request_socket
 from webapp.inflight import InflightBudget, InflightRefused, refusal_headers
 from webapp.ipc import INLINE_BODY_MAX, Buffer, FrameTooLarge, IpcError, Op
 from webapp.ipc_channel import IpcReply
@@ -221,6 +221,12 @@ def stop_supervisor(app: Flask) -> None:
         supervisor.stop()
 
 
+def _gathered(pieces: Iterable[Buffer]) -> Buffer:
+    """A body as one buffer: its one piece itself, else its pieces joined."""
+    gathered = list(pieces)
+    return gathered[0] if len(gathered) == 1 else b"".join(gathered)
+
+
 class Shards(Protocol):
     """What the router asks of the processes that own the sessions: a
     :class:`~webapp.supervisor.Supervisor` of worker subprocesses (``--workers N``), or
@@ -230,7 +236,10 @@ class Shards(Protocol):
     def workers(self) -> int: ...
 
     @property
-    def takes_body_sockets(self) -> bool: ...
+    def takes_body_sockets(self) -> bool:
+        """True: a large body goes to its worker as the client's connection (``body_socket``).
+        False: the shard is in this process and parses every body whole, so the router hands
+        it a body of known length as one buffer."""
 
     def request(self, shard: int, meta: dict[str, Any], body: Buffer | Sequence[Buffer] = b"", *,
                 timeout: float, chunk_timeout: float = 60.0, body_stream: Iterable[Buffer] | None = None,
@@ -271,7 +280,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
     instance_id = data_dir_instance_id(data_dir)
     inflight = InflightBudget(config.core["max_inflight_bytes"])
 
-    def call(session_id: str, op: Op, body: bytes = b"", body_stream: Iterator[Buffer] | None = None,
+    def call(session_id: str, op: Op, body: Buffer = b"", body_stream: Iterator[Buffer] | None = None,
              body_length: int | None = None, timeout: float | None = None, body_socket: HandedBody | None = None,
              **meta: object) -> WerkzeugResponse:
         shard = shard_for(session_id, supervisor.workers)
@@ -364,10 +373,15 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                     if handed is not None:
                         with contextlib.closing(handed):  # ended by the channel, else abandoned here
                             return call(session_id, op, body_socket=handed, timeout=timeout, **meta)
+                # A body of known length sent whole (one frame to a worker: the common chat; or
+                # any size to a shard in this process, which parses it whole) is received into
+                # one buffer of that length, passed on as it is: no pieces joined in a copy.
+                whole = length is not None and (length <= INLINE_BODY_MAX or not supervisor.takes_body_sockets)
                 pieces = grant.metered(iter_request_body(stream, request.environ.get("wsgi.input"),
-                                                         http_limits.body_timeout, length))
-                if length is not None and length <= INLINE_BODY_MAX:  # the common chat: one frame, no window
-                    return call(session_id, op, b"".join(pieces), timeout=timeout, **meta)
+                                                         http_limits.body_timeout, length,
+                                                         chunk=max(length or 0, 1) if whole else READ_CHUNK))
+                if whole:
+                    return call(session_id, op, _gathered(pieces), timeout=timeout, **meta)
                 # Streamed on to the shard as it arrives: the router never holds a whole large body.
                 return call(session_id, op, body_stream=pieces, body_length=length, timeout=timeout, **meta)
         except InflightRefused as exc:

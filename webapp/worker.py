@@ -100,11 +100,9 @@ def _serve(fd: int, shard: int, shards: int, core_config: dict[str, Any], parent
                                               handoff=handoff), parent_pid)
     ops = SessionOps(core, shard, shards, config, restoring=True)
     server = IpcServer(sock, ops, name=f"worker[{shard}/{shards}]", handoff=handoff)
-    from webapp.allocator import keep_freed_memory
-    from webapp.gcboot import freeze_boot_objects
+    from webapp.boot import boot_done
 
-    freeze_boot_objects(f"worker[{shard}/{shards}]")  # before the sessions load: they are not frozen
-    keep_freed_memory(f"worker[{shard}/{shards}]")
+    boot_done(f"worker[{shard}/{shards}]")  # before the sessions load: they are not frozen
     log.info("serving shard %d of %d (pid %d)", shard, shards, os.getpid())
     # Its sessions load while the worker answers heartbeats (the read yields after every
     # chunk), so GiBs of journals never look like a hang; session ops wait for the load.

@@ -20,7 +20,7 @@ import pytest
 import requests
 from werkzeug.test import EnvironBuilder
 
-from webapp.ipc import MAX_BODY_CHUNK
+from webapp.ipc import INLINE_BODY_MAX, MAX_BODY_CHUNK
 from webapp.ipc_channel import STREAM_WINDOW, IpcClient, IpcReply, IpcServer, open_socket
 from webapp.router import RouterConfig, _relay, create_app
 from webapp.serve import build_parser
@@ -284,3 +284,44 @@ def test_a_chat_the_router_gave_up_on_is_never_committed(reference_backend_facto
     metadata = requests.get(f"{server.url}/sessions/{sid}", timeout=10).json()["metadata"]
     committed = metadata["num_records"] + metadata["num_rollbacks"]
     assert committed == statuses.count(200) and metadata["num_records"] == min(1, committed)
+
+
+class _InProcessShard:
+    """A shard in the router's process (``takes_body_sockets`` False, as ``LocalShard``): records
+    how each request's body arrived."""
+
+    workers, takes_body_sockets = 1, False
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.bodies: list[tuple[object, object]] = []
+
+    def request(self, shard: int, meta: dict, body: object = b"", *, body_stream: object = None,
+                **kw: object) -> IpcReply:
+        self.bodies.append((body, body_stream))
+        return IpcReply(status=200, content_type="application/json", headers=[], length=2, body=b"{}")
+
+    def status(self) -> list[dict]:
+        return []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("size", [100, INLINE_BODY_MAX + 1, 3 * INLINE_BODY_MAX])
+def test_a_shard_in_process_gets_a_body_of_known_length_as_one_buffer(tmp_path, size: int) -> None:
+    """It parses every body whole: a large one too arrives as the one buffer it was received
+    into, not as pieces for it to join (a screenshot turn's ~3.6 MB at ``--workers 0``)."""
+    app = create_app(RouterConfig(workers=1, core={"backend_url": "http://127.0.0.1:9",
+                                                   "data_dir": str(tmp_path / "data")}),
+                     shards=_InProcessShard)
+    shard = app.extensions["shinken_supervisor"]
+    body = b'{"messages":["' + b"x" * (size - 17) + b'"]}'
+    resp = app.test_client().post("/sessions/s1/v1/chat/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+    assert resp.status_code == 200, resp.data
+    [(got, stream)] = shard.bodies
+    assert stream is None
+    assert bytes(got) == body
