@@ -19,7 +19,7 @@ SDK = [
 ]
 # The session server, webapp:
 SERVER = [
-    "gevent>=24.2",
+    "gevent>=26.5",  # older ones print a traceback at every worker exit (tox env oldest; docs/dependencies.md)
     "flask>=3.0,<4",
     "gunicorn[gevent]>=23,<28",  # the extra brings packaging, which gunicorn 27's gevent worker imports
     "setproctitle>=1.3,<2",
