@@ -29,11 +29,12 @@ keepalive = 5
 
 def post_worker_init(worker: SessionServerWorker) -> None:
     from webapp.allocator import keep_freed_memory
-    from webapp.gcboot import freeze_boot_objects
+    from webapp.gcboot import freeze_boot_objects, raise_young_threshold
     from webapp.router import start_supervisor
 
     start_supervisor(worker.wsgi)
     freeze_boot_objects("http worker")
+    raise_young_threshold("http worker")
     keep_freed_memory("http worker")
 
 
