@@ -149,7 +149,7 @@ class SettingsReadOnce:
 class SessionServerWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untyped (Any)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.cfg = SettingsReadOnce(self.cfg)
+        self.cfg: Any = SettingsReadOnce(self.cfg)  # the parser, environ and response read it per request
         self._limit = HttpLimits.from_env().max_client_connections
         self._open: Counter[Any] = Counter()
 
