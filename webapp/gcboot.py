@@ -11,11 +11,11 @@ are collected as before, so a deleted session's cycles are never kept.
 
 :func:`raise_young_threshold` makes the young-generation collections of the HTTP process (the
 whole server at ``--workers 0``) rarer. At the interpreter's default (a collection every 700
-net allocations) a small chat paid ~45 us of its ~1.1 ms of CPU to the collector: a turn keeps
+net allocations) a small chat paid 44-65 us of its ~1.2 ms of CPU to the collector: a turn keeps
 what it builds (the conversation's messages, ids and records live as long as the session), so
 every collection walks the young turns' containers and the generation-1 ones walk them again,
 and finds almost nothing (the load's only cyclic garbage is ~9 objects per request, werkzeug's
-URL matcher's recursive closure). At 10,000 the same load pays ~16 us per chat, in one
+URL matcher's recursive closure). At 10,000 the same load pays 10-14 us per chat, in one
 collection of ~5 ms every few hundred chats (docs/benchmarks.md section 47).
 """
 
