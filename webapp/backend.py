@@ -284,6 +284,8 @@ class BackendClient:
                     raise BackendTimeout(f"{self.name} at {self.base_url} timed out: "
                                          f"reply body not complete after {read_timeout:.3g} s")
                 chunks.append(chunk)
+                if resp.length_remaining == 0:  # the declared length read: no read to see the end
+                    break
             done = True
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         finally:

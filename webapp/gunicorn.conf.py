@@ -32,7 +32,7 @@ def post_worker_init(worker: SessionServerWorker) -> None:
     from webapp.router import start_supervisor
 
     start_supervisor(worker.wsgi)
-    boot_done("http worker")
+    boot_done("http worker", serves_http=True)
 
 
 def worker_exit(server: Arbiter, worker: SessionServerWorker) -> None:

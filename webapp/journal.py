@@ -99,7 +99,7 @@ import numpy as np
 import pybase64
 
 from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
-from webapp.filebody import FileSpan, read_pieces, slice_pieces
+from webapp.filebody import FileSpan, Piece, read_pieces, slice_pieces
 from webapp.offload import run_blocking
 from webapp.records import Field, Ids, RecordBody, RecordParts, Rows, Text, b64_length, ids_json
 from webapp.samples import TurnRecord
@@ -512,7 +512,8 @@ def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end:
         kind = m[0]
         key = m[1] if kind == "r" else None
         p, s, n = (m[1], m[2], m[3]) if kind == "t" else (m[2], 0, m[3])
-        if not all(type(v) is int and v >= 0 for v in (p, s, n)) or (kind == "r" and not isinstance(key, str)):
+        if not (type(p) is int and type(s) is int and type(n) is int and p >= 0 and s >= 0 and n >= 0) or (
+                kind == "r" and not isinstance(key, str)):
             raise ValueError(f"bad field {m!r}")
         old = _base_field(base, i, kind, key)
         old_len = old.length if old is not None else 0
@@ -521,10 +522,11 @@ def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end:
         old_pieces = old.pieces if old is not None else ()
         # The common shapes without slicing: a field that only grows (all of the base, then the
         # new bytes) or is new; pieces are never empty.
-        head = list(old_pieces) if p == old_len else slice_pieces(old_pieces, 0, p) if p else []
-        pieces = [*head, FileSpan(path, pos, n)] if n else head
+        pieces = list(old_pieces) if p == old_len else slice_pieces(old_pieces, 0, p) if p else []
+        if n:
+            pieces.append(FileSpan(path, pos, n))
         if s:
-            pieces += slice_pieces(old_pieces, old_len - s, old_len)
+            pieces += _last_bytes(old_pieces, s)
         pos += n
         if kind == "t":
             fields.append(Text(tuple(pieces)))
@@ -532,6 +534,17 @@ def _decode_fields(metas: Any, base: RecordBody | None, path: str, at: int, end:
             assert key is not None
             fields.append(Rows(key, tuple(q for q in pieces if isinstance(q, FileSpan))))
     return RecordBody(tuple(fields)), pos - at
+
+
+def _last_bytes(pieces: Sequence[Piece], count: int) -> list[Piece]:
+    """The last ``count`` bytes of ``pieces`` (at most their length), sliced from only the
+    pieces that hold them: a field shares a short suffix with its base, whose pieces are one
+    per turn that changed it, and a slice from the start walked them all."""
+    i, size = len(pieces), 0
+    while size < count and i:
+        i -= 1
+        size += len(pieces[i])
+    return slice_pieces(pieces[i:], max(size - count, 0), size)
 
 
 def _id_delta(base: Sequence[int], new: Sequence[int]) -> tuple[int, bytes | None, list[int]]:

@@ -31,3 +31,27 @@ def test_boot_objects_leave_the_collector_and_later_cycles_are_still_collected()
     assert got["frozen"] >= 50_000
     assert got["tracked_after"] < got["tracked_before"] - 50_000  # a full collection walks none of them
     assert got["later_collected"]
+
+
+def test_the_young_threshold_is_raised_never_lowered_and_a_disabled_collector_stays_off() -> None:
+    result = run_script("""
+        import gc, json
+        from webapp.gcboot import YOUNG_THRESHOLD, raise_young_threshold
+
+        got = {}
+        gc.set_threshold(700, 11, 12)
+        raise_young_threshold("test")
+        got["default"] = gc.get_threshold()
+        gc.set_threshold(YOUNG_THRESHOLD * 10, 20, 50)  # already higher (an operator's own): kept
+        raise_young_threshold("test")
+        got["higher"] = gc.get_threshold()
+        gc.set_threshold(0)
+        raise_young_threshold("test")
+        got["off"] = gc.get_threshold()[0]
+        print(json.dumps({"got": got, "young": YOUNG_THRESHOLD}))
+    """)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(clean_stdout(result).splitlines()[-1])
+    young = out["young"]
+    assert young > 700
+    assert out["got"] == {"default": [young, 11, 12], "higher": [young * 10, 20, 50], "off": 0}
