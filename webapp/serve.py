@@ -91,6 +91,13 @@ _ServerT = TypeVar("_ServerT", bound="SessionServerProcess")
 
 API_KEY_ENV = BY_NAME["api_key"].env_var or ""
 CONF_PATH = Path(__file__).with_name("gunicorn.conf.py")
+READY_TIMEOUT = 120.0
+# gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
+EXIT_NOT_READY = 3
+_POLL = 0.05
+_SAY_AFTER = 3.0  # seconds of /health not answering 200 before start-up says what it waits for
+# Matches the ready line's URL (group 1); for launchers that read this process's stdout.
+READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
 
 
 def gunicorn_version_flags() -> list[str]:
@@ -104,13 +111,6 @@ def gunicorn_version_flags() -> list[str]:
 
     known = {setting.name for setting in KNOWN_SETTINGS}
     return ["--no-control-socket"] if "control_socket_disable" in known else []
-READY_TIMEOUT = 120.0
-# gunicorn died, a shard's workers could not boot, or /health never turned 200 before READY_TIMEOUT
-EXIT_NOT_READY = 3
-_POLL = 0.05
-_SAY_AFTER = 3.0  # seconds of /health not answering 200 before start-up says what it waits for
-# Matches the ready line's URL (group 1); for launchers that read this process's stdout.
-READY_URL_PATTERN = r'"ready": true, "url": "(http://[^"]+)"'
 
 
 def server_argv(workers: int, backend_url: str | None = None, bind: str = "127.0.0.1:0",

@@ -85,7 +85,7 @@ def test_a_body_not_sent_within_body_timeout_is_408(backend, session_server_fact
     connection itself: webapp.body_handoff): the same 408, and the connection is closed:
     where the next request starts is unknown, so what the client sends after the answer (the
     rest of the body, then a request) is never read as a request. On every gunicorn setup.py
-    allows (tox env gunicorn23: before 27 gunicorn drained the body by its length and parsed
+    allows (tox env oldest: before 27 gunicorn drained the body by its length and parsed
     the request behind it)."""
     for workers in MODES.values():
         url = session_server_factory.launch(workers, backend.url, "--body-timeout", "1").url
