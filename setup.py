@@ -14,7 +14,7 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', open("shinken_sync/__init__.py"
 # The SDK (shinken_sync without its demo) and the daemon shinkend:
 SDK = [
     "websockets>=14.1,<18",  # 14.0's asyncio client has no close_code/close_reason (tox env oldest)
-    "Pillow>=10.0",
+    "Pillow>=10.2",  # 10.0/10.1 ignore JPEG restart markers: shinkend's splicing (tox env oldest)
     "requests>=2.31,<3",  # shinken_sync.fleet_view publishes a fleet's frames to the viewer
 ]
 # The session server, webapp:
@@ -56,7 +56,8 @@ setup(
         # Accelerated transport (shinken_sync.transport): picows' Cython WebSocket
         # client and uvloop for the SharedLoop; chosen at connect when installed.
         "fast": ["picows>=2.3,<3", "uvloop>=0.21"],
-        "hf": ["tokenizers>=0.15", "Jinja2>=3.1"],
+        # tokenizers 0.15.0 ignores encode_special_tokens (field text became control tokens)
+        "hf": ["tokenizers>=0.15.1", "Jinja2>=3.1.2"],
         # RayProvider and `shinken demo --ray` (docs/scale-out.md); plain ray: no dashboard, no extras.
         "ray": ["ray>=2.40,<3"],
         "test": SERVER + DEMO + [
@@ -67,8 +68,8 @@ setup(
             # the official Anthropic client, against the Messages route (tests/webapp/test_anthropic.py)
             "anthropic>=0.40",
             "mss>=9,<11",
-            "tokenizers>=0.15",
-            "Jinja2>=3.1",
+            "tokenizers>=0.15.1",
+            "Jinja2>=3.1.2",
             "psutil>=5.9",
             "pydantic>=2",
             # Docker's own Dockerfile parser (Go, in the wheel): the desktop image's

@@ -407,6 +407,7 @@ class HFChatTokenizer:
         self._text_tok.encode_special_tokens = True
         self._special_text = SpecialText(
             [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special])
+        self._require_special_text_split()
         self._escaped_messages = EscapedMessages(self._special_text, template_message)
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
@@ -456,6 +457,20 @@ class HFChatTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(template)
+
+    def _require_special_text_split(self) -> None:
+        """Field text must never become a control token. tokenizers 0.15.0 accepts
+        ``encode_special_tokens`` and ignores it, so the setting is checked by what it does: every
+        special token's text, encoded as field text, gives none of the special ids."""
+        special_ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+        for text in self._special_text.tokens:
+            if special_ids.intersection(self._text_tok.encode(text, add_special_tokens=False).ids):
+                import tokenizers
+
+                raise TokenizerLoadError(
+                    f"tokenizers {tokenizers.__version__} encodes the text {text!r} as the special token "
+                    f"even with encode_special_tokens set: text in messages could forge control tokens; "
+                    f"tokenizers >= 0.15.1 is needed")
 
     def _load_vision(self, path: str, config: dict[str, Any]) -> Vision | None:
         """Qwen2-VL's vision tokens when the vocabulary has them as special tokens (the pad's

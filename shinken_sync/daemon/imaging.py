@@ -349,6 +349,22 @@ def _jpeg(image: Image.Image, quality: int) -> bytes:
     return buf.getvalue()
 
 
+def _restarts_every_row(data: bytes, rows: int) -> bool:
+    """Whether a JPEG of ``rows`` MCU rows has a restart marker between every two rows: the
+    property splicing needs. Pillow before 10.2 accepts ``restart_marker_rows`` and ignores it."""
+    sos = data.find(_SOS)
+    return sos >= 0 and len(_RST.findall(data, sos)) == rows - 1
+
+
+# Checked at import: without restart markers a spliced frame would decode as garbage below its
+# first re-encoded band, so the daemon refuses to start instead (tox env oldest runs the floor).
+if not _restarts_every_row(_jpeg(Image.new("RGB", (16, 2 * BAND_ROWS)), 75), 2):
+    import PIL
+
+    raise ImportError(f"shinkend's JPEG splicing needs Pillow >= 10.2 (JPEG restart markers); "
+                      f"this is Pillow {PIL.__version__}")
+
+
 def _split_jpeg(data: bytes) -> tuple[bytes, tuple[bytes, ...]]:
     sos = data.index(_SOS)
     start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")

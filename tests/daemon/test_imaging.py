@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -216,6 +219,34 @@ def test_banded_splice_is_byte_identical_to_a_full_encode(format, size):
     assert decoded.size == size
     if format == "png":
         assert decoded.convert("RGB").tobytes() == after.tobytes()
+
+
+def test_splicing_needs_a_restart_marker_between_every_two_rows():
+    """A JPEG without restart markers cannot be spliced by rows: recognised as such."""
+    image = _noise_image((64, 5 * imaging.BAND_ROWS))
+    plain = io.BytesIO()
+    image.save(plain, "JPEG", quality=75)
+    assert not imaging._restarts_every_row(plain.getvalue(), 5)
+    assert imaging._restarts_every_row(imaging.encode(image, "jpeg", 75), 5)
+    assert not imaging._restarts_every_row(imaging.encode(image, "jpeg", 75), 6)
+
+
+def test_a_pillow_that_ignores_restart_markers_is_refused_at_import(tmp_path):
+    """Pillow before 10.2 accepts ``restart_marker_rows`` and ignores it: spliced frames would
+    decode as garbage, so importing the daemon's imaging fails, naming the version it needs."""
+    script = (
+        "from PIL import Image\n"
+        "save = Image.Image.save\n"
+        "def old_save(self, fp, format=None, **params):\n"
+        "    params.pop('restart_marker_rows', None)\n"
+        "    return save(self, fp, format, **params)\n"
+        "Image.Image.save = old_save\n"
+        "import shinken_sync.daemon.imaging\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=60)
+    assert done.returncode != 0
+    assert "ImportError: shinkend's JPEG splicing needs Pillow >= 10.2" in done.stderr
 
 
 def test_png_is_standard_enough_for_pillow_to_verify():

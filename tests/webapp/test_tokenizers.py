@@ -106,6 +106,33 @@ def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir, chatml_template):
         == "<|im_start|>user\nx<|im_end|>\n"
 
 
+def test_a_tokenizers_release_that_ignores_encode_special_tokens_is_refused(hf_tokenizer_dir, monkeypatch):
+    """tokenizers 0.15.0 takes ``encode_special_tokens = True`` and ignores it: field text would
+    become control tokens. Loading refuses such a library, naming the release it needs."""
+    import tokenizers
+
+    real = tokenizers.Tokenizer
+
+    class IgnoresTheFlag:  # tokenizers' classes cannot be subclassed: a wrapper that drops the flag
+        def __init__(self, tok: object) -> None:
+            object.__setattr__(self, "_tok", tok)
+
+        @classmethod
+        def from_file(cls, path: str) -> IgnoresTheFlag:
+            return cls(real.from_file(path))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._tok, name)
+
+        def __setattr__(self, name: str, value: object) -> None:
+            pass
+
+    load_tokenizer(hf_tokenizer_dir)  # the installed release splits the text
+    monkeypatch.setattr(tokenizers, "Tokenizer", IgnoresTheFlag)
+    with pytest.raises(TokenizerLoadError, match=r"tokenizers >= 0\.15\.1 is needed"):
+        load_tokenizer(hf_tokenizer_dir)
+
+
 def test_decode_lenient_replaces_a_character_cut_mid_way():
     tok = ByteChatTokenizer()
     ids = tok.encode("a☃b☃")
