@@ -55,7 +55,8 @@ setup(
         "xvfb": ["mss>=9,<11"],
         # Accelerated transport (shinken_sync.transport): picows' Cython WebSocket
         # client and uvloop for the SharedLoop; chosen at connect when installed.
-        "fast": ["picows>=2.3,<3", "uvloop>=0.21"],
+        # uvloop before 0.23 gives each loop an io_uring polling kernel thread (tox env oldest).
+        "fast": ["picows>=2.3,<3", "uvloop>=0.23"],
         # tokenizers 0.15.0 ignores encode_special_tokens (field text became control tokens)
         "hf": ["tokenizers>=0.15.1", "Jinja2>=3.1.2"],
         # RayProvider and `shinken demo --ray` (docs/scale-out.md); plain ray: no dashboard, no extras.
