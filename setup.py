@@ -52,7 +52,7 @@ setup(
         # The session server (webapp) and the demo (shinken_sync.demo: the server, tqdm and tabulate).
         "server": SERVER,
         "demo": SERVER + DEMO,
-        "xvfb": ["mss>=9,<11"],
+        "xvfb": ["mss>=10.2,<11"],  # mss.MSS, which the Xvfb backend opens, is new in 10.2 (tox env oldest)
         # Accelerated transport (shinken_sync.transport): picows' Cython WebSocket
         # client and uvloop for the SharedLoop; chosen at connect when installed.
         # uvloop before 0.23 gives each loop an io_uring polling kernel thread (tox env oldest).
@@ -68,7 +68,7 @@ setup(
             "openai>=1.30",
             # the official Anthropic client, against the Messages route (tests/webapp/test_anthropic.py)
             "anthropic>=0.40",
-            "mss>=9,<11",
+            "mss>=10.2,<11",
             "tokenizers>=0.15.1",
             "Jinja2>=3.1.2",
             "psutil>=5.9",
