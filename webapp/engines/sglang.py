@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from webapp.backend import REPLAY_KEYS, BackendReply
+from webapp.backend import REPLAY_KEYS, BackendReply, Body
 from webapp.engines.base import (
     CLIENT_ONLY_FIELDS,
     Dialect,
@@ -84,13 +84,16 @@ class SglangDialect(Dialect):
         if not images.images:
             return EngineRequest(CHAT_PATH, head + end, head + b"}", prompt_ids)
         # Checked: a data URL's text and a reference are ASCII with nothing JSON escapes. The
-        # bytes sent are joined once (~3.6 MB at 20 screenshots).
-        sent, recorded = [head, b',"image_data":['], [head, b',"image_data":[']
+        # bytes sent stay pieces, the URLs as the turn holds them (~3.6 MB at 20 screenshots,
+        # never joined: the backend client sends them gathered).
+        sent: list[Body] = [head + b',"image_data":["']
+        recorded = [head, b',"image_data":[']
         for image, url in images.images:
-            sent += (b'"', url, b'",')
+            sent += (url, b'","')
             recorded += (b'"', image.ref.encode("ascii"), b'",')
-        sent[-1] = recorded[-1] = b'"]'
-        return EngineRequest(CHAT_PATH, b"".join([*sent, end]), b"".join([*recorded, b"}"]), prompt_ids)
+        sent[-1] = b'"]' + end
+        recorded[-1] = b'"]'
+        return EngineRequest(CHAT_PATH, tuple(sent), b"".join([*recorded, b"}"]), prompt_ids)
 
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
         parsed = reply.parsed
