@@ -13,8 +13,8 @@ import urllib3
 
 import webapp.backend
 from webapp.backend import BackendClient, payload_bytes
-from webapp.sockets import send_gathered
 from webapp.session_errors import BackendTimeout, BackendUnreachable, UpstreamStatus
+from webapp.sockets import send_gathered
 
 REPLY = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]}).encode()
 
