@@ -33,11 +33,12 @@ import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
 from webapp.bulk import bulk_io
+from webapp.ipc import Buffer
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
 from webapp.sockets import readable_now, send_gathered, send_small
 
-__all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply", "Body",
+__all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
            "ProxyReply", "parse_backend_reply", "payload_bytes", "replay_spans"]
 
 # A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply
@@ -125,12 +126,11 @@ class ProxyReply:
 _JOIN_BODY_MAX = 64 << 10
 # A request body past this size (image turns) waits for the hub's pending small work first.
 _BULK_BODY_BYTES = 1 << 20
-Body = bytes | bytearray | memoryview  # one piece of a request body
 # What urllib3 sends as a body's first header: kept first when the length is given by us.
 _USER_AGENT = f"python-urllib3/{urllib3.__version__}"  # type: ignore[attr-defined]
 
 
-def payload_bytes(payload: bytes | Sequence[Body]) -> bytes:
+def payload_bytes(payload: bytes | Sequence[Buffer]) -> bytes:
     """The bytes a request payload stands for: itself, or its pieces joined (a copy: for a
     test or an inspection, never the turn's send)."""
     return payload if isinstance(payload, bytes) else b"".join(payload)
@@ -143,11 +143,11 @@ class _Pieces:
     ``sendmsg`` from the pieces (no joined copy of the megabytes), any other connection piece
     by piece (``http.client`` iterates what ``sendall`` does not take)."""
 
-    def __init__(self, pieces: Sequence[Body]) -> None:
+    def __init__(self, pieces: Sequence[Buffer]) -> None:
         self.pieces = pieces
         self.size = sum(map(len, pieces))
 
-    def __iter__(self) -> Iterator[Body]:
+    def __iter__(self) -> Iterator[Buffer]:
         return iter(self.pieces)
 
     def headers(self) -> dict[str, str]:
@@ -257,7 +257,7 @@ class BackendClient:
                                   retries=False, redirect=False, preload_content=False,
                                   assert_same_host=False)
 
-    def send(self, path: str, payload: bytes | Sequence[Body], *, deadline: float | None = None) -> BackendReply:
+    def send(self, path: str, payload: bytes | Sequence[Buffer], *, deadline: float | None = None) -> BackendReply:
         """POST ``payload`` (JSON bytes, or its pieces in order: sent without joining them) to
         the engine endpoint ``path`` (the dialect's).
 

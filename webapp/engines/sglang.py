@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from webapp.backend import REPLAY_KEYS, BackendReply, Body
+from webapp.backend import REPLAY_KEYS, BackendReply
 from webapp.engines.base import (
     CLIENT_ONLY_FIELDS,
     Dialect,
@@ -29,6 +29,7 @@ from webapp.engines.base import (
     ids_array,
 )
 from webapp.images import RequestImages, wire_messages
+from webapp.ipc import Buffer
 from webapp.samples import SAMPLE_META_KEYS
 from webapp.session_errors import BackendMalformed, InvalidField, MalformedReplyField
 from webapp.tito import normalize_message
@@ -86,7 +87,7 @@ class SglangDialect(Dialect):
         # Checked: a data URL's text and a reference are ASCII with nothing JSON escapes. The
         # bytes sent stay pieces, the URLs as the turn holds them (~3.6 MB at 20 screenshots,
         # never joined: the backend client sends them gathered).
-        sent: list[Body] = [head + b',"image_data":["']
+        sent: list[Buffer] = [head + b',"image_data":["']
         recorded = [head, b',"image_data":[']
         for image, url in images.images:
             sent += (url, b'","')
