@@ -9,6 +9,8 @@ import re
 import socket
 from collections.abc import Sequence
 
+from webapp.sockets import send_gathered
+
 MiB = 1024**2
 
 
@@ -34,7 +36,7 @@ class Http:
         pieces = [body] if isinstance(body, bytes) else list(body)
         head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {sum(map(len, pieces))}\r\n"
                 f"Content-Type: application/json\r\n\r\n").encode()
-        _send_gathered(self.sock, [head, *pieces])
+        send_gathered(self.sock, [head, *pieces])
         status_line = self.rfile.readline()
         if not status_line:
             raise ConnectionError(f"{method} {path}: connection closed before the reply")
@@ -57,14 +59,3 @@ class Http:
     def close(self) -> None:
         self.rfile.close()
         self.sock.close()
-
-
-def _send_gathered(sock: socket.socket, pieces: list[bytes]) -> None:
-    """Every byte of ``pieces`` in order, by ``sendmsg`` (no joined copy); cooperative under gevent."""
-    views = [memoryview(p) for p in pieces if p]
-    while views:
-        sent = sock.sendmsg(views[:1024])  # IOV_MAX
-        while views and sent >= len(views[0]):
-            sent -= len(views.pop(0))
-        if sent:
-            views[0] = views[0][sent:]

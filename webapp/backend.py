@@ -24,7 +24,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +33,13 @@ import urllib3
 from requests.utils import get_auth_from_url, get_environ_proxies, select_proxy
 
 from webapp.bulk import bulk_io
+from webapp.ipc import Buffer
 from webapp.session_errors import BackendMalformed, BackendTimeout, BackendUnreachable, UpstreamStatus
 from webapp.settings import default
-from webapp.sockets import readable_now, send_small
+from webapp.sockets import readable_now, send_gathered, send_small
 
 __all__ = ["MAX_BACKEND_REPLY_BYTES", "REPLAY_KEYS", "BackendClient", "BackendReply",
-           "ProxyReply", "parse_backend_reply", "replay_spans"]
+           "ProxyReply", "parse_backend_reply", "payload_bytes", "replay_spans"]
 
 # A 50-turn computer-use session at production MoE shape accumulates ~64 MiB of R3 per reply
 # (see the seed); 4 GiB leaves ample headroom while refusing a runaway body before it is read.
@@ -125,14 +126,43 @@ class ProxyReply:
 _JOIN_BODY_MAX = 64 << 10
 # A request body past this size (image turns) waits for the hub's pending small work first.
 _BULK_BODY_BYTES = 1 << 20
+# What urllib3 sends as a body's first header: kept first when the length is given by us.
+_USER_AGENT = f"python-urllib3/{urllib3.__version__}"  # type: ignore[attr-defined]
+
+
+def payload_bytes(payload: bytes | Sequence[Buffer]) -> bytes:
+    """The bytes a request payload stands for: itself, or its pieces joined (a copy: for a
+    test or an inspection, never the turn's send)."""
+    return payload if isinstance(payload, bytes) else b"".join(payload)
+
+
+class _Pieces:
+    """A request body kept as pieces (an image turn's engine request: the data URLs are views
+    of the client's body). urllib3 hands it to the connection's ``send`` as one chunk (it is
+    neither bytes-like nor a file); :class:`_HeadWithBodyConnection` sends it after the head by
+    ``sendmsg`` from the pieces (no joined copy of the megabytes), any other connection piece
+    by piece (``http.client`` iterates what ``sendall`` does not take)."""
+
+    def __init__(self, pieces: Sequence[Buffer]) -> None:
+        self.pieces = pieces
+        self.size = sum(map(len, pieces))
+
+    def __iter__(self) -> Iterator[Buffer]:
+        return iter(self.pieces)
+
+    def headers(self) -> dict[str, str]:
+        """The request's headers in the order urllib3 writes them for a bytes body (its
+        ``Content-Length``, then ``User-Agent``, then ours): the same bytes on the wire."""
+        return {"Content-Length": str(self.size), "User-Agent": _USER_AGENT, **_JSON_HEADERS}
 
 
 class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
     """urllib3's connection, except that a small bytes body is sent joined to the head (one
-    ``send`` when the socket takes it whole), and the check of a kept-alive connection before
-    its reuse is one real ``poll`` (:mod:`webapp.sockets`)."""
+    ``send`` when the socket takes it whole), a body in pieces (:class:`_Pieces`) gathered
+    behind the head by ``sendmsg``, and the check of a kept-alive connection before its reuse
+    is one real ``poll`` (:mod:`webapp.sockets`)."""
 
-    _join: bytes | None = None
+    _join: bytes | _Pieces | None = None
     _held: bytes | None = None
 
     def request(self, method: str, url: str, body: Any = None,
@@ -140,6 +170,8 @@ class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
         framed = not kwargs.get("chunked") and not any(k.lower() == "transfer-encoding" for k in headers or ())
         if isinstance(body, bytes) and 0 < len(body) <= _JOIN_BODY_MAX and framed:
             self._join = body
+        elif isinstance(body, tuple) and len(body) == 1 and isinstance(body[0], _Pieces) and framed:
+            self._join = body[0]
         try:
             super().request(method, url, body, headers, **kwargs)
         finally:
@@ -156,7 +188,10 @@ class _HeadWithBodyConnection(urllib3.connection.HTTPConnection):
                 head, self._held, self._join = self._held, None, None
                 if self.sock is None:  # a new connection: opened here, as http.client's send does
                     self.connect()
-                send_small(self.sock, head + data)
+                if isinstance(data, _Pieces):
+                    send_gathered(self.sock, [head, *data.pieces])
+                else:
+                    send_small(self.sock, head + data)
                 return
         super().send(data)
 
@@ -210,7 +245,7 @@ class BackendClient:
                 self._pool.ConnectionCls = _HeadWithBodyConnection
             self._prefix = urllib3.util.parse_url(self.base_url).path or ""
 
-    def _open(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
+    def _open(self, method: str, target: str, body: Any, headers: dict[str, str],
               timeout: urllib3.Timeout) -> urllib3.BaseHTTPResponse:
         # No retries, no redirects followed: a 3xx is the engine's answer, relayed like any
         # other status; the body is read by _read_body, bounded.
@@ -222,8 +257,9 @@ class BackendClient:
                                   retries=False, redirect=False, preload_content=False,
                                   assert_same_host=False)
 
-    def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
-        """POST ``payload`` (JSON bytes) to the engine endpoint ``path`` (the dialect's).
+    def send(self, path: str, payload: bytes | Sequence[Buffer], *, deadline: float | None = None) -> BackendReply:
+        """POST ``payload`` (JSON bytes, or its pieces in order: sent without joining them) to
+        the engine endpoint ``path`` (the dialect's).
 
         ``deadline`` (``time.monotonic()``) caps the connect and read timeouts: past it the
         call fails with :class:`BackendTimeout`.
@@ -236,10 +272,18 @@ class BackendClient:
             connect_timeout, read_timeout = min(connect_timeout, left), min(read_timeout, left)
         # An image turn's body: the process's small requests first, and its bulk lane left while
         # the engine works (webapp.bulk).
-        waiting = bulk_io() if len(payload) > _BULK_BODY_BYTES else contextlib.nullcontext()
+        body: Any = payload
+        headers = _JSON_HEADERS
+        if not isinstance(payload, bytes):
+            pieces = _Pieces(payload)
+            # (a one-item tuple: urllib3 sends each item of an iterable body as it is)
+            body, headers, size = (pieces,), pieces.headers(), pieces.size
+        else:
+            size = len(payload)
+        waiting = bulk_io() if size > _BULK_BODY_BYTES else contextlib.nullcontext()
         try:
             with waiting:
-                resp = self._open("POST", path, payload, _JSON_HEADERS,
+                resp = self._open("POST", path, body, headers,
                                   urllib3.Timeout(connect=connect_timeout, read=read_timeout))
                 raw = self._read_body(resp, read_timeout)
         except _TRANSPORT_ERRORS as exc:

@@ -71,7 +71,9 @@ from webapp.limits import (
     DEFAULT_SESSION_IDLE_TTL,
     RequestLimits,
     SessionExpiry,
+    URLBytes,
     loads_strict,
+    loads_strict_urls,
 )
 from webapp.matchers import DEFAULT_MATCHER, resolve_matcher
 from webapp.records import IdsText, RecordParts, Rows
@@ -451,10 +453,11 @@ class SessionRegistry:
         return len(self._sessions)
 
 
-def _parse_chat_body(body: bytes | memoryview) -> dict[str, Any]:
+def _parse_chat_body(body: bytes | memoryview) -> tuple[dict[str, Any], URLBytes]:
+    """The checked request, and its data URLs as views of ``body`` (for this turn only)."""
     if len(body) > MAX_CHAT_BODY_BYTES:
         raise BodyTooLarge(f"request body over {MAX_CHAT_BODY_BYTES} bytes")
-    request = loads_strict(body)
+    request, url_bytes = loads_strict_urls(body)
     if not isinstance(request, dict):
         raise InvalidJSON("invalid JSON body: expected an object")
     check_request_fields(request)  # unknown and refused fields: 400 naming them
@@ -473,7 +476,7 @@ def _parse_chat_body(body: bytes | memoryview) -> dict[str, Any]:
             raise InvalidField(name, "expected a number")
     if request.get("model") is not None and not isinstance(request["model"], str):
         raise InvalidField("model", "expected a string")
-    return request
+    return request, url_bytes
 
 
 def _token_logprob(tokenizer: ChatTokenizer, token_id: Any, logprob: Any) -> dict[str, Any]:
@@ -788,10 +791,11 @@ class SessionCore:
     def _chat(self, session_id: str, body: bytes | memoryview, deadline: float | None,
               request_timestamp: float) -> Reply:
         session = self.registry.get(session_id)
-        request = _parse_chat_body(body)
+        request, url_bytes = _parse_chat_body(body)
         self.limits.check_messages(request.get("messages"))
         # Before the turn lock: the pixel decoding of new images holds up no other turn.
-        images = extract_images(request.get("messages"), self.image_limits, session.images, session.image_urls)
+        images = extract_images(request.get("messages"), self.image_limits, session.images, session.image_urls,
+                                url_bytes)
         if session.tree is not None:
             return self._tree_chat(session, request, images, deadline, request_timestamp)
         wait = self.turn_wait_timeout
@@ -810,7 +814,7 @@ class SessionCore:
             ids_text = session.journal.prompt_ids_text(plan.prompt_ids)  # the request's and the record's
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
                                                         replay_from=held[0] if held else 0, ids_text=ids_text)
-            reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
+            reply = self.backend.send(engine_request.path, engine_request.sent, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images),
@@ -861,7 +865,7 @@ class SessionCore:
             ids_text = session.journal.prompt_ids_text(plan.prompt_ids)  # the request's and the record's
             engine_request = self.dialect.build_request(request, plan.prompt_ids, images,
                                                         replay_from=held[0] if held else 0, ids_text=ids_text)
-            reply = self.backend.send(engine_request.path, engine_request.body, deadline=deadline)
+            reply = self.backend.send(engine_request.path, engine_request.sent, deadline=deadline)
             turn = self.dialect.parse_reply(reply, engine_request)
             summary, record = self._record(engine_request.recorded, plan, turn, request_timestamp,
                                            tuple(image.sha256 for image, _url in images.images), tree=True,

@@ -50,7 +50,7 @@ import pybase64
 from blake3 import blake3
 
 from webapp.bulk import bulk_lane
-from webapp.limits import require_positive
+from webapp.limits import URLBytes, require_positive
 from webapp.session_errors import (
     ImageNotBase64,
     ImageRefused,
@@ -141,15 +141,16 @@ class SessionImage(Protocol):
 class RequestImages:
     messages: list[Any]  # the request's messages, image parts replaced by reference parts
     # In order of appearance: the image, its data URL's text as sent (checked: ASCII, nothing
-    # that JSON escapes), kept from hashing it to splice into the engine request.
-    images: list[tuple[SessionImage, bytes]]
+    # that JSON escapes), kept from hashing it to splice into the engine request: a view of the
+    # request's body when the caller gave one (URLBytes), valid for the turn only.
+    images: list[tuple[SessionImage, bytes | memoryview]]
     new: dict[str, DecodedImage]  # the images the session did not hold yet, by sha256
     # url_key(data URL) -> sha256 of each image part: the session remembers them once the turn
     # is committed, so the next turn recognises these parts by their text
     url_keys: dict[bytes, str] = field(default_factory=dict)
 
 
-def url_key(text: bytes) -> bytes:
+def url_key(text: bytes | memoryview) -> bytes:
     """The digest of an image part's data URL text (UTF-8; mime type and base64 payload: exactly
     the image's bytes), 32 bytes. BLAKE3 (collision resistant, as sha256): every known image's
     URL is hashed on every turn, ~3.4 MB at a 20-screenshot history, and its SIMD code does
@@ -209,24 +210,25 @@ def _decode(data: bytes, digest: str, where: str) -> DecodedImage:
 
 
 def extract_images(raw_messages: Any, limits: ImageLimits, known: Mapping[str, SessionImage],
-                   known_urls: Mapping[bytes, str] | None = None) -> RequestImages:
+                   known_urls: Mapping[bytes, str] | None = None, url_bytes: URLBytes | None = None) -> RequestImages:
     """The request's image parts checked and replaced by reference parts (see the module doc).
 
     ``known_urls``: :func:`url_key` of data URLs the session committed -> the image's sha256; a
     part whose URL is among them and whose image ``known`` holds is not decoded again (it passed
-    the same checks when it was first seen). Malformed messages pass through untouched (the
-    turn's own validation names them).
+    the same checks when it was first seen). ``url_bytes``: the URLs' text as the body's bytes
+    (``webapp.limits.loads_strict_urls``), hashed and kept as they are instead of encoding each
+    URL again. Malformed messages pass through untouched (the turn's own validation names them).
     """
     if not isinstance(raw_messages, list):
         return RequestImages(raw_messages, [], {})
     with contextlib.ExitStack() as lane:  # the image work: one request's at a time (webapp.bulk)
-        return _extract(raw_messages, limits, known, known_urls, lane)
+        return _extract(raw_messages, limits, known, known_urls, url_bytes or URLBytes(), lane)
 
 
 def _extract(raw_messages: list[Any], limits: ImageLimits, known: Mapping[str, SessionImage],
-             known_urls: Mapping[bytes, str] | None, lane: contextlib.ExitStack) -> RequestImages:
+             known_urls: Mapping[bytes, str] | None, url_bytes: URLBytes, lane: contextlib.ExitStack) -> RequestImages:
     messages: list[Any] = []
-    images: list[tuple[SessionImage, bytes]] = []
+    images: list[tuple[SessionImage, bytes | memoryview]] = []
     new: dict[str, DecodedImage] = {}
     keys: dict[bytes, str] = {}
     parts_seen = False
@@ -258,7 +260,9 @@ def _extract(raw_messages: list[Any], limits: ImageLimits, known: Mapping[str, S
                 raise TooManyImages(where, f"more than max_images={limits.max_images} images in one request")
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
-            text = url.encode("utf-8", "surrogatepass") if isinstance(url, str) else b""
+            text: bytes | memoryview = b""
+            if isinstance(url, str):
+                text = url_bytes.get(url) or url.encode("utf-8", "surrogatepass")
             key = url_key(text) if text else b""
             # Lookups, never iterations: ``known`` and ``known_urls`` may grow meanwhile (another
             # turn committing).

@@ -30,7 +30,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -50,8 +50,10 @@ __all__ = [
     "RequestLimits",
     "SessionExpiry",
     "TooManySessions",
+    "URLBytes",
     "json_depth_exceeds",
     "loads_strict",
+    "loads_strict_urls",
     "require_positive",
 ]
 
@@ -143,9 +145,10 @@ _CUT_MARK_ESCAPE = "\\u0000"
 _WS = " \t\n\r"
 
 
-def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
+def _cut_data_urls(text: str) -> tuple[str, list[str], list[int]] | None:
     """``text`` with each long ``"data:image/(jpeg|jpg|png);base64,<base64>"`` string value
-    replaced by ``"\\u0000<k>"``, and the k-th URL; None when nothing is cut.
+    replaced by ``"\\u0000<k>"``, the k-th URL, and where the k-th URL starts in ``text``;
+    None when nothing is cut.
 
     What makes the result decode to the same value but for those strings: a cut string opens
     after ``:``, ``[`` or ``,`` (so its quote is no escaped one: in valid JSON it opens a string),
@@ -160,6 +163,7 @@ def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
         return None
     pieces: list[str] = []
     urls: list[str] = []
+    starts: list[int] = []
     last = 0
     # Candidates looked at, bounded by what could be cut: a body of millions of short
     # '"data:image/' strings costs no more than one pass of finds.
@@ -172,6 +176,7 @@ def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
         if end - start > _CUT_MIN_CHARS and _cuttable(text, start, end):
             pieces += (text[last:start], f'"{_CUT_MARK_ESCAPE}{len(urls)}"')
             urls.append(text[start + 1:end])
+            starts.append(start + 1)
             last = end + 1
         start = text.find(_DATA_URL_OPEN, end + 1)
     if not urls:
@@ -179,7 +184,7 @@ def _cut_data_urls(text: str) -> tuple[str, list[str]] | None:
     pieces.append(text[last:])
     if any(_CUT_MARK_ESCAPE in piece for piece in pieces[::2]):  # the text between the cuts
         return None
-    return "".join(pieces), urls
+    return "".join(pieces), urls, starts
 
 
 def _cuttable(text: str, start: int, end: int) -> bool:
@@ -240,6 +245,23 @@ def _value_depth_exceeds(value: Any, max_depth: int) -> bool:
     return False
 
 
+class URLBytes:
+    """The data URLs :func:`loads_strict_urls` cut out of a body, as bytes: views of the body
+    itself, by the string the decoded value holds (looked up by identity, so only that very
+    string finds its view). A view is as valid as the body: for the request that received it
+    (a worker's receive buffer is lent to one request)."""
+
+    def __init__(self, body: bytes | memoryview | None = None, urls: Sequence[str] = (),
+                 starts: Sequence[int] = ()) -> None:
+        view = memoryview(body).cast("B") if body is not None and urls else None
+        self._by_id = {id(url): (url, view[at:at + len(url)]) for url, at in zip(urls, starts)} if view else {}
+
+    def get(self, url: object) -> memoryview | None:
+        """``url``'s text as the body's bytes (= its UTF-8 encoding), or None."""
+        held = self._by_id.get(id(url))
+        return held[1] if held is not None and held[0] is url else None
+
+
 def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode a UTF-8 JSON request body, refusing ``NaN``/``Infinity`` and deep nesting.
 
@@ -254,6 +276,13 @@ def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> A
     runs over the rest. The value is the same; a body the cut text fails on is decoded again
     whole, so its error is the same too.
     """
+    return loads_strict_urls(body, max_depth)[0]
+
+
+def loads_strict_urls(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> tuple[Any, URLBytes]:
+    """:func:`loads_strict`, and the data URLs it cut out as views of ``body`` (:class:`URLBytes`):
+    a screenshot turn hashes them and sends them to the engine without encoding each string
+    again. Views only when the body is ASCII (its characters are its bytes, one each)."""
     try:
         text = str(body, "utf-8")
     except UnicodeDecodeError as exc:
@@ -266,8 +295,8 @@ def loads_strict(body: bytes | memoryview, max_depth: int = MAX_JSON_DEPTH) -> A
             pass  # the error as the whole text gives it
         else:
             if _put_back(value, cut[1]) == len(cut[1]):
-                return value
-    return _loads_text(text, max_depth)
+                return value, URLBytes(body, cut[1], cut[2]) if text.isascii() else URLBytes()
+    return _loads_text(text, max_depth), URLBytes()
 
 
 def _loads_text(text: str, max_depth: int) -> Any:

@@ -5,6 +5,9 @@ with the fewest syscalls and the least gevent machinery.
   (a ``getsockopt``) and walks its chunking loop on every call, for the reply to the client and
   the request to the engine alike, a few KiB each that one ``send`` takes whole. One ``send``
   first; whatever it leaves goes through ``sendall``.
+- :func:`send_gathered`: a large body kept as pieces (an image turn's engine request: its
+  head and the data URLs, views of the client's body) goes out by ``sendmsg`` from the
+  pieces themselves, without a joined copy of the megabytes first.
 - :func:`readable_now`: urllib3 checks a kept-alive connection before each reuse with a
   zero-timeout poll; under gevent's monkey patching that poll is the hub's (a watcher started
   and stopped, an ``epoll_ctl`` that fails, for every engine call). One real ``poll(2)`` with a
@@ -13,15 +16,18 @@ with the fewest syscalls and the least gevent machinery.
 
 from __future__ import annotations
 
+import os
 import select
+from collections.abc import Sequence
 from typing import Any
 
 from gevent import monkey
 
-__all__ = ["readable_now", "send_small"]
+__all__ = ["readable_now", "send_gathered", "send_small"]
 
 _poll = monkey.get_original("select", "poll")  # the OS's, also when gevent patched select
 _READ_EVENTS = select.POLLIN
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per sendmsg
 
 
 def send_small(sock: Any, data: bytes | bytearray | memoryview) -> None:
@@ -30,6 +36,23 @@ def send_small(sock: Any, data: bytes | bytearray | memoryview) -> None:
     sent = sock.send(data)
     if sent < len(data):
         sock.sendall(memoryview(data)[sent:])
+
+
+def send_gathered(sock: Any, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Every byte of ``pieces`` in order, as ``sock.sendall(b"".join(pieces))`` would send
+    them, by ``sendmsg`` from the pieces themselves. Cooperative under gevent; timeouts and
+    errors are the socket's own."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + _IOV_MAX])
+        while sent:
+            size = len(views[first])
+            if sent < size:  # a piece partly sent: its rest goes next
+                views[first] = views[first][sent:]
+                break
+            sent -= size
+            first += 1
 
 
 def readable_now(sock: Any) -> bool:

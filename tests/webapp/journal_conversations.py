@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from webapp.backend import BackendReply
+from webapp.backend import BackendReply, payload_bytes
 from webapp.core import SessionCore, SessionRegistry
 from webapp.journal import JournalStore
 from webapp.reference_backend import reference_completion
@@ -52,6 +52,7 @@ class Engine:
         self.sent: list[dict[str, Any]] = []
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        payload = payload_bytes(payload)  # an image turn sends pieces
         request = json.loads(payload)
         self.sent.append(request)
         self.turns += 1

@@ -9,9 +9,12 @@ import threading
 import time
 
 import pytest
+import urllib3
 
-from webapp.backend import BackendClient
+import webapp.backend
+from webapp.backend import BackendClient, payload_bytes
 from webapp.session_errors import BackendTimeout, BackendUnreachable, UpstreamStatus
+from webapp.sockets import send_gathered
 
 REPLY = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]}).encode()
 
@@ -71,6 +74,7 @@ class _RawEngine:
 
     def __init__(self, reply: bytes, *, close_after: bool = False) -> None:
         self.reply, self.close_after, self.connections = reply, close_after, 0
+        self.requests: list[bytes] = []  # each request as received, head and body
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -87,12 +91,14 @@ class _RawEngine:
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as rfile:
             while (line := rfile.readline()) and line.strip():
-                length = 0
+                length, received = 0, [line]
                 while (header := rfile.readline()).strip():
+                    received.append(header)
                     name, _, value = header.decode().partition(":")
                     if name.strip().lower() == "content-length":
                         length = int(value)
-                rfile.read(length)
+                received += (header, rfile.read(length))
+                self.requests.append(b"".join(received))
                 conn.sendall(self.reply)
                 if self.close_after:
                     return
@@ -241,3 +247,53 @@ def test_a_large_body_lets_the_process_small_requests_go_first(monkeypatch) -> N
         assert order == expected, order
         small.join()
     client.close()
+
+
+def test_a_body_in_pieces_goes_out_as_its_joined_bytes_would(monkeypatch) -> None:
+    """An image turn's engine request is pieces (its data URLs views of the client's body): on
+    the wire it is byte for byte the request of the same bytes joined, head included, sent from
+    the pieces themselves (no joined copy); on urllib3's own connection (a proxy's or TLS's
+    path) too, piece by piece."""
+    client_body = bytearray(b"x" * 300_000)
+    pieces = (b'{"messages":[],"image_data":["', memoryview(client_body)[1000:250_000], b'"]}')
+    gathered: list[list[object]] = []
+
+    def recording(sock: socket.socket, views: list[object]) -> None:
+        gathered.append(list(views))
+        send_gathered(sock, views)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(webapp.backend, "send_gathered", recording)
+    engine = _RawEngine(_http("200 OK", REPLY))
+    ours, plain = BackendClient(engine.url), BackendClient(engine.url)
+    plain._pool.ConnectionCls = urllib3.connection.HTTPConnection
+    try:
+        assert ours.send("/v1/chat/completions", payload_bytes(pieces)).raw == REPLY
+        assert ours.send("/v1/chat/completions", pieces).raw == REPLY
+        assert plain.send("/v1/chat/completions", pieces).raw == REPLY
+        assert len(engine.requests) == 3 and engine.requests[1] == engine.requests[0] == engine.requests[2]
+        assert engine.requests[0].endswith(b"\r\n\r\n" + payload_bytes(pieces))
+        # the head, then the pieces as given: the client's view is sent, not a copy of it
+        assert len(gathered) == 1 and gathered[0][1:] == list(pieces) and gathered[0][2] is pieces[1]
+    finally:
+        ours.close()
+        plain.close()
+        engine.close()
+
+
+def test_send_gathered_sends_every_piece_in_order_across_partial_sends() -> None:
+    """Pieces larger than the socket takes at once (partial ``sendmsg``s, a piece cut in the
+    middle) arrive whole and in order."""
+    pieces = [bytes([k]) * size for k, size in enumerate((1, 700_000, 3, 1_300_001, 0, 65_536))]
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    received = bytearray()
+    reader = threading.Thread(target=lambda: [received.extend(chunk) for chunk in iter(lambda: b.recv(65536), b"")])
+    reader.start()
+    try:
+        send_gathered(a, [*pieces[:2], memoryview(pieces[3])[:1000], memoryview(pieces[3])[1000:], pieces[4], pieces[5]])
+        a.shutdown(socket.SHUT_WR)
+        reader.join(30)
+        assert bytes(received) == pieces[0] + pieces[1] + pieces[3] + pieces[5]
+    finally:
+        a.close()
+        b.close()

@@ -11,7 +11,7 @@ import threading
 import pytest
 import safetensors.numpy
 
-from webapp.backend import BackendReply, parse_backend_reply
+from webapp.backend import BackendReply, parse_backend_reply, payload_bytes
 from webapp.core import CoreConfig, SessionCore, build_session_core
 from webapp.filebody import B64Span, FileSpan
 from webapp.reference_backend import R3Shape, reference_completion
@@ -38,6 +38,7 @@ class FakeBackend:
         self._lock = threading.Lock()
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        payload = payload_bytes(payload)  # an image turn sends pieces
         request = json.loads(payload)
         with self._lock:
             self.calls.append(request)
@@ -442,6 +443,7 @@ class AlwaysR3Backend(FakeBackend):
     """Returns R3 whether or not it was asked for (a backend with routing replay always on)."""
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        payload = payload_bytes(payload)  # an image turn sends pieces
         request = json.loads(payload)
         return BackendReply.from_raw(json.dumps(reference_completion(request["input_ids"], TOK, want_r3=True,
                                                                      r3=R3)).encode())
@@ -476,6 +478,7 @@ class CutCharacterBackend(FakeBackend):
     """Output cut by max_tokens in the middle of a multi-byte character (byte tokenizer)."""
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        payload = payload_bytes(payload)  # an image turn sends pieces
         output = TOK.encode("ok ☃")[:-1]
         reply = {"choices": [{"index": 0, "finish_reason": "length",
                               "message": {"role": "assistant", "content": "ok \ufffd"},

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from webapp.backend import BackendReply
+from webapp.backend import BackendReply, payload_bytes
 from webapp.core import SessionCore
 from webapp.engines import EngineConfigError, ReplayRequest, dialect_for
 from webapp.engines.base import CLIENT_ONLY_FIELDS, EngineRequest, dumps
@@ -308,6 +308,7 @@ class StandInBackend:
         self.paths: list[str] = []
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+        payload = payload_bytes(payload)  # an image turn sends pieces
         self.paths.append(path)
         body = json.loads(payload)
         return as_reply(vllm_completion(body["prompt"], body, self.r3))
@@ -376,6 +377,7 @@ def test_a_turn_turns_only_its_new_prompt_ids_into_text(monkeypatch):
 
     class Backend:
         def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
+            payload = payload_bytes(payload)  # an image turn sends pieces
             request = json.loads(payload)
             assert payload == dumps(request)  # the whole body, byte for byte, as one dumps of it
             return as_reply(reference_completion(request["input_ids"], TOK))

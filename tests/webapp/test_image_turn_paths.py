@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 from typing import Any
 
 import pytest
+from PIL import Image
 
 import webapp.images as images_module
-from webapp.backend import BackendReply
+from webapp.backend import BackendReply, payload_bytes
 from webapp.core import SessionCore
 from webapp.reference_backend import reference_completion
 from webapp.tokenizers import ByteChatTokenizer
@@ -29,9 +31,12 @@ class ImageBackend:
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
+        self.payloads: list[Any] = []  # as the core gave them
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None) -> BackendReply:
-        self.bodies.append(bytes(payload))
+        self.payloads.append(payload)
+        payload = payload_bytes(payload)  # an image turn sends pieces
+        self.bodies.append(payload)
         request = json.loads(payload)
         images = [base64.b64decode(url.split(",", 1)[1]) for url in request.get("image_data", [])]
         reply = reference_completion(request["input_ids"], TOK, images=images)
@@ -90,3 +95,32 @@ def test_known_images_are_not_decoded_again_and_store_what_decoding_them_would(m
     assert known_get == scratch_get  # records and images, as GET returns them
     assert len(known_get["records"]) == len(SHOTS)
     assert sorted(known_get["images"]) == sorted(hashlib.sha256(shot).hexdigest() for shot in SHOTS)
+
+
+def noisy(seed: int) -> bytes:
+    """A JPEG whose data URL is long enough to be cut out of the body (webapp.limits)."""
+    out = io.BytesIO()
+    Image.effect_noise((160, 120), 40 + seed).convert("RGB").save(out, "JPEG")
+    assert len(out.getvalue()) > 8192
+    return out.getvalue()
+
+
+def test_the_engine_gets_the_data_urls_from_the_client_body_itself() -> None:
+    """An image turn's engine request is pieces: each data URL a view of the body the turn
+    received (not a copy of it, not a re-encoded string), the whole the bytes it always was."""
+    backend = ImageBackend()
+    core = SessionCore(TOK, backend)  # type: ignore[arg-type]
+    try:
+        sid = json.loads(core.create_session().read())["session_id"]
+        urls = ["data:image/jpeg;base64," + base64.b64encode(noisy(seed)).decode() for seed in (1, 2)]
+        body = json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}} for url in urls]}], "max_tokens": 16}).encode()
+        assert core.chat(sid, body).status == 200
+    finally:
+        core.close()
+    (payload,) = backend.payloads
+    views = [piece for piece in payload if isinstance(piece, memoryview)]
+    assert [v.tobytes() for v in views] == [url.encode() for url in urls] and all(v.obj is body for v in views)
+    sent = json.loads(backend.bodies[0])
+    assert sent["image_data"] == urls
+    assert backend.bodies[0] == json.dumps(sent, separators=(",", ":"), ensure_ascii=False).encode()

@@ -87,7 +87,7 @@ class _Ignoring(jc.Engine):
     """An engine that does not know ``routed_experts_start_len``: every row, every turn."""
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None):
-        request = json.loads(payload)
+        request = json.loads(jc.payload_bytes(payload))  # an image turn sends pieces
         request.pop("routed_experts_start_len", None)
         return super().send(path, json.dumps(request).encode(), deadline=deadline)
 
@@ -96,7 +96,8 @@ class _Reference(jc.Engine):
     """The reference backend's own replies (its R3 rows, its ``routed_experts_start_len``)."""
 
     def send(self, path: str, payload: bytes, *, deadline: float | None = None):
-        from webapp.backend import BackendReply
+        from webapp.backend import BackendReply, payload_bytes
+        payload = payload_bytes(payload)  # an image turn sends pieces
         from webapp.reference_backend import R3Shape, reference_completion_json
 
         request = json.loads(payload)

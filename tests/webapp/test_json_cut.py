@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from webapp.limits import _cut_data_urls, _loads_text, loads_strict
+from webapp.limits import _cut_data_urls, _loads_text, loads_strict, loads_strict_urls
 from webapp.session_errors import SessionError
 
 PAYLOAD = base64.b64encode(random.Random(1).randbytes(6000)).decode()
@@ -108,3 +108,22 @@ def test_many_short_data_urls_bound_the_scan_and_decode_alike() -> None:
     cut = _cut_data_urls(json.dumps(value))
     assert cut is not None and cut[1] == [URL] * 3
     assert loads_strict(json.dumps(value).encode()) == value
+
+
+def test_the_cut_urls_are_views_of_the_body_for_the_very_strings_put_back() -> None:
+    """``loads_strict_urls``: each cut URL's text as the body's own bytes (a view, no copy),
+    found by the string the value holds and by no other string of the same text; none for a
+    body that is not ASCII (its characters are not its bytes) or that nothing was cut from."""
+    body = json.dumps(image_body(URL, JPEG_URL, URL)).encode()
+    value, urls = loads_strict_urls(body)
+    assert value == json.loads(body)
+    parts = [m["content"][1]["image_url"]["url"] for m in value["messages"][1:]]
+    for url in parts:
+        view = urls.get(url)
+        assert isinstance(view, memoryview) and view.obj is body and view.tobytes() == url.encode()
+    assert urls.get("".join(URL)) is None and urls.get(PAYLOAD) is None  # equal text, another string
+    accented = json.dumps(image_body(URL) | {"model": "modèle"}, ensure_ascii=False).encode()
+    value, urls = loads_strict_urls(accented)
+    assert value == json.loads(accented) and urls.get(value["messages"][1]["content"][1]["image_url"]["url"]) is None
+    value, urls = loads_strict_urls(json.dumps(image_body("data:image/png;base64,AAAA")).encode())
+    assert urls.get(value["messages"][1]["content"][1]["image_url"]["url"]) is None

@@ -11,9 +11,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from webapp.backend import BackendReply
+from webapp.backend import BackendReply, payload_bytes
 from webapp.errors import WebappError
 from webapp.images import RequestImages
+from webapp.ipc import Buffer
 from webapp.request_fields import Policy, fields_with
 from webapp.session_errors import MalformedReplyField
 
@@ -56,10 +57,17 @@ class ReplayRequest:
 @dataclass(frozen=True)
 class EngineRequest:
     path: str  # the engine endpoint (POST)
-    body: bytes  # the bytes sent
+    # The bytes sent: one bytes object, or its pieces in order (an image turn's: the data URLs
+    # are views of the client's body, valid for the turn only; sent without joining them).
+    sent: bytes | tuple[Buffer, ...]
     recorded: bytes  # the record's "request": a JSON object in miles' shape (``input_ids`` ...)
     prompt_ids: list[int]  # our prompt ids, as sent
     top_logprobs: int = 0  # top-logprob alternatives asked of the engine per output token
+
+    @property
+    def body(self) -> bytes:
+        """The bytes sent, joined (a copy when they are pieces: for inspection, not the turn)."""
+        return payload_bytes(self.sent)
 
 
 @dataclass

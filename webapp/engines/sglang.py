@@ -29,6 +29,7 @@ from webapp.engines.base import (
     ids_array,
 )
 from webapp.images import RequestImages, wire_messages
+from webapp.ipc import Buffer
 from webapp.samples import SAMPLE_META_KEYS
 from webapp.session_errors import BackendMalformed, InvalidField, MalformedReplyField
 from webapp.tito import normalize_message
@@ -84,13 +85,16 @@ class SglangDialect(Dialect):
         if not images.images:
             return EngineRequest(CHAT_PATH, head + end, head + b"}", prompt_ids)
         # Checked: a data URL's text and a reference are ASCII with nothing JSON escapes. The
-        # bytes sent are joined once (~3.6 MB at 20 screenshots).
-        sent, recorded = [head, b',"image_data":['], [head, b',"image_data":[']
+        # bytes sent stay pieces, the URLs as the turn holds them (~3.6 MB at 20 screenshots,
+        # never joined: the backend client sends them gathered).
+        sent: list[Buffer] = [head + b',"image_data":["']
+        recorded = [head, b',"image_data":[']
         for image, url in images.images:
-            sent += (b'"', url, b'",')
+            sent += (url, b'","')
             recorded += (b'"', image.ref.encode("ascii"), b'",')
-        sent[-1] = recorded[-1] = b'"]'
-        return EngineRequest(CHAT_PATH, b"".join([*sent, end]), b"".join([*recorded, b"}"]), prompt_ids)
+        sent[-1] = b'"]' + end
+        recorded[-1] = b'"]'
+        return EngineRequest(CHAT_PATH, tuple(sent), b"".join([*recorded, b"}"]), prompt_ids)
 
     def parse_reply(self, reply: BackendReply, sent: EngineRequest) -> EngineTurn:
         parsed = reply.parsed
