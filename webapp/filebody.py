@@ -540,11 +540,14 @@ def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], 
                  scratch: _Scratch, pacer: Pacer) -> _Left | None:
     """In a thread of the ``send`` lane: ``views``, then ``parts[i:]`` made about
     :data:`_BATCH` bytes at a time, written with ``writev`` (a blocking socket) until all are
-    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left).
+    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left). While the
+    process serves other requests the writes keep to ``pacer``'s rate, and a paced call also
+    ends after about :data:`_SEND_SLICE` (what is left; the hub calls again at once).
 
     The buffers made here are freed here (``views`` is never added to in place: the caller's
     list would keep them for the hub to free, and a free from another thread trims this
     thread's malloc arena, whose pages the next hand-off then faults in again)."""
+    until = pacer.now() + _SEND_SLICE  # paced: the thread's call ends about here (webapp.send_pace)
     with _blocking_slice(sock_fd):
         while True:
             pending = sum(len(v) for v in views)
@@ -553,14 +556,16 @@ def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], 
                 views = views + [memoryview(b) for b in more if len(b)]
             if not views:
                 return None
+            if not pacer.pace(0, 0.0, until):  # ahead of the pace: the rest in another call
+                return views, parts, i
             want = sum(len(v) for v in views[:_IOV_MAX])
             started = pacer.now()
             try:
                 sent = os.writev(sock_fd, views[:_IOV_MAX])
             except BlockingIOError:  # full for the whole slice: the hub waits instead
                 return views, parts, i
-            pacer.pace(sent, started)
             full = sent < want  # the timeout ended the call part-way: the socket is full
+            pacer.pace(sent, started, until)
             first = 0
             while first < len(views) and sent >= len(views[first]):
                 sent -= len(views[first])
@@ -665,15 +670,18 @@ def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int, pacer: Pacer
     its socket stays full for :data:`_SEND_SLICE`; how many. Each ``sendfile`` moves up to a
     GiB in the kernel (:func:`_blocking_slice`), or a pace slice when ``pacer`` has a rate."""
     done = 0
+    until = pacer.now() + _SEND_SLICE  # paced: the thread's call ends about here (webapp.send_pace)
     with _blocking_slice(sock_fd):
         while done < count:
+            if not pacer.pace(0, 0.0, until):  # ahead of the pace: the rest in another call
+                break
             want = pacer.slice_size(min(count - done, _SENDFILE_MAX))
             started = pacer.now()
             try:
                 sent = os.sendfile(sock_fd, fd, offset + done, want)
             except BlockingIOError:  # full for the whole slice: the hub waits instead
                 break
-            pacer.pace(sent, started)
+            pacer.pace(sent, started, until)
             if sent == 0:
                 raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
             done += sent

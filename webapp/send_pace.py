@@ -12,7 +12,9 @@ server modes): its WSGI middleware (:meth:`Pacer.counting`) counts the requests 
 puts each one's :class:`Paced` handle in its environ; a records GET's body marks its request as
 one being sent (:meth:`Paced.body_started`), so GETs do not pace each other; the send threads
 (``webapp.filebody``) call :meth:`Pacer.pace` after each write, which sleeps in that thread
-(never in the hub) for as long as the bytes sent so far are ahead of the rate. The decision
+(never in the hub) for as long as the bytes sent so far are ahead of the rate, and ends its
+call after about a send slice (0.2 s) however low the rate, the rest sent by the next call (a
+lane's calls stay bounded: a worker stopping mid-GET waits for them). The decision
 (:meth:`Pacer.delay`) is a function of the counts and an injected clock.
 """
 
@@ -106,24 +108,30 @@ class Pacer:
     # -- the send threads ---------------------------------------------------------------------
 
     def delay(self, sent: int, started: float) -> float:
-        """Seconds to wait after writing ``sent`` bytes that began to go at ``started``: 0 with
-        nothing else in flight (or no cap), else until the bytes sent since the pace engaged
-        are within the rate (shared by every GET this process sends)."""
-        if not self.rate or not sent:
+        """Seconds to wait after writing ``sent`` bytes that began to go at ``started`` (0:
+        before a write, what is still owed): 0 with nothing else in flight (or no cap), else
+        until the bytes sent since the pace engaged are within the rate (shared by every GET
+        this process sends)."""
+        if not self.rate:
             return 0.0
         now = self._clock()
         if not self.others_in_flight(now):
             return 0.0
         with self._lock:
-            # Time spent flat out or idle before this write is not credited: the pace starts over.
-            self._paid_until = max(self._paid_until, started) + sent / self.rate
+            if sent:  # time spent flat out or idle before this write is not credited
+                self._paid_until = max(self._paid_until, started) + sent / self.rate
             return max(0.0, self._paid_until - now)
 
-    def pace(self, sent: int, started: float) -> None:
-        """:meth:`delay`, slept in the calling (send) thread."""
+    def pace(self, sent: int, started: float, until: float) -> bool:
+        """:meth:`delay`, slept in the calling (send) thread, but not past ``until``: whether
+        the sends are on pace (False: the thread should give the send back to the hub, which
+        calls again at once; a lane's call stays bounded however low the rate)."""
         wait = self.delay(sent, started)
-        if wait > 0:
-            self._sleep(wait)
+        if wait <= 0:
+            return True
+        room = until - self._clock()
+        self._sleep(max(0.0, min(wait, room)))
+        return wait <= room
 
     def now(self) -> float:
         return self._clock()

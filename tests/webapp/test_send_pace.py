@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -63,8 +65,23 @@ def test_the_pace_engages_while_another_request_is_in_flight_and_only_then() -> 
     # engaging again does not charge the time spent flat out or idle before
     _request(pacer)
     assert pacer.delay(5 * MiB, clock()) == pytest.approx(0.05)
-    pacer.pace(5 * MiB, clock())
+    assert pacer.pace(5 * MiB, clock(), until=clock() + 1.0)
     assert slept == [pytest.approx(0.1)]  # the budget goes on from the previous write's
+
+
+def test_a_send_thread_never_sleeps_past_its_slice() -> None:
+    """However low the rate, a send thread's call ends by ``until`` (the lane's calls stay
+    bounded); what is still owed is slept at the start of the next call, before any write."""
+    pacer, clock, slept = _pacer(1.0)
+    _request(pacer)  # a chat in flight
+    assert not pacer.pace(2 * MiB, clock(), until=clock() + 0.2)  # 2 s owed, 0.2 s slept
+    assert slept == [pytest.approx(0.2)]
+    clock.t += 0.2
+    assert pacer.delay(0, 0.0) == pytest.approx(1.8)  # before the next write: still owed
+    assert not pacer.pace(0, 0.0, until=clock() + 0.2)
+    clock.t += 1.8
+    assert pacer.pace(0, 0.0, until=clock() + 0.2)  # paid up: write
+    assert slept == [pytest.approx(0.2), pytest.approx(0.2)]
 
 
 def test_gets_do_not_pace_each_other_and_share_the_rate_under_chats() -> None:
@@ -166,7 +183,7 @@ PACED_BODY_SCRIPT = """
     def sleep(seconds):
         slept.append(seconds)
         real_sleep(seconds)
-    pacer = Pacer(64.0, sleep=sleep)  # 64 MiB/s: ~0.2 s for these ~14 MiB while paced
+    pacer = Pacer(16.0, sleep=sleep)  # ~0.9 s for these ~14 MiB while paced: calls end paced, resume
     environ = {}
     def app(environ, start_response):
         return [b""]
@@ -213,3 +230,42 @@ def test_a_paced_body_is_byte_identical_and_paced_only_with_others_in_flight(tmp
         assert out["sleeps"] > 0
     else:
         assert out["sleeps"] == 0
+
+
+# -- a real server ----------------------------------------------------------------------------------
+
+def _held_request(url: str, sid: str) -> socket.socket:
+    """A chat whose client sent its head and a few bytes of its body: a request in flight in
+    the process that sends records GETs (it reads the body) until the socket closes."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.sendall(f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mess".encode())
+    return sock
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_records_get_paced_under_a_request_in_flight_is_byte_identical(workers, reference_backend_factory,
+                                                                         session_server_factory, tmp_path) -> None:
+    """Both server modes at a pace of 4 MiB/s: the GET answered while another request is in
+    flight (paced) is the same bytes as the GET answered alone, whole and as a range."""
+    from tests.webapp.test_journal_recovery import Conversation, create, http, records
+
+    backend = reference_backend_factory(r3_layers=64, r3_topk=8)  # ~1-3 MiB of records per turn
+    server = session_server_factory.launch(workers, backend.url, "--data-dir", str(tmp_path / "data"),
+                                           "--routing-replay-layers", "64", "--records-get-pace", "4")
+    conv = Conversation(create(server.url), "paced")
+    for _ in range(2):
+        conv.turn(server.url)
+    alone = records(server.url, conv.sid)
+    assert len(alone) > 2 * MiB
+    held = _held_request(server.url, create(server.url))
+    try:
+        paced_body = records(server.url, conv.sid)
+        ranged = http("GET", f"{server.url}/sessions/{conv.sid}", headers={"Range": "bytes=1000-2999999"})
+    finally:
+        held.close()
+    assert paced_body == alone
+    assert ranged.status_code == 206 and ranged.content == alone[1000:3000000]
