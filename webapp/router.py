@@ -431,7 +431,7 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
                          methods=list(route.methods))
 
     # This process sends every records GET (both modes): paced while it serves other requests.
-    app.wsgi_app = Pacer(config.records_get_pace).counting(app.wsgi_app)  # type: ignore[method-assign]
+    app.wsgi_app = Pacer(config.records_get_pace).counting(app.wsgi_app)  # type: ignore[method-assign,assignment]
     install_viewer(app, _RouterViewerSource(supervisor, config, call), api_key=config.api_key,
                    instance=config.instance)
     return app

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from werkzeug.wsgi import ClosingIterator
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = ["ENVIRON_KEY", "LINGER", "PACE_SLICE", "UNPACED", "MiB", "Paced", "Pacer", "paced"]
 
@@ -37,8 +40,6 @@ LINGER = 0.05
 # the pace follows requests that start mid-GET within one such slice.
 PACE_SLICE = 2 << 20
 ENVIRON_KEY = "shinken.paced"  # a request's Paced handle in its WSGI environ
-
-_WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def _real_sleep() -> Callable[[float], None]:
@@ -86,10 +87,10 @@ class Pacer:
 
     # -- what the process is doing (the hub) ------------------------------------------------
 
-    def counting(self, app: _WsgiApp) -> _WsgiApp:
+    def counting(self, app: WSGIApplication) -> WSGIApplication:
         """``app`` with its requests counted from their start until their body is closed; each
         request's :class:`Paced` handle in its environ (:func:`paced`)."""
-        def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        def counted(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
             handle = environ[ENVIRON_KEY] = Paced(self)
             self.requests += 1
             try:
