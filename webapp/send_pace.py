@@ -148,10 +148,10 @@ class Paced:
 
     __slots__ = ("_done", "bulk", "pacer")
 
-    def __init__(self, pacer: Pacer) -> None:
+    def __init__(self, pacer: Pacer, *, counted: bool = True) -> None:
         self.pacer = pacer
         self.bulk = False  # a records GET body being sent: not a request to pace for
-        self._done = False
+        self._done = not counted  # a request nobody counted changes no count
 
     def body_started(self) -> None:
         """The request's records body began to go out: it stops counting as another request."""
@@ -177,4 +177,4 @@ UNPACED = Pacer(0.0)  # a body sent where no app counts requests (tests, other W
 def paced(environ: Mapping[str, Any]) -> Paced:
     """The request's handle (:meth:`Pacer.counting`), or a handle of a pacer that never paces."""
     handle = environ.get(ENVIRON_KEY)
-    return handle if isinstance(handle, Paced) else Paced(UNPACED)
+    return handle if isinstance(handle, Paced) else Paced(UNPACED, counted=False)

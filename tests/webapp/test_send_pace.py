@@ -139,8 +139,11 @@ def test_the_middleware_counts_requests_until_their_body_is_closed() -> None:
     clock.t += 5.0
     body.close()
     assert pacer.requests == 0 and pacer.sending == 0 and pacer.others_ended == clock() - 5.0
-    # a body sent outside a counting app: never paced
-    assert not paced({}).pacer.enabled
+    # a body sent outside a counting app: never paced, and counts nothing
+    outside = paced({})
+    outside.body_started()
+    outside.ended()
+    assert not outside.pacer.enabled and (outside.pacer.requests, outside.pacer.sending) == (0, 0)
 
 
 def test_the_setting_parses_and_refuses_bad_values() -> None:
