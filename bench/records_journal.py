@@ -569,10 +569,11 @@ def bench_get_and_load(args: argparse.Namespace, tmp: Path, do_get: bool, do_loa
     first = opening_bytes(turn_bytes, layers, topk)
     name = "big-server"
     server = start_server(tmp, name, args.workers, [JOURNAL_FLAG, str(data), "--reference-r3-layers", str(layers),
-                                                      "--reference-r3-topk", str(topk)], args.server_tree)
+                                                      "--reference-r3-topk", str(topk), *args.server_arg],
+                          args.server_tree)
     sampler = RssSampler(server.pid)
     sampler.start()
-    out: dict = {"workers": args.workers, "r3_layers": layers, "r3_topk": topk, "turns": turns,
+    out: dict = {"server_args": args.server_arg, "workers": args.workers, "r3_layers": layers, "r3_topk": topk, "turns": turns,
                  "opening_bytes": first, "load_before": loadavg()}
     buf = bytearray(READ_BUF)
     try:
@@ -1001,6 +1002,9 @@ def main() -> int:
     parser.add_argument("--server-tree", type=Path, default=REPO,
                         help="1-3: the source tree the server runs from (another commit's checkout: the same bench "
                              "and floor against its code)")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="1+2: one more launcher argument for the big session's server, e.g. "
+                             "--server-arg=--records-get-pace=512 (repeatable; the tree must know it)")
     parser.add_argument("--r3-layers", type=int, default=6, help="the reference backend's R3 layers")
     parser.add_argument("--r3-topk", type=int, default=8, help="the reference backend's R3 top-k")
     parser.add_argument("--size-gib", type=float, default=4.0, help="1+2: the big session's records")

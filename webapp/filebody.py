@@ -45,6 +45,7 @@ from werkzeug.http import parse_range_header, unquote_etag
 from werkzeug.wrappers import Response
 
 from webapp.offload import gevent_active, run_blocking
+from webapp.send_pace import Paced, Pacer, paced
 
 __all__ = [
     "READ_CHUNK",
@@ -285,7 +286,7 @@ def file_response(pieces: Sequence[Piece], *, status: int, content_type: str,
         response.status_code = 206
         response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{length}"
         length = stop - start
-    body = _FileBody(pieces, _raw_socket(environ))
+    body = _FileBody(pieces, _raw_socket(environ), paced(environ))
     response.response = body
     response.direct_passthrough = True
     response.headers["Content-Length"] = str(length)
@@ -317,9 +318,10 @@ class _FileBody:
     """The WSGI iterable: opens the file at construction (a missing file fails before any
     header is sent), yields inline pieces, sends spans with ``sendfile`` (or yields them)."""
 
-    def __init__(self, pieces: Sequence[Piece], sock: Any) -> None:
+    def __init__(self, pieces: Sequence[Piece], sock: Any, request: Paced) -> None:
         self._pieces = pieces
         self._sock = sock
+        self._request = request  # its process's pace (webapp.send_pace), while it serves others
         self._fds: dict[str, int] = {}
         try:
             for piece in pieces:
@@ -370,6 +372,8 @@ class _FileBody:
         packed: list[memoryview | _Read] = []
         size = packed_size = 0
         sock = self._sock
+        self._request.body_started()
+        pacer = self._request.pacer
 
         def limit() -> int:  # a batch for a send thread is made there, _BATCH at a time
             return _HANDOFF if sock is not None and self._headers_out else _BATCH
@@ -386,7 +390,7 @@ class _FileBody:
             encoded()
             if batch:
                 if sock is not None and self._headers_out:  # straight to the socket: no joined copy
-                    _send_batch(sock.fileno(), tuple(batch), self._scratch)
+                    _send_batch(sock.fileno(), tuple(batch), self._scratch, pacer)
                 else:
                     self._headers_out = True
                     yield b"".join(_materialize(batch, self._scratch))
@@ -418,7 +422,7 @@ class _FileBody:
             else:
                 yield from flush()
                 if self._headers_out:
-                    _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length)
+                    _sendfile(self._sock.fileno(), self._fds[piece.path], piece.offset, piece.length, pacer)
                 else:  # nothing went through the server yet: its headers are not on the wire
                     self._headers_out = True
                     yield _pread_all(self._fds[piece.path], piece.length, piece.offset)
@@ -507,12 +511,13 @@ def _gather(parts: Sequence[_Part], i: int, have: int, scratch: _Scratch) -> tup
     return out, i
 
 
-def _send_batch(sock_fd: int, batch: Sequence[_Part], scratch: _Scratch) -> None:
+def _send_batch(sock_fd: int, batch: Sequence[_Part], scratch: _Scratch, pacer: Pacer) -> None:
     """Every byte of the batch to the client, in order, made :data:`_BATCH` bytes at a time.
     Under gevent the reads, the base64 and the ``writev`` run in a thread of the ``send`` lane
     (all three release the GIL), so the hub runs the process's chats meanwhile and the copy runs
     at the lane's CPU priority; a socket that stays full for :data:`_SEND_SLICE` is waited for
-    in the hub, holding no thread."""
+    in the hub, holding no thread. While the process serves other requests, the thread keeps
+    to ``pacer``'s rate, sleeping between writes (webapp.send_pace)."""
     if not gevent_active():
         i = 0
         while i < len(batch):
@@ -521,25 +526,28 @@ def _send_batch(sock_fd: int, batch: Sequence[_Part], scratch: _Scratch) -> None
         return
     from gevent.socket import wait_write
 
-    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0, scratch)
+    left = run_blocking("send", _write_parts, sock_fd, [], batch, 0, scratch, pacer)
     while left is not None:
         wait_write(sock_fd, timeout=_STALL_TIMEOUT,
                    timeout_exc=TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s"))
-        left = run_blocking("send", _write_parts, sock_fd, *left, scratch)
+        left = run_blocking("send", _write_parts, sock_fd, *left, scratch, pacer)
 
 
 _Left = tuple[list[memoryview], Sequence[_Part], int]  # a send slice's unsent buffers, parts, next part
 
 
 def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], i: int,
-                 scratch: _Scratch) -> _Left | None:
+                 scratch: _Scratch, pacer: Pacer) -> _Left | None:
     """In a thread of the ``send`` lane: ``views``, then ``parts[i:]`` made about
     :data:`_BATCH` bytes at a time, written with ``writev`` (a blocking socket) until all are
-    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left).
+    sent (None) or the socket stays full for :data:`_SEND_SLICE` (what is left). While the
+    process serves other requests the writes keep to ``pacer``'s rate, and a paced call also
+    ends after about :data:`_SEND_SLICE` (what is left; the hub calls again at once).
 
     The buffers made here are freed here (``views`` is never added to in place: the caller's
     list would keep them for the hub to free, and a free from another thread trims this
     thread's malloc arena, whose pages the next hand-off then faults in again)."""
+    until = pacer.now() + _SEND_SLICE  # paced: the thread's call ends about here (webapp.send_pace)
     with _blocking_slice(sock_fd):
         while True:
             pending = sum(len(v) for v in views)
@@ -548,12 +556,16 @@ def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], 
                 views = views + [memoryview(b) for b in more if len(b)]
             if not views:
                 return None
+            if not pacer.pace(0, 0.0, until):  # ahead of the pace: the rest in another call
+                return views, parts, i
             want = sum(len(v) for v in views[:_IOV_MAX])
+            started = pacer.now()
             try:
                 sent = os.writev(sock_fd, views[:_IOV_MAX])
             except BlockingIOError:  # full for the whole slice: the hub waits instead
                 return views, parts, i
             full = sent < want  # the timeout ended the call part-way: the socket is full
+            pacer.pace(sent, started, until)
             first = 0
             while first < len(views) and sent >= len(views[first]):
                 sent -= len(views[first])
@@ -616,14 +628,14 @@ def _wait_writable(sock_fd: int) -> None:
         raise TimeoutError(f"the client took no byte for {_STALL_TIMEOUT:.0f} s")
 
 
-def _sendfile(sock_fd: int, fd: int, offset: int, count: int) -> None:
+def _sendfile(sock_fd: int, fd: int, offset: int, count: int, pacer: Pacer) -> None:
     if gevent_active():  # the socket is non-blocking, the hub must go on
-        _sendfile_gevent(sock_fd, fd, offset, count)
+        _sendfile_gevent(sock_fd, fd, offset, count, pacer)
     else:  # gunicorn's sync or threads worker: a blocking socket, or wait in select
         _sendfile_all(sock_fd, fd, offset, count, lambda: select.select([], [sock_fd], []))
 
 
-def _sendfile_gevent(sock_fd: int, fd: int, offset: int, count: int) -> None:
+def _sendfile_gevent(sock_fd: int, fd: int, offset: int, count: int, pacer: Pacer) -> None:
     """The span in slices: each in a thread of the ``send`` lane while the client takes bytes,
     and, whenever its socket stays full for :data:`_SEND_SLICE`, a wait in the hub for it to
     drain, holding no thread. So clients that never read cannot take the lane's threads from
@@ -632,7 +644,7 @@ def _sendfile_gevent(sock_fd: int, fd: int, offset: int, count: int) -> None:
     from gevent.socket import wait_write
 
     while count:
-        sent = run_blocking("send", _sendfile_slice, sock_fd, fd, offset, count)
+        sent = run_blocking("send", _sendfile_slice, sock_fd, fd, offset, count, pacer)
         offset += sent
         count -= sent
         if count:
@@ -653,18 +665,23 @@ def _sendfile_all(sock_fd: int, fd: int, offset: int, count: int, on_full: Calla
         count -= sent
 
 
-def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int) -> int:
+def _sendfile_slice(sock_fd: int, fd: int, offset: int, count: int, pacer: Pacer) -> int:
     """In a thread of the ``send`` lane: as many bytes of the span as the client takes before
     its socket stays full for :data:`_SEND_SLICE`; how many. Each ``sendfile`` moves up to a
-    GiB in the kernel (:func:`_blocking_slice`)."""
+    GiB in the kernel (:func:`_blocking_slice`), or a pace slice when ``pacer`` has a rate."""
     done = 0
+    until = pacer.now() + _SEND_SLICE  # paced: the thread's call ends about here (webapp.send_pace)
     with _blocking_slice(sock_fd):
         while done < count:
-            want = min(count - done, _SENDFILE_MAX)
+            if not pacer.pace(0, 0.0, until):  # ahead of the pace: the rest in another call
+                break
+            want = pacer.slice_size(min(count - done, _SENDFILE_MAX))
+            started = pacer.now()
             try:
                 sent = os.sendfile(sock_fd, fd, offset + done, want)
             except BlockingIOError:  # full for the whole slice: the hub waits instead
                 break
+            pacer.pace(sent, started, until)
             if sent == 0:
                 raise OSError(f"sendfile sent nothing with {count - done} bytes left (file shrank?)")
             done += sent

@@ -55,6 +55,7 @@ from webapp.routes import (
     wants_images,
 )
 from webapp.scaleout import check_instance_tag
+from webapp.send_pace import Pacer
 from webapp.settings import BY_NAME, MAX_BODY_BYTES, Scope, default, scope_values, values_from_env
 from webapp.sharding import mint_session_id, shard_for
 from webapp.supervisor import ShardUnavailable, SlotState, Supervisor, SupervisorConfig
@@ -92,6 +93,7 @@ class RouterConfig:
     busy_timeout: float = default("busy_timeout")
     boot_attempts: int = default("boot_attempts")
     instance: str | None = default("instance")  # tag minted into session ids behind nginx (webapp.scaleout)
+    records_get_pace: float = default("records_get_pace")  # MiB/s while other requests are in flight; 0: off
 
     def __post_init__(self) -> None:
         if self.instance is not None:
@@ -428,6 +430,8 @@ def create_app(config: RouterConfig | None = None, http_limits: HttpLimits | Non
         app.add_url_rule(route.path, route.endpoint, health if route.op is None else view(route),
                          methods=list(route.methods))
 
+    # This process sends every records GET (both modes): paced while it serves other requests.
+    app.wsgi_app = Pacer(config.records_get_pace).counting(app.wsgi_app)  # type: ignore[method-assign,assignment]
     install_viewer(app, _RouterViewerSource(supervisor, config, call), api_key=config.api_key,
                    instance=config.instance)
     return app

@@ -185,6 +185,10 @@ SETTINGS: tuple[Setting, ...] = (
        "failed (reason in /health) instead of respawned", minimum=1),
     _S("instance", str, None, _R, "instance tag minted into session ids, for several servers behind nginx "
        "(shinken-session-server nginx-config; docs/scale-out.md)", pattern=r"[a-z0-9]{1,16}"),
+    _S("records_get_pace", float, 512.0, _R, "MiB/s that the records GETs a server process sends keep to, "
+       "together, while it serves other requests (chats): a multi-GiB GET then leaves the chats their CPU; "
+       "with nothing else in flight a GET runs flat out (0: never paced; both server modes; "
+       "docs/session-server-ops.md)", minimum=0),
     # -- http: the HTTP front (both modes) -------------------------------------------------------
     _S("body_timeout", float, 300.0, _H, "408 for a request body not received within this many seconds",
        minimum=0),

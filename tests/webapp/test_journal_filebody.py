@@ -29,6 +29,7 @@ from webapp.filebody import (
     read_pieces,
     span_bytes,
 )
+from webapp.send_pace import UNPACED, paced
 
 
 def _journal(tmp_path, size: int) -> str:
@@ -64,7 +65,7 @@ def _served(pieces: list[Piece], *, raw_socket: bool) -> tuple[bytes, _FileBody]
     """What a client receives for ``pieces``: the body's yielded chunks and its sendfile spans,
     in order, over a real socket pair (the server side given to the body when ``raw_socket``)."""
     with _to_a_client() as (server, got):
-        body = _FileBody(pieces, server if raw_socket else None)
+        body = _FileBody(pieces, server if raw_socket else None, paced({}))
         try:
             for chunk in body:
                 server.sendall(chunk)
@@ -160,6 +161,7 @@ GEVENT_BODY_SCRIPT = """
     import gevent
     import pybase64
     from webapp import filebody
+    from webapp.send_pace import paced
 
     encoders = set()  # the native threads base64 ran in
     real_encode = pybase64.b64encode
@@ -203,7 +205,7 @@ GEVENT_BODY_SCRIPT = """
     from tests.support import start_hub_ticker
 
     ticks, ticking = start_hub_ticker(0.005)
-    body = filebody._FileBody(pieces, server)
+    body = filebody._FileBody(pieces, server, paced({}))
     for chunk in body:  # the first batch goes through the server (its headers), the rest to the socket
         server.sendall(chunk)
     body.close()
@@ -270,7 +272,7 @@ def test_a_send_slice_leaves_the_callers_buffer_list_alone(tmp_path):
     try:
         with _to_a_client() as (server, got):
             parts = (b"[", _B64Run((_Read(fd, 0, 3 << 20),)), b"]")
-            left = _write_parts(server.fileno(), views, parts, 0, _Scratch())
+            left = _write_parts(server.fileno(), views, parts, 0, _Scratch(), UNPACED)
     finally:
         os.close(fd)
     assert left is None

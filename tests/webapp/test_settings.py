@@ -69,7 +69,7 @@ def test_each_config_has_exactly_its_scopes_settings_with_the_tables_defaults(cl
 
 def test_supervisor_config_shares_the_router_defaults() -> None:
     router = _fields(RouterConfig, ("core", "workers", "api_key", "control_timeout", "chat_margin", "health_timeout",
-                                    "chunk_timeout", "instance"))
+                                    "chunk_timeout", "instance", "records_get_pace"))
     supervisor = _fields(SupervisorConfig, ("core", "workers", "restart_backoff", "restart_backoff_max"))
     assert supervisor == router
 
