@@ -20,7 +20,9 @@ lane's calls stay bounded: a worker stopping mid-GET waits for them). The decisi
 
 from __future__ import annotations
 
+import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -89,12 +91,19 @@ class Pacer:
 
     def counting(self, app: WSGIApplication) -> WSGIApplication:
         """``app`` with its requests counted from their start until their body is closed; each
-        request's :class:`Paced` handle in its environ (:func:`paced`)."""
+        request's :class:`Paced` handle in its environ (:func:`paced`). A bound method (a Flask
+        app's ``wsgi_app``, which this replaces) is held weakly: the app and its middleware in a
+        cycle would outlive the app's last use until a cyclic collection, its files with it."""
+        target: Callable[[], WSGIApplication | None] = (
+            weakref.WeakMethod(app) if inspect.ismethod(app) else lambda: app)
+
         def counted(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+            inner = target()
+            assert inner is not None, "the app this middleware wraps is gone"
             handle = environ[ENVIRON_KEY] = Paced(self)
             self.requests += 1
             try:
-                body = app(environ, start_response)
+                body = inner(environ, start_response)
             except BaseException:
                 handle.ended()
                 raise
