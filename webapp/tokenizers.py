@@ -405,8 +405,9 @@ class HFChatTokenizer:
         # split_special_tokens; a second instance, so the flag never changes under a caller.
         self._text_tok = Tokenizer.from_file(tok_file)
         self._text_tok.encode_special_tokens = True
-        self._special_text = SpecialText(
-            [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special])
+        added = self._tok.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._special_text = SpecialText([t.content for t in added.values() if t.special])
         self._require_special_text_split()
         self._escaped_messages = EscapedMessages(self._special_text, template_message)
         config: dict[str, Any] = {}
@@ -436,8 +437,6 @@ class HFChatTokenizer:
         eos_token_id = self._tok.token_to_id(eos)
         assert eos_token_id is not None  # checked above
         self.eos_token_id = eos_token_id
-        self.special_token_ids = frozenset(
-            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._special = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token",
                                                                     "unk_token")}
         self.vision = self._load_vision(path, config)
@@ -462,9 +461,8 @@ class HFChatTokenizer:
         """Field text must never become a control token. tokenizers 0.15.0 accepts
         ``encode_special_tokens`` and ignores it, so the setting is checked by what it does: every
         special token's text, encoded as field text, gives none of the special ids."""
-        special_ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
         for text in self._special_text.tokens:
-            if special_ids.intersection(self._text_tok.encode(text, add_special_tokens=False).ids):
+            if self.special_token_ids.intersection(self._text_tok.encode(text, add_special_tokens=False).ids):
                 import tokenizers
 
                 raise TokenizerLoadError(
