@@ -44,6 +44,7 @@ import pybase64
 from werkzeug.http import parse_range_header, unquote_etag
 from werkzeug.wrappers import Response
 
+from webapp import iovec
 from webapp.offload import gevent_active, run_blocking
 from webapp.send_pace import Paced, Pacer, paced
 
@@ -73,7 +74,6 @@ _SENDFILE_MIN = 256 << 10  # a file span this long goes by sendfile; shorter one
 _STALL_TIMEOUT = 120.0  # a client that takes no byte of a body for this long is dropped
 _TIMEVAL = struct.Struct("@ll")
 _SENDFILE_MAX = 1 << 30  # bytes asked of one sendfile call; it sends what the socket takes
-_IOV_MAX = 1024  # buffers per writev (Linux's UIO_MAXIOV)
 # A send thread waits this long on a full socket, then hands the wait to the hub: short enough
 # that stalled clients free the lane's threads at once, long enough that a reading client's
 # momentary pause (a loaded host) costs no trip through the hub.
@@ -558,21 +558,15 @@ def _write_parts(sock_fd: int, views: list[memoryview], parts: Sequence[_Part], 
                 return None
             if not pacer.pace(0, 0.0, until):  # ahead of the pace: the rest in another call
                 return views, parts, i
-            want = sum(len(v) for v in views[:_IOV_MAX])
+            want = sum(len(v) for v in views[:iovec.IOV_MAX])
             started = pacer.now()
             try:
-                sent = os.writev(sock_fd, views[:_IOV_MAX])
+                sent = os.writev(sock_fd, views[:iovec.IOV_MAX])
             except BlockingIOError:  # full for the whole slice: the hub waits instead
                 return views, parts, i
             full = sent < want  # the timeout ended the call part-way: the socket is full
             pacer.pace(sent, started, until)
-            first = 0
-            while first < len(views) and sent >= len(views[first]):
-                sent -= len(views[first])
-                first += 1
-            views = views[first:]
-            if sent:
-                views[0] = views[0][sent:]
+            views = views[iovec.advance(views, 0, sent):]
             if full:
                 return views, parts, i
 
@@ -603,19 +597,15 @@ def _writev_all(sock_fd: int, buffers: list[bytes | memoryview]) -> None:
     """Every byte of ``buffers``, in order, with ``writev`` (gathered: never joined into one
     copy first); a full socket waits in the hub under gevent (its socket is non-blocking),
     else in ``select``, at most :data:`_STALL_TIMEOUT` per wait."""
-    views = [memoryview(b) for b in buffers if len(b)]
+    views = iovec.views(buffers)
     first = 0  # views before this one are sent
     while first < len(views):
         try:
-            sent = os.writev(sock_fd, views[first:first + _IOV_MAX])
+            sent = os.writev(sock_fd, views[first:first + iovec.IOV_MAX])
         except BlockingIOError:
             _wait_writable(sock_fd)
             continue
-        while first < len(views) and sent >= len(views[first]):
-            sent -= len(views[first])
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
+        first = iovec.advance(views, first, sent)
 
 
 def _wait_writable(sock_fd: int) -> None:

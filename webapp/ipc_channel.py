@@ -29,7 +29,7 @@ import gevent.queue
 import gevent.socket
 from gevent.socket import wait_read, wait_write
 
-from webapp import body_handoff
+from webapp import body_handoff, iovec
 from webapp.body_handoff import HandedBody
 from webapp.bulk import bulk_lane, bulk_turn
 from webapp.http_limits import BodyError, read_socket_body
@@ -82,7 +82,6 @@ MAX_INFLIGHT_REQUESTS = 4096
 # The reader yields to other greenlets after this many bytes without an EAGAIN.
 _READ_YIELD_BYTES = 4 * MAX_BODY_CHUNK
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def open_socket(fd: int) -> _socket.socket:
@@ -151,7 +150,7 @@ class FrameTransport:
         elif self._writing or self._control or self._bulk:
             self._control.append(frame)
         else:
-            views = _views(frame)
+            views = iovec.views(frame)
             try:
                 first = _send_some(self._sock, views, 0)
             except OSError as exc:
@@ -269,7 +268,7 @@ class FrameTransport:
             raise
 
     def _write_frame(self, buffers: Sequence[Buffer]) -> None:
-        views = _views(buffers)
+        views = iovec.views(buffers)
         first = 0
         while True:
             first = _send_some(self._sock, views, first)
@@ -279,26 +278,14 @@ class FrameTransport:
             wait_write(self._fd, timeout=WRITE_STALL_TIMEOUT)
 
 
-def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    return [memoryview(b).cast("B") for b in buffers if len(b)]
-
-
 def _send_some(sock: _socket.socket, views: list[memoryview], first: int) -> int:
     """One non-blocking scatter send from ``views[first]`` on; returns the new ``first``
     (``len(views)`` when everything went). A partly sent view is replaced by its rest."""
     try:
-        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        sent = sock.sendmsg(views[first : first + iovec.IOV_MAX])
     except BlockingIOError:
         return first
-    while sent:
-        size = len(views[first])
-        if sent >= size:
-            sent -= size
-            first += 1
-        else:
-            views[first] = views[first][sent:]
-            sent = 0
-    return first
+    return iovec.advance(views, first, sent)
 
 
 @dataclass

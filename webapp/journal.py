@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pybase64
 
+from webapp import iovec
 from webapp.datadir import USAGE_FILE, DataDirUnsafe, ensure_private_dir, open_private, sessions_dir
 from webapp.filebody import FileSpan, Piece, read_pieces, slice_pieces
 from webapp.offload import run_blocking
@@ -146,7 +147,6 @@ META_LENGTH = struct.Struct("<I")
 SUFFIX = ".journal"
 SIDECAR = ".damaged."  # <id>.journal.damaged.<offset>: bytes set aside by recovery
 _READ_CHUNK = 8 << 20  # checksum reads at start-up
-_IOV_MAX = 1024
 _KNOWN_BYTES = 64 << 10  # per session: the last record's fields kept for the next delta (text, whole rows)
 _IDS_TEXT_BYTES = 1 << 20  # per session: the last state's token ids as JSON text, kept for the next turn
 _OFFLOAD_BYTES = 256 << 10  # appends this big (or fsync'ed) run in a thread under gevent (webapp.offload)
@@ -851,17 +851,13 @@ class SessionJournal:
 def _write_at(fd: int, chunks: list[bytes], offset: int) -> None:
     """``pwritev`` every chunk at ``offset`` (the last good length: a previous failed append's
     leftovers, if its truncate failed too, are overwritten), partial writes resumed."""
-    views = [memoryview(c) for c in chunks if c]
-    while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
+    buffers, first = iovec.views(chunks), 0
+    while first < len(buffers):
+        written = os.pwritev(fd, buffers[first:first + iovec.IOV_MAX], offset)
         if written == 0:
             raise OSError(errno.ENOSPC, "no space left on device")
         offset += written
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
+        first = iovec.advance(buffers, first, written)
 
 
 # -- the store --------------------------------------------------------------------------------------

@@ -16,18 +16,18 @@ with the fewest syscalls and the least gevent machinery.
 
 from __future__ import annotations
 
-import os
 import select
 from collections.abc import Sequence
 from typing import Any
 
 from gevent import monkey
 
+from webapp.iovec import IOV_MAX, advance, views
+
 __all__ = ["readable_now", "send_gathered", "send_small"]
 
 _poll = monkey.get_original("select", "poll")  # the OS's, also when gevent patched select
 _READ_EVENTS = select.POLLIN
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per sendmsg
 
 
 def send_small(sock: Any, data: bytes | bytearray | memoryview) -> None:
@@ -42,17 +42,10 @@ def send_gathered(sock: Any, pieces: Sequence[bytes | bytearray | memoryview]) -
     """Every byte of ``pieces`` in order, as ``sock.sendall(b"".join(pieces))`` would send
     them, by ``sendmsg`` from the pieces themselves. Cooperative under gevent; timeouts and
     errors are the socket's own."""
-    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    buffers = views(pieces)
     first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first:first + _IOV_MAX])
-        while sent:
-            size = len(views[first])
-            if sent < size:  # a piece partly sent: its rest goes next
-                views[first] = views[first][sent:]
-                break
-            sent -= size
-            first += 1
+    while first < len(buffers):
+        first = advance(buffers, first, sock.sendmsg(buffers[first:first + IOV_MAX]))
 
 
 def readable_now(sock: Any) -> bool:
